@@ -1,0 +1,238 @@
+"""The catalog: jobs and checkpoints in SQLite (WAL) in the state dir; the truth after a crash."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+DUMPING, STAGED, DRAINING, DURABLE, FAILED = "dumping", "staged", "draining", "durable", "failed"
+STATES = (DUMPING, STAGED, DRAINING, DURABLE, FAILED)
+RESTORABLE = (STAGED, DRAINING, DURABLE)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS checkpoints (
+  id TEXT PRIMARY KEY,
+  state TEXT NOT NULL,
+  pid INTEGER NOT NULL,
+  job TEXT NOT NULL DEFAULT '',
+  name TEXT NOT NULL DEFAULT '',
+  owner_uid INTEGER NOT NULL,
+  created_ms INTEGER NOT NULL,
+  size_bytes INTEGER NOT NULL DEFAULT 0,
+  frozen_ms INTEGER NOT NULL DEFAULT 0,
+  dump_ms INTEGER NOT NULL DEFAULT 0,
+  in_tier INTEGER NOT NULL DEFAULT 0,
+  in_store INTEGER NOT NULL DEFAULT 0,
+  drained_bytes INTEGER NOT NULL DEFAULT 0,
+  stored_bytes INTEGER NOT NULL DEFAULT 0,
+  last_error TEXT NOT NULL DEFAULT '',
+  drain_attempts INTEGER NOT NULL DEFAULT 0,
+  next_attempt_ms INTEGER NOT NULL DEFAULT 0,
+  last_used_ms INTEGER NOT NULL DEFAULT 0,
+  durable_ms INTEGER NOT NULL DEFAULT 0,
+  meta TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS jobs (
+  id TEXT PRIMARY KEY,
+  name TEXT NOT NULL DEFAULT '',
+  pid INTEGER NOT NULL,
+  pid_start REAL NOT NULL DEFAULT 0,
+  owner_uid INTEGER NOT NULL,
+  argv TEXT NOT NULL DEFAULT '[]',
+  log_path TEXT NOT NULL DEFAULT '',
+  started_ms INTEGER NOT NULL,
+  restored_from TEXT NOT NULL DEFAULT '',
+  ended INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS ckpt_job ON checkpoints(job);
+"""
+
+
+def now_ms() -> int:
+    """Wall clock in milliseconds."""
+    return int(time.time() * 1000)
+
+
+@dataclass
+class CheckpointRecord:
+    """One checkpoint's row."""
+
+    id: str
+    state: str
+    pid: int
+    owner_uid: int
+    created_ms: int
+    job: str = ""
+    name: str = ""
+    size_bytes: int = 0
+    frozen_ms: int = 0
+    dump_ms: int = 0
+    in_tier: bool = False
+    in_store: bool = False
+    drained_bytes: int = 0
+    stored_bytes: int = 0
+    last_error: str = ""
+    drain_attempts: int = 0
+    next_attempt_ms: int = 0
+    last_used_ms: int = 0
+    durable_ms: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class JobRecord:
+    """One managed job (launched or restored by memsnap)."""
+
+    id: str
+    pid: int
+    owner_uid: int
+    started_ms: int
+    name: str = ""
+    pid_start: float = 0.0
+    argv: list[str] = field(default_factory=list)
+    log_path: str = ""
+    restored_from: str = ""
+    ended: bool = False
+
+
+_CK_FIELDS = [f.name for f in fields(CheckpointRecord)]
+_JOB_FIELDS = [f.name for f in fields(JobRecord)]
+
+
+class Catalog:
+    """Thread-safe access to the state database; every write is committed before it returns."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / "catalog.db"
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a state change is on disk before the action it records starts.
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        """Closes the database."""
+        with self._lock:
+            self._db.close()
+
+    # -- checkpoints ------------------------------------------------------------
+    def add_checkpoint(self, rec: CheckpointRecord) -> None:
+        """Journals a new checkpoint (normally in state dumping)."""
+        row = asdict(rec)
+        row["meta"] = json.dumps(rec.meta)
+        cols = ",".join(_CK_FIELDS)
+        marks = ",".join("?" for _ in _CK_FIELDS)
+        with self._lock:
+            self._db.execute(f"INSERT INTO checkpoints ({cols}) VALUES ({marks})", [row[c] for c in _CK_FIELDS])
+
+    def update_checkpoint(self, ckpt_id: str, **changes: Any) -> None:
+        """Journals a change of some fields."""
+        if "meta" in changes:
+            changes["meta"] = json.dumps(changes["meta"])
+        bad = set(changes) - set(_CK_FIELDS)
+        if bad:
+            raise KeyError(f"unknown checkpoint fields {bad}")
+        sets = ",".join(f"{k}=?" for k in changes)
+        with self._lock:
+            self._db.execute(f"UPDATE checkpoints SET {sets} WHERE id=?", [*changes.values(), ckpt_id])
+
+    def get_checkpoint(self, ckpt_id: str) -> CheckpointRecord | None:
+        """A checkpoint by id."""
+        with self._lock:
+            cur = self._db.execute(f"SELECT {','.join(_CK_FIELDS)} FROM checkpoints WHERE id=?", (ckpt_id,))
+            row = cur.fetchone()
+        return _ck(row) if row else None
+
+    def checkpoints(self, job: str = "", states: tuple[str, ...] = ()) -> list[CheckpointRecord]:
+        """Checkpoints, oldest first, optionally of one job and in some states."""
+        q = f"SELECT {','.join(_CK_FIELDS)} FROM checkpoints"
+        cond, args = [], []
+        if job:
+            cond.append("job=?")
+            args.append(job)
+        if states:
+            cond.append(f"state IN ({','.join('?' for _ in states)})")
+            args.extend(states)
+        if cond:
+            q += " WHERE " + " AND ".join(cond)
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY created_ms, id", args).fetchall()
+        return [_ck(r) for r in rows]
+
+    def delete_checkpoint(self, ckpt_id: str) -> None:
+        """Forgets a checkpoint."""
+        with self._lock:
+            self._db.execute("DELETE FROM checkpoints WHERE id=?", (ckpt_id,))
+
+    def counts_by_state(self) -> dict[str, int]:
+        """How many checkpoints are in each state."""
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) FROM checkpoints GROUP BY state").fetchall()
+        return {s: int(n) for s, n in rows}
+
+    # -- jobs ---------------------------------------------------------------------
+    def add_job(self, job: JobRecord) -> None:
+        """Records a launched or restored job."""
+        row = asdict(job)
+        row["argv"] = json.dumps(job.argv)
+        cols = ",".join(_JOB_FIELDS)
+        with self._lock:
+            self._db.execute(
+                f"INSERT OR REPLACE INTO jobs ({cols}) VALUES ({','.join('?' for _ in _JOB_FIELDS)})",
+                [row[c] for c in _JOB_FIELDS],
+            )
+
+    def update_job(self, job_id: str, **changes: Any) -> None:
+        """Changes some fields of a job."""
+        if "argv" in changes:
+            changes["argv"] = json.dumps(changes["argv"])
+        sets = ",".join(f"{k}=?" for k in changes)
+        with self._lock:
+            self._db.execute(f"UPDATE jobs SET {sets} WHERE id=?", [*changes.values(), job_id])
+
+    def get_job(self, key: str) -> JobRecord | None:
+        """A job by id, else the newest job with that name."""
+        q = f"SELECT {','.join(_JOB_FIELDS)} FROM jobs WHERE id=? OR name=? ORDER BY (id=?) DESC, started_ms DESC"
+        with self._lock:
+            row = self._db.execute(q, (key, key, key)).fetchone()
+        return _job(row) if row else None
+
+    def jobs(self) -> list[JobRecord]:
+        """All jobs, oldest first."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {','.join(_JOB_FIELDS)} FROM jobs ORDER BY started_ms").fetchall()
+        return [_job(r) for r in rows]
+
+    def job_by_pid(self, pid: int) -> JobRecord | None:
+        """The live job whose root has this pid."""
+        q = f"SELECT {','.join(_JOB_FIELDS)} FROM jobs WHERE pid=? AND ended=0 ORDER BY started_ms DESC"
+        with self._lock:
+            row = self._db.execute(q, (pid,)).fetchone()
+        return _job(row) if row else None
+
+    def iter_ids(self) -> Iterator[str]:
+        """All checkpoint ids."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM checkpoints").fetchall()
+        return (r[0] for r in rows)
+
+
+def _ck(row: tuple[Any, ...]) -> CheckpointRecord:
+    d = dict(zip(_CK_FIELDS, row))
+    d["meta"] = json.loads(d["meta"] or "{}")
+    d["in_tier"], d["in_store"] = bool(d["in_tier"]), bool(d["in_store"])
+    return CheckpointRecord(**d)
+
+
+def _job(row: tuple[Any, ...]) -> JobRecord:
+    d = dict(zip(_JOB_FIELDS, row))
+    d["argv"] = json.loads(d["argv"] or "[]")
+    d["ended"] = bool(d["ended"])
+    return JobRecord(**d)

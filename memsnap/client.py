@@ -1,0 +1,151 @@
+"""Typed gRPC client with deadlines: used by memsnapctl, Slurm hooks and peer daemons."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+
+from memsnap.v1 import memsnap_pb2 as pb
+from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
+
+DEFAULT_SOCKET = "/run/memsnap/memsnapd.sock"
+# Checkpoints of big jobs take a while; quick calls must fail fast when the daemon is gone.
+QUICK_S = 10.0
+LONG_S = 3600.0
+
+
+class ClientError(Exception):
+    """A failed call: the gRPC status name plus the daemon's one-line message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code.name}: {message}")
+
+
+@dataclass
+class Target:
+    """Where the daemon is: a Unix socket, or HOST:PORT with a token and/or TLS."""
+
+    socket: str = ""
+    address: str = ""
+    token: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def channel_for(t: Target) -> grpc.Channel:
+    """A channel to the daemon (Unix socket, or TCP with optional TLS)."""
+    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    if t.address:
+        if t.tls_ca:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(t.tls_ca),
+                private_key=_read(t.tls_key) if t.tls_key else None,
+                certificate_chain=_read(t.tls_cert) if t.tls_cert else None,
+            )
+            return grpc.secure_channel(t.address, creds, options=opts)
+        return grpc.insecure_channel(t.address, options=opts)
+    return grpc.insecure_channel(f"unix:{t.socket or DEFAULT_SOCKET}", options=opts)
+
+
+class MemsnapClient:
+    """One method per RPC; every call has a deadline and raises ClientError on failure."""
+
+    def __init__(self, target: Target | None = None, socket: str = "") -> None:
+        self.target = target or Target(socket=socket or os.environ.get("MEMSNAP_SOCKET", DEFAULT_SOCKET))
+        self.channel = channel_for(self.target)
+        self.stub = pb_grpc.MemsnapStub(self.channel)
+        self._md = [("authorization", f"Bearer {self.target.token}")] if self.target.token else []
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self.channel.close()
+
+    def __enter__(self) -> MemsnapClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: object, timeout: float) -> object:
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _client_error(exc) from None
+
+    def status(self, timeout: float = QUICK_S) -> pb.StatusResponse:
+        """Daemon status."""
+        return self._call("Status", pb.StatusRequest(), timeout)  # type: ignore[return-value]
+
+    def run(self, argv: list[str], name: str = "", cwd: str = "", env: dict[str, str] | None = None,
+            timeout: float = 30.0) -> pb.Job:
+        """Starts a managed job."""
+        req = pb.RunJobRequest(argv=argv, name=name, cwd=cwd, env=env or {})
+        return self._call("RunJob", req, timeout).job  # type: ignore[attr-defined,no-any-return]
+
+    def jobs(self, timeout: float = QUICK_S) -> list[pb.Job]:
+        """Managed jobs."""
+        return list(self._call("ListJobs", pb.ListJobsRequest(), timeout).jobs)  # type: ignore[attr-defined]
+
+    def checkpoint(self, target: str | int, stop: bool = False, wait_durable: bool = False,
+                   tcp_established: bool = False, name: str = "", timeout: float = LONG_S) -> pb.CheckpointInfo:
+        """Checkpoints a pid or job; returns once staged (or durable)."""
+        req = pb.CheckpointRequest(target=str(target), stop=stop, tcp_established=tcp_established, name=name,
+                                   wait=pb.WAIT_FOR_DURABLE if wait_durable else pb.WAIT_FOR_STAGED)
+        return self._call("Checkpoint", req, timeout).checkpoint  # type: ignore[attr-defined,no-any-return]
+
+    def restore(self, checkpoint_id: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
+                tcp_established: bool = False, timeout: float = LONG_S) -> pb.RestoreResponse:
+        """Restores a checkpoint (or a job's latest one)."""
+        req = pb.RestoreRequest(checkpoint_id=checkpoint_id, lazy=lazy, gpu_map=gpu_map or {},
+                                tcp_established=tcp_established)
+        return self._call("Restore", req, timeout)  # type: ignore[return-value]
+
+    def list(self, job: str = "", timeout: float = QUICK_S) -> list[pb.CheckpointInfo]:
+        """Checkpoints, oldest first."""
+        resp = self._call("ListCheckpoints", pb.ListCheckpointsRequest(job=job), timeout)
+        return list(resp.checkpoints)  # type: ignore[attr-defined]
+
+    def show(self, ckpt_id: str, timeout: float = QUICK_S) -> pb.CheckpointInfo:
+        """One checkpoint."""
+        resp = self._call("GetCheckpoint", pb.GetCheckpointRequest(id=ckpt_id), timeout)
+        return resp.checkpoint  # type: ignore[attr-defined,no-any-return]
+
+    def delete(self, ckpt_id: str, timeout: float = 60.0) -> None:
+        """Deletes a checkpoint everywhere."""
+        self._call("DeleteCheckpoint", pb.DeleteCheckpointRequest(id=ckpt_id), timeout)
+
+    def evict(self, ckpt_id: str, timeout: float = 60.0) -> pb.CheckpointInfo:
+        """Drops the tier copy of a durable checkpoint."""
+        resp = self._call("EvictCheckpoint", pb.EvictCheckpointRequest(id=ckpt_id), timeout)
+        return resp.checkpoint  # type: ignore[attr-defined,no-any-return]
+
+    def watch(self, ckpt_id: str, timeout: float = LONG_S) -> Iterator[pb.CheckpointInfo]:
+        """Progress updates until durable or failed."""
+        try:
+            yield from self.stub.WatchCheckpoint(pb.WatchCheckpointRequest(id=ckpt_id), timeout=timeout,
+                                                 metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _client_error(exc) from None
+
+    def migrate(self, req: pb.MigrateRequest, timeout: float = LONG_S) -> pb.MigrateResponse:
+        """Moves a job to another daemon."""
+        return self._call("Migrate", req, timeout)  # type: ignore[return-value]
+
+
+def _client_error(exc: grpc.RpcError) -> ClientError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in (details or "").lower() or not details):
+        details = f"memsnapd is not reachable ({details}); is it running? (systemctl status memsnapd)"
+    return ClientError(code, details or code.name)

@@ -1,0 +1,335 @@
+"""The one place that runs CRIU: a typed adapter over its RPC mode (`criu swrk`), as runc does it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from memsnap.criurpc import criu_rpc_pb2 as rpc
+from memsnap.criurpc import criu_stats_pb2 as stats_pb
+
+# A notify callback gets the script name and pid; returning False aborts the operation.
+NotifyCallback = Callable[[str, int], bool]
+
+_MAX_MSG = 1 << 20
+# CRIU prints this on every run on this kernel family; it is not a failure.
+_HARMLESS = re.compile(r"RLIMIT_NOFILE")
+
+
+class CriuError(Exception):
+    """CRIU refused or failed; `reason` is CRIU's own words, `log_path` has the details."""
+
+    def __init__(self, op: str, reason: str, log_path: str = "", errno: int = 0) -> None:
+        self.op, self.reason, self.log_path, self.errno = op, reason, log_path, errno
+        where = f" (log: {log_path})" if log_path else ""
+        super().__init__(f"criu {op} failed: {reason}{where}")
+
+
+class CriuNotFound(CriuError):
+    """No usable criu binary."""
+
+
+@dataclass
+class DumpStats:
+    """What a dump cost: CRIU's own timers plus our wall clock."""
+
+    wall_ms: float
+    freezing_ms: float = 0.0
+    frozen_ms: float = 0.0
+    memdump_ms: float = 0.0
+    memwrite_ms: float = 0.0
+    pages_written: int = 0
+    pages_lazy: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
+class DumpOptions:
+    """How to dump; the defaults suit a job that keeps running."""
+
+    leave_running: bool = True
+    leave_stopped: bool = False
+    tcp_established: bool = False
+    shell_job: bool = False
+    ext_unix_sk: bool = True
+    file_locks: bool = True
+    lazy_pages: bool = False
+    page_server: tuple[str, int] | None = None
+    network_lock_nft: bool = True
+    external: list[str] = field(default_factory=list)
+    log_level: int = 2
+
+
+@dataclass
+class RestoreOptions:
+    """How to restore; the root is always detached from CRIU."""
+
+    tcp_established: bool = False
+    shell_job: bool = False
+    ext_unix_sk: bool = True
+    file_locks: bool = True
+    lazy_pages: bool = False
+    inherit_fds: dict[str, int] = field(default_factory=dict)
+    network_lock_nft: bool = True
+    external: list[str] = field(default_factory=list)
+    log_level: int = 2
+
+
+def find_binary() -> str:
+    """The criu binary memsnap uses: $MEMSNAP_CRIU, else /usr/local/sbin/criu, else PATH."""
+    env = os.environ.get("MEMSNAP_CRIU")
+    if env:
+        return env
+    if os.access("/usr/local/sbin/criu", os.X_OK):
+        return "/usr/local/sbin/criu"
+    found = shutil.which("criu")
+    if not found:
+        raise CriuNotFound("locate", "criu is not installed; run scripts/install-criu.sh")
+    return found
+
+
+def error_lines(log_path: str | Path, limit: int = 3) -> list[str]:
+    """The useful 'Error (' lines of a CRIU log, without the harmless RLIMIT_NOFILE noise."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return []
+    lines = [ln.strip() for ln in text.splitlines() if "Error (" in ln and not _HARMLESS.search(ln)]
+    return [re.sub(r"^\(\d+\.\d+\)\s*", "", ln) for ln in lines[-limit:]]
+
+
+class Criu:
+    """Runs one `criu swrk` per operation over a SOCK_SEQPACKET pair."""
+
+    def __init__(self, binary: str | None = None) -> None:
+        self.binary = binary or find_binary()
+        self._version: str | None = None
+
+    # -- transport ------------------------------------------------------------
+    def _call(
+        self,
+        op: str,
+        req: rpc.Req,
+        pass_fds: tuple[int, ...] = (),
+        notify: NotifyCallback | None = None,
+        log_path: str = "",
+    ) -> rpc.Resp:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen(
+                [self.binary, "swrk", str(child.fileno())],
+                pass_fds=(child.fileno(), *pass_fds),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                close_fds=True,
+            )
+        except OSError as exc:
+            parent.close()
+            child.close()
+            raise CriuNotFound(op, f"cannot run {self.binary}: {exc.strerror}") from exc
+        child.close()
+        try:
+            parent.send(req.SerializeToString())
+            while True:
+                data, _anc, _flags, _addr = parent.recvmsg(_MAX_MSG, socket.CMSG_SPACE(struct.calcsize("i")))
+                if not data:
+                    raise CriuError(op, "criu exited without answering" + self._stderr(proc), log_path)
+                resp = rpc.Resp()
+                resp.ParseFromString(data)
+                if resp.type != rpc.NOTIFY:
+                    return resp
+                ok = True
+                if notify is not None:
+                    try:
+                        ok = bool(notify(resp.notify.script, resp.notify.pid))
+                    except Exception:  # a failing hook aborts the operation instead of hanging CRIU
+                        ok = False
+                parent.send(rpc.Req(type=rpc.NOTIFY, notify_success=ok).SerializeToString())
+        finally:
+            parent.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stderr:
+                proc.stderr.close()
+
+    @staticmethod
+    def _stderr(proc: subprocess.Popen[bytes]) -> str:
+        try:
+            proc.wait(timeout=5)
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        except (subprocess.TimeoutExpired, OSError):
+            return ""
+        lines = [ln for ln in err.splitlines() if ln.strip() and not _HARMLESS.search(ln)]
+        return f": {lines[-1].strip()}" if lines else ""
+
+    def _fail(self, op: str, resp: rpc.Resp, log_path: str) -> CriuError:
+        lines = error_lines(log_path)
+        reason = "; ".join(lines) or resp.cr_errmsg or (
+            f"errno {resp.cr_errno} ({os.strerror(resp.cr_errno)})" if resp.cr_errno else "unknown error"
+        )
+        return CriuError(op, reason, log_path, resp.cr_errno)
+
+    # -- operations -----------------------------------------------------------
+    def version(self) -> str:
+        """CRIU's version as 'major.minor[.sublevel]'."""
+        if self._version is None:
+            resp = self._call("version", rpc.Req(type=rpc.VERSION))
+            if not resp.success:
+                raise CriuError("version", resp.cr_errmsg or "VERSION request failed")
+            v = resp.version
+            self._version = f"{v.major_number}.{v.minor_number}" + (f".{v.sublevel}" if v.sublevel else "")
+        return self._version
+
+    def check(self) -> None:
+        """Raises CriuError when the kernel lacks what CRIU needs."""
+        resp = self._call("check", rpc.Req(type=rpc.CHECK))
+        if not resp.success:
+            raise CriuError("check", resp.cr_errmsg or "criu check failed; run 'criu check' for details")
+
+    def lazy_pages_supported(self) -> bool:
+        """Whether userfaultfd-based lazy pages work here."""
+        req = rpc.Req(type=rpc.FEATURE_CHECK, features=rpc.Features(lazy_pages=True))
+        resp = self._call("feature-check", req)
+        return bool(resp.success and resp.features.lazy_pages)
+
+    def dump(
+        self,
+        pid: int,
+        images_dir: Path,
+        work_dir: Path,
+        opts: DumpOptions,
+        notify: NotifyCallback | None = None,
+    ) -> DumpStats:
+        """Dumps the tree rooted at pid into images_dir; the log goes to work_dir/dump.log."""
+        log_path = str(work_dir / "dump.log")
+        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
+        wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
+        try:
+            o = rpc.Opts(
+                images_dir_fd=img_fd,
+                work_dir_fd=wd_fd,
+                pid=pid,
+                log_file="dump.log",
+                log_level=opts.log_level,
+                leave_running=opts.leave_running and not opts.leave_stopped,
+                tcp_established=opts.tcp_established,
+                shell_job=opts.shell_job,
+                ext_unix_sk=opts.ext_unix_sk,
+                file_locks=opts.file_locks,
+                notify_scripts=notify is not None,
+                external=opts.external,
+            )
+            if opts.leave_stopped:
+                o.leave_stopped = True
+            if opts.tcp_established and opts.network_lock_nft:
+                o.network_lock = rpc.NFTABLES
+            if opts.lazy_pages:
+                o.lazy_pages = True
+            if opts.page_server:
+                o.ps.address, o.ps.port = opts.page_server
+            t0 = time.monotonic()
+            resp = self._call("dump", rpc.Req(type=rpc.DUMP, opts=o), (img_fd, wd_fd), notify, log_path)
+            wall_ms = (time.monotonic() - t0) * 1000
+        finally:
+            os.close(img_fd)
+            os.close(wd_fd)
+        if not resp.success:
+            raise self._fail("dump", resp, log_path)
+        return read_dump_stats(images_dir, work_dir, wall_ms)
+
+    def restore(
+        self,
+        images_dir: Path,
+        work_dir: Path,
+        opts: RestoreOptions,
+        notify: NotifyCallback | None = None,
+    ) -> int:
+        """Restores the image detached and returns the host pid of its root."""
+        log_path = str(work_dir / "restore.log")
+        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
+        wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
+        try:
+            o = rpc.Opts(
+                images_dir_fd=img_fd,
+                work_dir_fd=wd_fd,
+                log_file="restore.log",
+                log_level=opts.log_level,
+                tcp_established=opts.tcp_established,
+                shell_job=opts.shell_job,
+                ext_unix_sk=opts.ext_unix_sk,
+                file_locks=opts.file_locks,
+                notify_scripts=notify is not None,
+                external=opts.external,
+            )
+            for key, fd in opts.inherit_fds.items():
+                o.inherit_fd.add(key=key, fd=fd)
+            if opts.tcp_established and opts.network_lock_nft:
+                o.network_lock = rpc.NFTABLES
+            if opts.lazy_pages:
+                o.lazy_pages = True
+            fds = (img_fd, wd_fd, *opts.inherit_fds.values())
+            resp = self._call("restore", rpc.Req(type=rpc.RESTORE, opts=o), fds, notify, log_path)
+        finally:
+            os.close(img_fd)
+            os.close(wd_fd)
+        if not resp.success:
+            raise self._fail("restore", resp, log_path)
+        return int(resp.restore.pid)
+
+    def start_lazy_pages(self, images_dir: Path, work_dir: Path, page_server: tuple[str, int] | None = None,
+                         ) -> subprocess.Popen[bytes]:
+        """Starts the `criu lazy-pages` daemon that serves faults for a lazy restore."""
+        cmd = [self.binary, "lazy-pages", "-D", str(images_dir), "-W", str(work_dir),
+               "-o", "lazy-pages.log", "-v2"]
+        if page_server:
+            cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1])]
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def read_dump_stats(images_dir: Path, work_dir: Path, wall_ms: float) -> DumpStats:
+    """Parses CRIU's stats-dump image (magic header, then one length-prefixed protobuf).
+
+    CRIU writes it to the work dir, which keeps it out of the image we checksum and ship.
+    """
+    stats = DumpStats(wall_ms=wall_ms)
+    try:
+        stats.bytes_written = sum(p.stat().st_size for p in images_dir.iterdir() if p.is_file())
+        src = work_dir / "stats-dump"
+        data = (src if src.exists() else images_dir / "stats-dump").read_bytes()
+    except OSError:
+        return stats
+    # Image files start with one or two 4-byte magics; stats images use a single one.
+    for off in (4, 8):
+        if len(data) < off + 4:
+            continue
+        (size,) = struct.unpack_from("<I", data, off)
+        if off + 4 + size > len(data):
+            continue
+        entry = stats_pb.StatsEntry()
+        try:
+            entry.ParseFromString(data[off + 4 : off + 4 + size])
+        except Exception:  # protobuf's DecodeError; try the other header length
+            continue
+        if entry.HasField("dump"):
+            d = entry.dump
+            stats.freezing_ms = d.freezing_time / 1000
+            stats.frozen_ms = d.frozen_time / 1000
+            stats.memdump_ms = d.memdump_time / 1000
+            stats.memwrite_ms = d.memwrite_time / 1000
+            stats.pages_written = d.pages_written
+            stats.pages_lazy = d.pages_lazy
+            break
+    return stats

@@ -1,0 +1,245 @@
+"""memsnapd: wires config, engine, drain, gRPC server, relay, metrics and sd_notify together."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from memsnap import manifest
+from memsnap.api import MemsnapServicer
+from memsnap.catalog import Catalog
+from memsnap.config import Config, ConfigError, load_config
+from memsnap.criu import Criu, CriuError
+from memsnap.engine import Engine, EngineConfig
+from memsnap.logs import setup_logging
+from memsnap.metrics import Metrics, serve
+from memsnap.peercred import PeerCredRelay
+from memsnap.sdnotify import Heartbeat, Notifier
+from memsnap.tier import MemoryTier
+from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc
+
+log = logging.getLogger("memsnap.daemon")
+
+# Flag -> dotted config key; a flag given on the command line wins over the file.
+FLAGS = {
+    "socket": "daemon.socket", "listen": "daemon.listen", "auth_token_file": "daemon.auth_token_file",
+    "tls_cert": "daemon.tls_cert", "tls_key": "daemon.tls_key", "tls_ca": "daemon.tls_ca",
+    "metrics_listen": "daemon.metrics_listen", "log_format": "daemon.log_format",
+    "log_level": "daemon.log_level", "tier_dir": "tier.dir", "tier_capacity": "tier.capacity",
+    "store_dir": "store.dir", "store_url": "store.url", "s3_endpoint": "store.s3_endpoint",
+    "s3_region": "store.s3_region", "state_dir": "state.dir", "drain_bandwidth": "drain.bandwidth",
+    "drain_concurrency": "drain.concurrency", "compression_level": "drain.compression_level",
+    "hmac_key_file": "security.hmac_key_file",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """memsnapd's flags; every one overrides the same key of the config file."""
+    p = argparse.ArgumentParser(prog="memsnapd", description="memsnap node daemon")
+    p.add_argument("--config", help="TOML config file (default /etc/memsnap/memsnap.toml if present)")
+    p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    for flag, key in FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, help=f"overrides {key}")
+    return p.parse_args(argv)
+
+
+class Daemon:
+    """One memsnapd: start() serves, stop() shuts down gracefully."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        state = Path(cfg.state.dir)
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(state, 0o700)
+        self.metrics = Metrics()
+        self.catalog = Catalog(state)
+        self.tier = MemoryTier(cfg.tier.dir, cfg.tier.capacity or 0, cfg.tier.kind)
+        self.criu = Criu()
+        key = manifest.load_or_create_key(Path(cfg.hmac_key_path))
+        self.drain = self._make_drain(key)
+        self.engine = Engine(
+            EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin),
+            self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),
+            observe=self._observe,
+        )
+        if self.drain is not None:
+            self.drain.attach(self.engine)
+        self.notifier = Notifier.from_env(unset=True)
+        self._stopped = threading.Event()
+        self._servers: list[Any] = []
+        self._threads: list[Any] = []
+
+    def _make_drain(self, key: bytes) -> Any:
+        try:
+            from memsnap.drain import build_drain
+        except ImportError:
+            return None
+        return build_drain(self.cfg, self.catalog, self.tier, key, self.metrics)
+
+    def _observe(self, kind: str, result: str, seconds: float) -> None:
+        counter = {"checkpoint": self.metrics.checkpoints, "restore": self.metrics.restores,
+                   "migrate": self.metrics.migrations}.get(kind)
+        if counter is not None:
+            counter.labels(result=result).inc()
+        if result == "ok" and kind in ("checkpoint", "restore"):
+            self.metrics.observe_phase("dump" if kind == "checkpoint" else "restore", seconds)
+
+    def _status_extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"store": self.drain.describe() if self.drain else "none"}
+        if self.drain is not None:
+            extra["drain_queue_depth"], extra["drain_queue_bytes"] = self.drain.queue_stats()
+        return extra
+
+    def start(self) -> None:
+        """Recovers, then serves; READY=1 is sent only once the socket answers."""
+        try:
+            version = self.criu.version()
+        except CriuError as exc:
+            raise SystemExit(f"memsnapd: {exc}") from exc
+        fixed = self.engine.recover()
+        log.info("memsnapd starting: criu %s, tier %s, recovered %s", version, self.tier.root, fixed)
+        if self.drain is not None:
+            self.drain.start(self.engine.pending_drains())
+
+        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=self._migrator())
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
+                             options=[("grpc.max_receive_message_length", 64 << 20)])
+        memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+
+        private_dir = Path(self.cfg.state.dir) / "private"
+        private_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(private_dir, 0o700)
+        private = private_dir / "grpc.sock"
+        if private.exists():
+            private.unlink()
+        server.add_insecure_port(f"unix:{private}")
+        self._add_tcp(server)
+        server.start()
+        self._servers.append(server)
+        self.relay = PeerCredRelay(Path(self.cfg.daemon.socket), private, self.cfg.daemon.socket_mode,
+                                   self.cfg.daemon.socket_group)
+        self.relay.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+
+        if self.cfg.daemon.metrics_listen:
+            host, _, port = self.cfg.daemon.metrics_listen.rpartition(":")
+            self.metrics.bind_tier(lambda: float(self.tier.used_bytes()),
+                                   lambda: float(self.tier.capacity_bytes()))
+            if self.drain is not None:
+                self.metrics.bind_drain_queue(lambda: float(self.drain.queue_stats()[0]),
+                                              lambda: float(self.drain.queue_stats()[1]))
+            self._servers.append(serve(self.metrics, host.strip("[]") or "127.0.0.1", int(port)))
+
+        self._start_background()
+        self.notifier.ready()
+        log.info("memsnapd ready on %s", self.cfg.daemon.socket)
+
+    def _migrator(self) -> Any:
+        try:
+            from memsnap.migrate import Migrator
+        except ImportError:
+            return None
+        return Migrator(self.engine, self.cfg)
+
+    def _add_tcp(self, server: grpc.Server) -> None:
+        if not self.cfg.daemon.listen:
+            return
+        from memsnap.remote import add_tcp_port
+
+        add_tcp_port(server, self.cfg.daemon)
+
+    def _start_background(self) -> None:
+        def healthy() -> bool:
+            return self.tier.root.is_dir() and not self._stopped.is_set()
+
+        def status() -> str:
+            q = self.drain.queue_stats()[0] if self.drain else 0
+            return (f"tier {self.tier.used_bytes() >> 20} MiB used, {self.tier.free_bytes() >> 20} MiB free; "
+                    f"drain queue {q}")
+
+        interval = self.notifier.watchdog_interval() or 10.0
+        self.heartbeat = Heartbeat(self.notifier, healthy, status, interval)
+        self.heartbeat.start()
+
+        def reaper() -> None:
+            while not self._stopped.wait(1.0):
+                self.engine.launcher.reap()
+
+        t = threading.Thread(target=reaper, name="reaper", daemon=True)
+        t.start()
+
+    def stop(self) -> None:
+        """Graceful stop: jobs keep running; in-flight drains resume at the next start."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.notifier.stopping()
+        log.info("memsnapd stopping")
+        self.relay.stop()
+        self.health.enter_graceful_shutdown()
+        for s in self._servers:
+            if isinstance(s, grpc.Server):
+                s.stop(grace=5).wait(6)
+            else:
+                s.shutdown()
+        if self.drain is not None:
+            self.drain.stop()
+        self.heartbeat.stop()
+        self.catalog.close()
+
+
+def _load_gpu() -> Any:
+    """The GPU hook when the NVIDIA driver is present, else None (CPU nodes)."""
+    try:
+        from memsnap.gpu.hook import load_hook
+    except ImportError:
+        return None
+    return load_hook()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the memsnapd console script."""
+    args = parse_args(argv)
+    overrides = {key: getattr(args, flag) for flag, key in FLAGS.items() if getattr(args, flag) is not None}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"memsnapd: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    if args.print_config:
+        sys.stdout.write(cfg.to_toml())
+        return
+    setup_logging(cfg.daemon.log_format, cfg.daemon.log_level)
+    if os.geteuid() != 0:
+        print("memsnapd: must run as root (CRIU needs it)", file=sys.stderr)
+        raise SystemExit(1)
+    daemon = Daemon(cfg)
+    stop_requested = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_requested.set())
+    daemon.start()
+    while not stop_requested.wait(3600):
+        pass
+    daemon.stop()
+    log.info("memsnapd stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,500 @@
+"""The engine: checkpoint, restore and the checkpoint state machine. Usable without gRPC."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import secrets
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from memsnap import __version__, jobs, manifest
+from memsnap.catalog import (
+    DRAINING, DUMPING, DURABLE, FAILED, RESTORABLE, STAGED, Catalog, CheckpointRecord, JobRecord, now_ms,
+)
+from memsnap.criu import Criu, CriuError, DumpOptions, RestoreOptions
+from memsnap.errors import (
+    Aborted, FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied, TierExhausted,
+)
+from memsnap.tier import MemoryTier, TierFull
+
+log = logging.getLogger("memsnap.engine")
+
+# Reservation = resident memory * (1 + margin) + this, for CRIU's small images and page alignment.
+_RESERVE_SLACK = 16 << 20
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking, from SO_PEERCRED on the Unix socket (uid 0 for authenticated TCP peers)."""
+
+    uid: int
+    gid: int = 0
+    pid: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        """Root may act on anything."""
+        return self.uid == 0
+
+
+ROOT = Caller(0, 0, 0)
+
+
+class DrainHook(Protocol):
+    """What the engine needs from the drain service (memsnap.drain)."""
+
+    def enqueue(self, ckpt_id: str) -> None:
+        """Queues a staged checkpoint for draining."""
+
+    def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
+        """Copies a durable checkpoint from the store into dest, verifying as it goes."""
+
+    def delete(self, rec: CheckpointRecord) -> None:
+        """Removes the stored copy."""
+
+
+class GpuHook(Protocol):
+    """What the engine needs from memsnap.gpu around CRIU."""
+
+    def suspend(self, root_pid: int, timeout_ms: int) -> Any:
+        """Locks and checkpoints the CUDA processes of a tree; returns a handle with resume()/release()."""
+
+    def restore(self, root_pid: int, gpu_map: dict[str, str] | None) -> None:
+        """Restores and unlocks CUDA state after CRIU restored the tree."""
+
+    def describe(self, root_pid: int) -> list[dict[str, Any]]:
+        """GPU model/uuid/driver/device bytes per CUDA process of the tree."""
+
+
+@dataclass
+class RestoreResult:
+    """A restored job and what the restore cost."""
+
+    pid: int
+    job: JobRecord
+    restore_ms: float
+    verify_ms: float
+    fetch_ms: float = 0.0
+    from_store: bool = False
+
+
+@dataclass
+class EngineConfig:
+    """Where things live and how to size reservations."""
+
+    state_dir: Path
+    reserve_margin: float = 0.10
+    gpu_lock_timeout_ms: int = 10_000
+    extra_dump_opts: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Checkpoint, restore and catalog operations with authorization and crash-safe ordering."""
+
+    def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: Criu, hmac_key: bytes,
+                 drain: DrainHook | None = None, gpu: GpuHook | None = None,
+                 observe: Callable[[str, str, float], None] | None = None) -> None:
+        self.cfg = cfg
+        self.catalog = catalog
+        self.tier = tier
+        self.criu = criu
+        self.key = hmac_key
+        self.drain = drain
+        self.gpu = gpu
+        # observe(kind, result, seconds): metrics hook ("checkpoint", "ok", 1.2)
+        self.observe = observe or (lambda kind, result, seconds: None)
+        self.hostname = socket.gethostname()
+        self.launcher = jobs.Launcher(cfg.state_dir / "jobs")
+        self.work_root = cfg.state_dir / "work"
+        self.work_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._busy: set[int] = set()
+        self._busy_lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+
+    # -- helpers ------------------------------------------------------------------
+    @contextmanager
+    def _exclusive(self, pid: int) -> Iterator[None]:
+        with self._busy_lock:
+            if pid in self._busy:
+                raise Aborted(f"pid {pid} is already being checkpointed; wait for that to finish")
+            self._busy.add(pid)
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy.discard(pid)
+
+    def _authorize_uid(self, caller: Caller, owner: int, what: str) -> None:
+        if not caller.is_root and caller.uid != owner:
+            raise PermissionDenied(f"uid {caller.uid} may not act on {what} owned by uid {owner}; "
+                                   "run as its owner or as root")
+
+    def resolve_pid(self, target: str) -> tuple[int, JobRecord | None]:
+        """A pid, job id or job name -> (live pid, job record if managed)."""
+        target = (target or "").strip()
+        if not target:
+            raise InvalidArgument("no target given; pass a PID or a job id/name")
+        if target.isdigit():
+            pid = int(target)
+            if pid <= 0 or pid > 1 << 22:
+                raise InvalidArgument(f"{target!r} is not a valid PID")
+            if not jobs.alive(pid):
+                raise NotFound(f"no process with pid {pid}; check the pid with 'ps' or 'memsnapctl jobs'")
+            return pid, self.catalog.job_by_pid(pid)
+        if target.lstrip("-").isdigit():
+            raise InvalidArgument(f"{target!r} is not a valid PID")
+        job = self.catalog.get_job(target)
+        if job is None:
+            raise InvalidArgument(f"{target!r} is neither a PID nor a known job; pass a numeric PID or a job id")
+        if job.ended or not jobs.alive(job.pid, job.pid_start):
+            raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
+        return job.pid, job
+
+    def get(self, caller: Caller, ckpt_id: str) -> CheckpointRecord:
+        """A checkpoint the caller may see, or NotFound/PermissionDenied."""
+        if not ckpt_id or "/" in ckpt_id or ckpt_id.startswith("."):
+            raise InvalidArgument(f"{ckpt_id!r} is not a checkpoint id")
+        rec = self.catalog.get_checkpoint(ckpt_id)
+        if rec is None:
+            raise NotFound(f"no checkpoint {ckpt_id!r}; 'memsnapctl list' shows the checkpoints")
+        self._authorize_uid(caller, rec.owner_uid, f"checkpoint {ckpt_id}")
+        return rec
+
+    # -- jobs ---------------------------------------------------------------------
+    def run_job(self, caller: Caller, argv: list[str], name: str = "", cwd: str = "",
+                env: dict[str, str] | None = None) -> JobRecord:
+        """Starts argv as a managed job in its own PID namespace, as the caller's uid."""
+        if not argv:
+            raise InvalidArgument("no command given; usage: memsnapctl run -- CMD ARGS...")
+        job_id = "job-" + secrets.token_hex(4)
+        try:
+            launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env)
+        except jobs.LaunchError as exc:
+            raise FailedPrecondition(str(exc)) from exc
+        rec = JobRecord(id=job_id, name=name or job_id, pid=launched.pid, pid_start=launched.pid_start,
+                        owner_uid=caller.uid, argv=list(argv), log_path=str(log_path), started_ms=now_ms())
+        self.catalog.add_job(rec)
+        log.info("job started", extra={"job": job_id, "pid": launched.pid})
+        return rec
+
+    def list_jobs(self, caller: Caller) -> list[tuple[JobRecord, bool]]:
+        """Jobs the caller may see, with whether each still runs."""
+        out = []
+        for j in self.catalog.jobs():
+            if caller.is_root or caller.uid == j.owner_uid:
+                out.append((j, not j.ended and jobs.alive(j.pid, j.pid_start)))
+        return out
+
+    # -- checkpoint -----------------------------------------------------------------
+    def checkpoint(self, caller: Caller, target: str, stop: bool = False, tcp_established: bool = False,
+                   name: str = "") -> CheckpointRecord:
+        """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop."""
+        pid, job = self.resolve_pid(target)
+        try:
+            owner = jobs.owner_uid(pid)
+        except jobs.ProcessNotFound as exc:
+            raise NotFound(str(exc)) from exc
+        self._authorize_uid(caller, owner, f"pid {pid}")
+        t_start = time.monotonic()
+        with self._exclusive(pid):
+            try:
+                estimate = int(jobs.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
+            except jobs.ProcessNotFound as exc:
+                raise NotFound(str(exc)) from exc
+            reservation = self._reserve(estimate)
+            try:
+                rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name)
+            except Exception:
+                self.observe("checkpoint", "error", time.monotonic() - t_start)
+                raise
+            finally:
+                reservation.release()
+        self.observe("checkpoint", "ok", time.monotonic() - t_start)
+        if self.drain is not None:
+            self.drain.enqueue(rec.id)
+        return rec
+
+    def _reserve(self, nbytes: int) -> Any:
+        """Reserves tier room, evicting durable tier copies least-recently-used first if needed."""
+        with self._evict_lock:
+            while True:
+                try:
+                    return self.tier.reserve(nbytes)
+                except TierFull as exc:
+                    victim = self._lru_evictable()
+                    if victim is None:
+                        raise TierExhausted(str(exc)) from exc
+                    log.info("evicting durable tier copy to make room", extra={"checkpoint_id": victim.id})
+                    self._evict(victim)
+
+    def _lru_evictable(self) -> CheckpointRecord | None:
+        durable = [r for r in self.catalog.checkpoints(states=(DURABLE,)) if r.in_tier and r.in_store]
+        return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
+
+    def _checkpoint_reserved(self, pid: int, job: JobRecord | None, owner: int, stop: bool,
+                             tcp_established: bool, name: str) -> CheckpointRecord:
+        ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+        argv = jobs.cmdline(pid)
+        own_ns = jobs.in_own_pidns(pid)
+        rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
+                               job=job.id if job else "", name=name or (job.name if job else ""))
+        # Journal first: after a crash, recovery finds this row and removes the half-written image.
+        self.catalog.add_checkpoint(rec)
+        clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
+        staging = self.tier.new_staging(ckpt_id)
+        work = self.work_root / ckpt_id
+        work.mkdir(parents=True, exist_ok=True, mode=0o700)
+        opts = DumpOptions(leave_running=not stop, leave_stopped=stop, tcp_established=tcp_established,
+                           shell_job=not jobs.is_session_leader(pid), **self.cfg.extra_dump_opts)
+        gpu_info: list[dict[str, Any]] = []
+        suspension = None
+        try:
+            if self.gpu is not None:
+                gpu_info = self.gpu.describe(pid)
+                if gpu_info:
+                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms)
+            stats = self.criu.dump(pid, staging, work, opts)
+        except (CriuError, Exception) as exc:
+            if suspension is not None:
+                suspension.resume()
+            self.tier.discard_staging(ckpt_id)
+            reason = exc.reason if isinstance(exc, CriuError) else str(exc)
+            self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=reason)
+            clog.warning("dump failed: %s", reason)
+            if isinstance(exc, CriuError):
+                raise FailedPrecondition(f"checkpoint of pid {pid} failed, the process was left running: "
+                                         f"{reason} (log: {exc.log_path})") from exc
+            raise
+        try:
+            body = {
+                "id": ckpt_id, "pid": pid, "job": rec.job, "name": rec.name, "uid": owner, "argv": argv,
+                "host": self.hostname, "kernel": platform.release(), "criu_version": self.criu.version(),
+                "memsnap_version": __version__, "created_ms": rec.created_ms, "frozen_ms": stats.frozen_ms,
+                "freezing_ms": stats.freezing_ms, "dump_ms": stats.wall_ms, "own_pidns": own_ns,
+                "log_path": job.log_path if job else "", "gpus": gpu_info,
+                "files": manifest.describe_files(staging),
+            }
+            signed = manifest.sign(body, self.key)
+            manifest.write(staging, signed)
+            self.tier.publish(staging, ckpt_id)
+        except Exception as exc:
+            # The dump worked but the image is not safely staged: the job must go on.
+            if stop:
+                _resume_stopped(pid)
+            if suspension is not None:
+                suspension.resume()
+            self.tier.discard_staging(ckpt_id)
+            self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
+            raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
+        size = sum(int(m["size"]) for m in signed["files"].values())
+        meta = {k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus",
+                                       "freezing_ms")}
+        self.catalog.update_checkpoint(ckpt_id, state=STAGED, in_tier=True, size_bytes=size,
+                                       frozen_ms=int(stats.frozen_ms), dump_ms=int(stats.wall_ms),
+                                       last_used_ms=now_ms(), meta=meta)
+        if stop:
+            # The image is safely staged: now the job may end.
+            if suspension is not None:
+                suspension.release()
+            jobs.kill_tree(pid)
+            if job is not None:
+                self.catalog.update_job(job.id, ended=True)
+        elif suspension is not None:
+            suspension.resume()
+        shutil.rmtree(work, ignore_errors=True) if not os.environ.get("MEMSNAP_KEEP_LOGS") else None
+        clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
+                  stats.wall_ms)
+        out = self.catalog.get_checkpoint(ckpt_id)
+        assert out is not None
+        return out
+
+    # -- restore --------------------------------------------------------------------
+    def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord:
+        """A checkpoint id, or a job id/name -> the checkpoint to restore."""
+        rec = self.catalog.get_checkpoint(key)
+        if rec is not None:
+            self._authorize_uid(caller, rec.owner_uid, f"checkpoint {key}")
+            return rec
+        job = self.catalog.get_job(key)
+        names = {key}
+        if job is not None:
+            names |= {job.id, job.name}
+        cands = [r for r in self.catalog.checkpoints(states=RESTORABLE) if r.job in names or r.name in names]
+        if not cands:
+            raise NotFound(f"no checkpoint {key!r}; 'memsnapctl list' shows the checkpoints")
+        rec = max(cands, key=lambda r: (r.created_ms, r.id))
+        self._authorize_uid(caller, rec.owner_uid, f"checkpoint {rec.id}")
+        return rec
+
+    def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
+                tcp_established: bool = False) -> RestoreResult:
+        """Verifies a checkpoint against its signed manifest, then restores it detached."""
+        if not key:
+            raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
+        rec = self.latest_restorable(caller, key)
+        if rec.state not in RESTORABLE:
+            why = f": {rec.last_error}" if rec.last_error else ""
+            raise FailedPrecondition(f"checkpoint {rec.id} is {rec.state} and cannot be restored{why}")
+        t0 = time.monotonic()
+        images, fetch_ms, from_store = self._local_copy(rec)
+        t1 = time.monotonic()
+        try:
+            man = manifest.verify_dir(images, self.key)
+        except manifest.IntegrityError as exc:
+            self.observe("restore", "integrity", time.monotonic() - t0)
+            raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
+        verify_ms = (time.monotonic() - t1) * 1000
+        if not man.get("own_pidns", False) and jobs.alive(rec.pid):
+            raise FailedPrecondition(
+                f"pid {rec.pid} is in use, and this checkpoint needs it back: stop that process first, "
+                "or start jobs with 'memsnapctl run' (own PID namespace) so that restores never collide")
+        if not man.get("own_pidns", False):
+            jobs.wait_pid_free(rec.pid, 10)
+        work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
+        work.mkdir(parents=True, mode=0o700)
+        t2 = time.monotonic()
+        try:
+            new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
+                                                                     shell_job=False, lazy_pages=lazy))
+        except CriuError as exc:
+            self.observe("restore", "error", time.monotonic() - t0)
+            raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") from exc
+        restore_ms = (time.monotonic() - t2) * 1000
+        if self.gpu is not None and man.get("gpus"):
+            self.gpu.restore(new_pid, gpu_map)
+        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+            shutil.rmtree(work, ignore_errors=True)
+        job = JobRecord(id="job-" + secrets.token_hex(4), name=rec.name or rec.job or rec.id, pid=new_pid,
+                        pid_start=_start_or_zero(new_pid), owner_uid=rec.owner_uid,
+                        argv=list(man.get("argv", [])), log_path=str(man.get("log_path", "")),
+                        started_ms=now_ms(), restored_from=rec.id)
+        self.catalog.add_job(job)
+        self.catalog.update_checkpoint(rec.id, last_used_ms=now_ms())
+        self.observe("restore", "ok", time.monotonic() - t0)
+        log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
+        return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
+                             fetch_ms=fetch_ms, from_store=from_store)
+
+    def _local_copy(self, rec: CheckpointRecord) -> tuple[Path, float, bool]:
+        """The tier copy, fetched from the store first when it was evicted."""
+        if rec.in_tier and self.tier.has(rec.id):
+            return self.tier.path(rec.id), 0.0, False
+        if not rec.in_store or self.drain is None:
+            raise FailedPrecondition(f"checkpoint {rec.id} has no tier copy and no stored copy; it is lost")
+        t0 = time.monotonic()
+        reservation = self._reserve(rec.size_bytes + _RESERVE_SLACK)
+        try:
+            staging = self.tier.new_staging(rec.id)
+            try:
+                self.drain.fetch(rec, staging)
+                self.tier.publish(staging, rec.id)
+            except BaseException:
+                self.tier.discard_staging(rec.id)
+                raise
+        finally:
+            reservation.release()
+        self.catalog.update_checkpoint(rec.id, in_tier=True)
+        return self.tier.path(rec.id), (time.monotonic() - t0) * 1000, True
+
+    # -- catalog operations ---------------------------------------------------------
+    def list_checkpoints(self, caller: Caller, job: str = "") -> list[CheckpointRecord]:
+        """Checkpoints the caller may see."""
+        return [r for r in self.catalog.checkpoints(job=job) if caller.is_root or r.owner_uid == caller.uid]
+
+    def delete(self, caller: Caller, ckpt_id: str) -> None:
+        """Removes a checkpoint everywhere: tier, store and catalog."""
+        rec = self.get(caller, ckpt_id)
+        if rec.state == DUMPING:
+            raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
+        if rec.in_store and self.drain is not None:
+            self.drain.delete(rec)
+        self.tier.remove(ckpt_id)
+        self.catalog.delete_checkpoint(ckpt_id)
+
+    def evict(self, caller: Caller, ckpt_id: str) -> CheckpointRecord:
+        """Drops the tier copy of a durable checkpoint; staged-only ones are never evicted."""
+        rec = self.get(caller, ckpt_id)
+        if rec.state != DURABLE or not rec.in_store:
+            raise FailedPrecondition(f"checkpoint {ckpt_id} is {rec.state}, not durable: evicting its tier copy "
+                                     "would lose it; wait for the drain ('memsnapctl watch')")
+        self._evict(rec)
+        out = self.catalog.get_checkpoint(ckpt_id)
+        assert out is not None
+        return out
+
+    def _evict(self, rec: CheckpointRecord) -> None:
+        # Journal first: a crash after this leaves a stray dir that recovery removes.
+        self.catalog.update_checkpoint(rec.id, in_tier=False)
+        self.tier.remove(rec.id)
+
+    def status(self) -> dict[str, Any]:
+        """Daemon-wide numbers for `memsnapctl status`."""
+        counts = self.catalog.counts_by_state()
+        running = sum(1 for j in self.catalog.jobs() if not j.ended and jobs.alive(j.pid, j.pid_start))
+        return {
+            "version": __version__, "criu_version": self.criu.version(), "hostname": self.hostname,
+            "kernel": platform.release(), "tier_dir": str(self.tier.root),
+            "tier_used_bytes": self.tier.used_bytes(), "tier_free_bytes": self.tier.free_bytes(),
+            "tier_capacity_bytes": self.tier.capacity_bytes(), "jobs_running": running,
+            "checkpoints": sum(counts.values()), "checkpoints_by_state": counts,
+        }
+
+    # -- crash recovery ---------------------------------------------------------------
+    def recover(self) -> dict[str, int]:
+        """Reconciles the catalog with the tier after a (possibly unclean) stop."""
+        fixed = {"failed_dumps": 0, "stray_staging": 0, "stray_tier": 0, "lost_tier": 0}
+        for rec in self.catalog.checkpoints(states=(DUMPING,)):
+            # A dump was cut short: the job was resumed by CRIU's own cleanup or died with it.
+            self.tier.discard_staging(rec.id)
+            self.catalog.update_checkpoint(rec.id, state=FAILED, last_error="daemon stopped during the dump")
+            fixed["failed_dumps"] += 1
+        for ckpt_id in list(self.tier.staging_ids()):
+            self.tier.discard_staging(ckpt_id)
+            fixed["stray_staging"] += 1
+        known = set(self.catalog.iter_ids())
+        for ckpt_id in self.tier.published_ids():
+            rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id in known else None
+            if rec is None or not rec.in_tier:
+                self.tier.remove(ckpt_id)
+                fixed["stray_tier"] += 1
+        for rec in self.catalog.checkpoints():
+            if rec.in_tier and not self.tier.has(rec.id):
+                # The tier is memory: a reboot empties it. Only the stored copy remains, if any.
+                self.catalog.update_checkpoint(rec.id, in_tier=False)
+                if not rec.in_store and rec.state in (STAGED, DRAINING):
+                    self.catalog.update_checkpoint(rec.id, state=FAILED,
+                                                   last_error="tier copy lost before it became durable")
+                fixed["lost_tier"] += 1
+        for job in self.catalog.jobs():
+            if not job.ended and not jobs.alive(job.pid, job.pid_start):
+                self.catalog.update_job(job.id, ended=True)
+        return fixed
+
+    def pending_drains(self) -> list[str]:
+        """Staged or draining checkpoints that still need to reach the store."""
+        return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING)) if r.in_tier]
+
+
+def _resume_stopped(pid: int) -> None:
+    import signal
+
+    for p in jobs.tree(pid):
+        try:
+            p.send_signal(signal.SIGCONT)
+        except Exception:  # the process may be gone already
+            pass
+
+
+def _start_or_zero(pid: int) -> float:
+    try:
+        return jobs.start_time(pid)
+    except jobs.ProcessNotFound:
+        return 0.0

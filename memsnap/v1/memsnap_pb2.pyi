@@ -1,0 +1,383 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CheckpointState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_STATE_UNSPECIFIED: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_DUMPING: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_STAGED: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_DRAINING: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_DURABLE: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_FAILED: _ClassVar[CheckpointState]
+
+class WaitFor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WAIT_FOR_UNSPECIFIED: _ClassVar[WaitFor]
+    WAIT_FOR_STAGED: _ClassVar[WaitFor]
+    WAIT_FOR_DURABLE: _ClassVar[WaitFor]
+CHECKPOINT_STATE_UNSPECIFIED: CheckpointState
+CHECKPOINT_STATE_DUMPING: CheckpointState
+CHECKPOINT_STATE_STAGED: CheckpointState
+CHECKPOINT_STATE_DRAINING: CheckpointState
+CHECKPOINT_STATE_DURABLE: CheckpointState
+CHECKPOINT_STATE_FAILED: CheckpointState
+WAIT_FOR_UNSPECIFIED: WaitFor
+WAIT_FOR_STAGED: WaitFor
+WAIT_FOR_DURABLE: WaitFor
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel")
+    class CheckpointsByStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CRIU_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    TIER_DIR_FIELD_NUMBER: _ClassVar[int]
+    TIER_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_BY_STATE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_QUEUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    criu_version: str
+    hostname: str
+    tier_dir: str
+    tier_used_bytes: int
+    tier_free_bytes: int
+    tier_capacity_bytes: int
+    store: str
+    jobs_running: int
+    checkpoints: int
+    checkpoints_by_state: _containers.ScalarMap[str, int]
+    drain_queue_depth: int
+    drain_queue_bytes: int
+    kernel: str
+    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "name", "pid", "argv", "owner_uid", "log_path", "started_unix_ms", "running", "restored_from")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
+    LOG_PATH_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    pid: int
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    owner_uid: int
+    log_path: str
+    started_unix_ms: int
+    running: bool
+    restored_from: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ...) -> None: ...
+
+class RunJobRequest(_message.Message):
+    __slots__ = ("argv", "name", "cwd", "env")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    name: str
+    cwd: str
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RunJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class GpuInfo(_message.Message):
+    __slots__ = ("model", "uuid", "driver_version", "device_bytes", "pid")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    uuid: str
+    driver_version: str
+    device_bytes: int
+    pid: int
+    def __init__(self, model: _Optional[str] = ..., uuid: _Optional[str] = ..., driver_version: _Optional[str] = ..., device_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_MS_FIELD_NUMBER: _ClassVar[int]
+    DUMP_MS_FIELD_NUMBER: _ClassVar[int]
+    IN_TIER_FIELD_NUMBER: _ClassVar[int]
+    IN_STORE_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CRIU_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    state: CheckpointState
+    pid: int
+    job: str
+    name: str
+    owner_uid: int
+    created_unix_ms: int
+    size_bytes: int
+    frozen_ms: int
+    dump_ms: int
+    in_tier: bool
+    in_store: bool
+    drained_bytes: int
+    stored_bytes: int
+    last_error: str
+    drain_attempts: int
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    hostname: str
+    criu_version: str
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
+    durable_unix_ms: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("target", "stop", "wait", "tcp_established", "name")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    stop: bool
+    wait: WaitFor
+    tcp_established: bool
+    name: str
+    def __init__(self, target: _Optional[str] = ..., stop: _Optional[bool] = ..., wait: _Optional[_Union[WaitFor, str]] = ..., tcp_established: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointInfo
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "lazy", "gpu_map", "tcp_established")
+    class GpuMapEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAZY_FIELD_NUMBER: _ClassVar[int]
+    GPU_MAP_FIELD_NUMBER: _ClassVar[int]
+    TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    lazy: bool
+    gpu_map: _containers.ScalarMap[str, str]
+    tcp_established: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., gpu_map: _Optional[_Mapping[str, str]] = ..., tcp_established: _Optional[bool] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("pid", "job", "restore_ms", "verify_ms", "fetch_ms", "from_store")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_FIELD_NUMBER: _ClassVar[int]
+    FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    job: Job
+    restore_ms: int
+    verify_ms: int
+    fetch_ms: int
+    from_store: bool
+    def __init__(self, pid: _Optional[int] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., restore_ms: _Optional[int] = ..., verify_ms: _Optional[int] = ..., fetch_ms: _Optional[int] = ..., from_store: _Optional[bool] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class GetCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointInfo
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EvictCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class EvictCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointInfo
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+
+class WatchCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    VIA_STORE_FIELD_NUMBER: _ClassVar[int]
+    LAZY_FIELD_NUMBER: _ClassVar[int]
+    MOVE_IP_FIELD_NUMBER: _ClassVar[int]
+    TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
+    MOVE_IP_DEV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MOVE_IP_DEV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    to: str
+    via_store: bool
+    lazy: bool
+    move_ip: str
+    tcp_established: bool
+    move_ip_dev_source: str
+    move_ip_dev_target: str
+    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ...) -> None: ...
+
+class Phase(_message.Message):
+    __slots__ = ("name", "ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ms: int
+    def __init__(self, name: _Optional[str] = ..., ms: _Optional[int] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("target_pid", "checkpoint_id", "phases", "downtime_ms", "bytes_sent")
+    TARGET_PID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    target_pid: int
+    checkpoint_id: str
+    phases: _containers.RepeatedCompositeFieldContainer[Phase]
+    downtime_ms: int
+    bytes_sent: int
+    def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+
+class ImageChunk(_message.Message):
+    __slots__ = ("checkpoint_id", "file", "offset", "data", "blake3", "file_done", "manifest")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_FIELD_NUMBER: _ClassVar[int]
+    FILE_DONE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    file: str
+    offset: int
+    data: bytes
+    blake3: bytes
+    file_done: bool
+    manifest: bytes
+    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., blake3: _Optional[bytes] = ..., file_done: _Optional[bool] = ..., manifest: _Optional[bytes] = ...) -> None: ...
+
+class ReceiveImageResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "bytes")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    bytes: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class RestoreReceivedRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "lazy", "lazy_address", "add_ip", "add_ip_dev", "tcp_established")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAZY_FIELD_NUMBER: _ClassVar[int]
+    LAZY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADD_IP_FIELD_NUMBER: _ClassVar[int]
+    ADD_IP_DEV_FIELD_NUMBER: _ClassVar[int]
+    TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    lazy: bool
+    lazy_address: str
+    add_ip: str
+    add_ip_dev: str
+    tcp_established: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_address: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ...) -> None: ...
