@@ -1,0 +1,455 @@
+"""memsnapd configuration: a TOML file plus dotted-key overrides, validated into frozen dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_CONFIG_PATH = "/etc/memsnap/memsnap.toml"
+OVERRIDE_SOURCE = "override"
+
+Parser = Callable[[object], object]
+
+
+class ConfigError(ValueError):
+    """A config file or override is unreadable, unknown or has a bad value; the message names it."""
+
+
+class _Bad(Exception):
+    """Raised by a field parser with what it expected."""
+
+    def __init__(self, expected: str) -> None:
+        """Record the expectation text."""
+        super().__init__(expected)
+        self.expected = expected
+
+
+def _opt(default: object, parse: Parser, doc: str) -> Any:
+    """Declare a config field with its parser and one-line description."""
+    return field(default=default, metadata={"parse": parse, "doc": doc})
+
+
+# --- value parsers -----------------------------------------------------------------------
+
+
+def _as_int(value: object) -> int | None:
+    """Return value as an int if it is one (or a decimal string), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+        return int(value.strip())
+    return None
+
+
+def _as_float(value: object) -> float | None:
+    """Return value as a finite float if it is a number (or numeric string), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _string(value: object) -> str:
+    """Any string."""
+    if not isinstance(value, str):
+        raise _Bad("a string")
+    return value
+
+
+def _path(value: object) -> str:
+    """A non-empty path string."""
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad("a non-empty path")
+    return value
+
+
+def _choice(*options: str) -> Parser:
+    """One of the given words, case-insensitive, normalised to lower case."""
+
+    def parse(value: object) -> str:
+        if isinstance(value, str) and value.strip().lower() in options:
+            return value.strip().lower()
+        raise _Bad("one of " + ", ".join(f'"{o}"' for o in options))
+
+    return parse
+
+
+def _int_min(minimum: int, expected: str) -> Parser:
+    """An integer >= minimum."""
+
+    def parse(value: object) -> int:
+        number = _as_int(value)
+        if number is None or number < minimum:
+            raise _Bad(expected)
+        return number
+
+    return parse
+
+
+def _int_range(low: int, high: int) -> Parser:
+    """An integer in [low, high]."""
+
+    def parse(value: object) -> int:
+        number = _as_int(value)
+        if number is None or not low <= number <= high:
+            raise _Bad(f"an integer from {low} to {high}")
+        return number
+
+    return parse
+
+
+def _float_min(minimum: float, strict: bool, expected: str) -> Parser:
+    """A finite number > minimum (strict) or >= minimum."""
+
+    def parse(value: object) -> float:
+        number = _as_float(value)
+        if number is None or number < minimum or (strict and number == minimum):
+            raise _Bad(expected)
+        return number
+
+    return parse
+
+
+def _mode(value: object) -> int:
+    """A permission mode: an int, or an octal string such as "0660"."""
+    expected = 'a file mode such as "0660" (a string, or 0o660 in TOML)'
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    elif isinstance(value, str) and re.fullmatch(r"(0o?)?[0-7]{1,4}", value.strip()):
+        mode = int(value.strip().removeprefix("0o") or "0", 8)
+    else:
+        raise _Bad(expected)
+    if not 0 <= mode <= 0o777:  # also catches decimal 660 written where octal was meant
+        raise _Bad(expected)
+    return mode
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """Split "HOST:PORT" (or "[v6]:PORT") into host and port; raise ValueError if malformed."""
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.%\w]+)\]:(\d{1,5})|([^\s:\[\]]*):(\d{1,5})", value)
+    if not match:
+        raise ValueError(f"not HOST:PORT: {value!r}")
+    host = match.group(1) if match.group(1) is not None else match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if port > 65535:
+        raise ValueError(f"port out of range: {port}")
+    return host, port
+
+
+def _listen(value: object) -> str:
+    """Empty (off) or HOST:PORT."""
+    if isinstance(value, str):
+        if not value.strip():
+            return ""
+        try:
+            parse_host_port(value.strip())
+        except ValueError:
+            pass
+        else:
+            return value.strip()
+    raise _Bad('"" (off) or HOST:PORT such as "127.0.0.1:9464"')
+
+
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?", re.IGNORECASE)
+
+
+def _fallback_parse_size(text: str) -> int:
+    """Parse "512", "64K", "1.5G", "10MiB" (binary units) into bytes."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"bad size: {text!r}")
+    power = " KMGTP".index(match.group(2).upper() or " ")
+    return int(float(match.group(1)) * 1024**power)
+
+
+def _parse_size_text(text: str) -> int:
+    """Parse a size string, preferring memsnap.store.throttle.parse_size when it exists."""
+    try:  # lazy and dynamic: memsnap.store.throttle owns the canonical parser
+        throttle = importlib.import_module("memsnap.store.throttle")
+    except ImportError:
+        return _fallback_parse_size(text)
+    parse_size = getattr(throttle, "parse_size", _fallback_parse_size)
+    return int(parse_size(text))
+
+
+def _size(value: object) -> int | None:
+    """Empty (None) or a positive byte count, an int or a string with a K/M/G/T suffix."""
+    expected = 'a size in bytes such as "64G", or "" for the default'
+    if isinstance(value, str) and not value.strip():
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        try:
+            size = _parse_size_text(value.strip().removesuffix("/s"))
+        except (ValueError, TypeError):
+            raise _Bad(expected) from None
+    else:
+        raise _Bad(expected)
+    if size <= 0:
+        raise _Bad(expected)
+    return size
+
+
+def _store_url(value: object) -> str:
+    """Empty or s3://BUCKET[/PREFIX]."""
+    if isinstance(value, str):
+        if not value.strip():
+            return ""
+        if re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/\S*)?", value.strip()):
+            return value.strip()
+    raise _Bad('"" or s3://BUCKET[/PREFIX]')
+
+
+# --- sections ----------------------------------------------------------------------------
+
+_POSITIVE_INT = _int_min(1, "a positive integer")
+_POSITIVE_SECONDS = _float_min(0.0, True, "a positive number of seconds")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """[daemon]: API sockets, auth, metrics and logging."""
+
+    socket: str = _opt("/run/memsnap/memsnapd.sock", _path, "gRPC unix socket path")
+    socket_mode: int = _opt(0o660, _mode, "permissions of the unix socket")
+    socket_group: str = _opt("", _string, "group allowed to use the socket; empty = root's group")
+    listen: str = _opt("", _listen, "HOST:PORT for gRPC over TCP; empty = off")
+    auth_token_file: str = _opt("", _string, "file holding the bearer token required over TCP")
+    tls_cert: str = _opt("", _string, "server certificate (PEM) for TCP")
+    tls_key: str = _opt("", _string, "server private key (PEM) for TCP")
+    tls_ca: str = _opt("", _string, "CA bundle for client certificates (mutual TLS)")
+    metrics_listen: str = _opt("", _listen, "HOST:PORT for the Prometheus exporter; empty = off")
+    log_format: str = _opt("text", _choice("text", "json"), "text or json")
+    log_level: str = _opt(
+        "info", _choice("debug", "info", "warning", "error", "critical"), "minimum log level"
+    )
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """[tier]: the memory tier that receives dumps."""
+
+    dir: str = _opt("/dev/shm/memsnap", _path, "directory on the memory filesystem")
+    capacity: int | None = _opt(None, _size, "bytes usable (K/M/G suffix); empty = fs size")
+    reserve_margin: float = _opt(
+        0.10,
+        _float_min(0.0, False, "a non-negative fraction such as 0.10"),
+        "fraction added to the RSS estimate when reserving",
+    )
+    kind: str = _opt("tmpfs", _choice("tmpfs", "numa", "devdax"), "tmpfs, numa or devdax")
+    numa_node: int = _opt(-1, _int_min(-1, "a NUMA node number, or -1 for none"), "-1 = none")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """[store]: durable storage that drains write to."""
+
+    dir: str = _opt("/var/lib/memsnap/store", _path, "POSIX directory store")
+    url: str = _opt("", _store_url, "s3://bucket/prefix; when set it wins over dir")
+    s3_endpoint: str = _opt("", _string, "S3 endpoint URL; empty = AWS default")
+    s3_region: str = _opt("", _string, "S3 region; empty = SDK default")
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    """[drain]: the tier-to-store worker pool."""
+
+    concurrency: int = _opt(2, _POSITIVE_INT, "parallel drain workers")
+    bandwidth: int | None = _opt(None, _size, "bytes/s cap (K/M/G suffix); empty = unlimited")
+    compression_level: int = _opt(3, _int_range(0, 22), "zstd level; 0 = off")
+    compression_threads: int = _opt(0, _int_min(0, "a non-negative integer"), "zstd threads; 0 = auto")
+    retry_initial_s: float = _opt(1.0, _POSITIVE_SECONDS, "first retry delay")
+    retry_max_s: float = _opt(60.0, _POSITIVE_SECONDS, "longest retry delay")
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """[state]: journal and catalog."""
+
+    dir: str = _opt("/var/lib/memsnap/state", _path, "journal, catalog and keys")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """[security]: image integrity keys."""
+
+    hmac_key_file: str = _opt("", _string, "HMAC key; empty = <state dir>/hmac.key")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole effective memsnapd configuration."""
+
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    tier: TierConfig = field(default_factory=TierConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    drain: DrainConfig = field(default_factory=DrainConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    @property
+    def hmac_key_path(self) -> str:
+        """The HMAC key file, defaulting to <state dir>/hmac.key."""
+        return self.security.hmac_key_file or os.path.join(self.state.dir, "hmac.key")
+
+    def to_toml(self) -> str:
+        """Render the effective configuration as TOML that load_config reads back unchanged."""
+        return _render(self)
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "daemon": DaemonConfig,
+    "tier": TierConfig,
+    "store": StoreConfig,
+    "drain": DrainConfig,
+    "state": StateConfig,
+    "security": SecurityConfig,
+}
+
+
+# --- loading -----------------------------------------------------------------------------
+
+
+def _read_file(path: str | None) -> tuple[str, dict[str, Any]]:
+    """Read the TOML file; a missing default file yields an empty table."""
+    source = path or DEFAULT_CONFIG_PATH
+    try:
+        with open(source, "rb") as handle:
+            return source, tomllib.load(handle)
+    except FileNotFoundError:
+        if path is None:
+            return source, {}
+        raise ConfigError(f"{source}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+
+
+def _show(value: object) -> str:
+    """Show a bad value the way it would be written in TOML."""
+    return _toml_value(value) if isinstance(value, str | int | float | bool) else repr(value)
+
+
+def load_config(path: str | None = None, overrides: Mapping[str, object] | None = None) -> Config:
+    """Load path (None = the default, which may be absent), apply dotted-key overrides, validate."""
+    source, data = _read_file(path)
+    raw: dict[str, dict[str, tuple[object, str]]] = {name: {} for name in SECTIONS}
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: {section}: unknown section")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {section}: expected a [{section}] table")
+        for key, value in table.items():
+            raw[section][key] = (value, source)
+    for dotted, value in (overrides or {}).items():
+        if value is None:  # an unset CLI flag
+            continue
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS or not key:
+            raise ConfigError(f"{OVERRIDE_SOURCE}: {dotted}: unknown key")
+        raw[section][key] = (value, OVERRIDE_SOURCE)
+    sections = {name: _build(name, SECTIONS[name], raw[name]) for name in SECTIONS}
+    config = Config(**sections)
+    _check(config, raw)
+    return config
+
+
+def _build(name: str, cls: type[Any], values: dict[str, tuple[object, str]]) -> Any:
+    """Validate one section's values into its dataclass."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, (value, source) in values.items():
+        if key not in fields:
+            raise ConfigError(f"{source}: {name}.{key}: unknown key")
+        try:
+            kwargs[key] = fields[key].metadata["parse"](value)
+        except _Bad as bad:
+            raise ConfigError(
+                f"{source}: {name}.{key}: expected {bad.expected}, got {_show(value)}"
+            ) from None
+    return cls(**kwargs)
+
+
+def _check(config: Config, raw: dict[str, dict[str, tuple[object, str]]]) -> None:
+    """Cross-field rules."""
+
+    def fail(section: str, key: str, message: str) -> None:
+        source = raw[section].get(key, (None, OVERRIDE_SOURCE))[1]
+        raise ConfigError(f"{source}: {section}.{key}: {message}")
+
+    d = config.daemon
+    if bool(d.tls_cert) != bool(d.tls_key):
+        fail("daemon", "tls_key" if d.tls_cert else "tls_cert", "tls_cert and tls_key go together")
+    if d.tls_ca and not d.tls_cert:
+        fail("daemon", "tls_ca", "mutual TLS needs tls_cert and tls_key too")
+    if config.drain.retry_max_s < config.drain.retry_initial_s:
+        fail("drain", "retry_max_s", "must be at least drain.retry_initial_s")
+    if config.tier.kind == "numa" and config.tier.numa_node < 0:
+        fail("tier", "numa_node", 'tier.kind = "numa" needs a node number >= 0')
+
+
+# --- rendering ---------------------------------------------------------------------------
+
+
+def _toml_string(text: str) -> str:
+    """Quote text as a TOML basic string."""
+    out = []
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif char == "\n":
+            out.append("\\n")
+        elif char == "\t":
+            out.append("\\t")
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04X}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: object) -> str:
+    """Format a scalar as TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return _toml_string(str(value))
+
+
+def _render(config: Config) -> str:
+    """Render every section and key, with each key's description as a comment."""
+    lines = ["# Effective memsnapd configuration."]
+    for name in SECTIONS:
+        lines += ["", f"[{name}]"]
+        section = getattr(config, name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if f.name == "socket_mode":
+                text = _toml_string(f"{value:04o}")
+            elif value is None:
+                text = '""'
+            else:
+                text = _toml_value(value)
+            lines.append(f"{f.name} = {text}  # {f.metadata['doc']}")
+    lines.append(f"# hmac key in use: {config.hmac_key_path}")
+    return "\n".join(lines) + "\n"

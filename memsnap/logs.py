@@ -1,0 +1,98 @@
+"""Logging setup for memsnapd: text or JSON lines, with checkpoint ids carried on every line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import MutableMapping
+from datetime import UTC, datetime
+from typing import IO, Any
+
+# Attributes every LogRecord has; anything else on a record came from `extra=`.
+_STANDARD_ATTRS = frozenset(
+    vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys() | {"message", "asctime", "taskName"}
+)
+_OURS = "_memsnap_handler"
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    """Fields passed through `extra=` (checkpoint_id, job, pid, ...)."""
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD_ATTRS and not k.startswith("_")}
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    """RFC 3339 UTC timestamp with milliseconds."""
+    moment = datetime.fromtimestamp(record.created, tz=UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, extras, and exc when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render record as a JSON line."""
+        entry: dict[str, Any] = {
+            "ts": _timestamp(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in _extras(record).items():
+            entry.setdefault(key, value)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """Human-readable lines: `ts LEVEL logger [ckpt=<id>] msg key=value ...`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render record as one text line (plus any traceback)."""
+        extras = _extras(record)
+        parts = [_timestamp(record), record.levelname, record.name]
+        ckpt = extras.pop("checkpoint_id", None)
+        if ckpt is not None:
+            parts.append(f"ckpt={ckpt}")
+        parts.append(record.getMessage())
+        parts += [f"{key}={value}" for key, value in extras.items()]
+        line = " ".join(str(p) for p in parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            line += "\n" + self.formatStack(record.stack_info)
+        return line
+
+
+def setup_logging(fmt: str = "text", level: str | int = "info", stream: IO[str] | None = None) -> None:
+    """Send the root logger to stream (stderr) in "text" or "json" format at level."""
+    if fmt not in ("text", "json"):
+        raise ValueError(f'log format must be "text" or "json", got {fmt!r}')
+    numeric = level if isinstance(level, int) else logging.getLevelNamesMapping().get(level.upper())
+    if numeric is None:
+        raise ValueError(f"unknown log level {level!r}")
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, _OURS, False)]:
+        root.removeHandler(old)  # only ours: leave handlers others installed (e.g. pytest's)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    setattr(handler, _OURS, True)
+    root.addHandler(handler)
+    root.setLevel(numeric)
+
+
+class CheckpointLogger(logging.LoggerAdapter[logging.Logger]):
+    """A LoggerAdapter that adds checkpoint_id to every record, merged with per-call extra."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        """Merge the adapter's fields under the call's own extra."""
+        kwargs["extra"] = {**(self.extra or {}), **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+
+def ckpt_logger(logger: logging.Logger, checkpoint_id: str, **fields: Any) -> CheckpointLogger:
+    """Wrap logger so every line carries checkpoint_id (and any extra fields such as job, pid)."""
+    return CheckpointLogger(logger, {"checkpoint_id": checkpoint_id, **fields})

@@ -1,0 +1,170 @@
+"""Config loading: defaults, precedence, validation messages, sizes and round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from memsnap import config as config_module
+from memsnap.config import Config, ConfigError, load_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "systemd" / "memsnap.toml"
+
+
+@pytest.fixture(autouse=True)
+def no_system_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Keep a real /etc/memsnap/memsnap.toml on the test machine out of the way."""
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", str(tmp_path / "absent.toml"))
+
+
+def write(tmp_path: Path, text: str) -> str:
+    """Write a memsnap.toml and return its path."""
+    path = tmp_path / "memsnap.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_any_file() -> None:
+    cfg = load_config(None, {})
+    assert cfg == Config()
+    assert cfg.daemon.socket == "/run/memsnap/memsnapd.sock"
+    assert cfg.daemon.socket_mode == 0o660
+    assert cfg.daemon.log_format == "text"
+    assert cfg.tier.dir == "/dev/shm/memsnap"
+    assert cfg.tier.capacity is None
+    assert cfg.tier.reserve_margin == pytest.approx(0.10)
+    assert cfg.store.dir == "/var/lib/memsnap/store"
+    assert cfg.drain.concurrency == 2
+    assert cfg.drain.bandwidth is None
+    assert cfg.drain.compression_level == 3
+    assert cfg.state.dir == "/var/lib/memsnap/state"
+    assert cfg.hmac_key_path == "/var/lib/memsnap/state/hmac.key"
+
+
+def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(str(tmp_path / "nope.toml"), {})
+
+
+def test_file_then_overrides_win(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        '[tier]\ndir = "/mnt/tier"\nkind = "numa"\nnuma_node = 1\n[drain]\nconcurrency = 4\n'
+        '[state]\ndir = "/srv/state"\n',
+    )
+    cfg = load_config(path, {"tier.dir": "/dev/shm/override", "drain.bandwidth": "100M", "state.dir": None})
+    assert cfg.tier.dir == "/dev/shm/override"  # override beats file
+    assert cfg.tier.kind == "numa"  # file beats default
+    assert cfg.drain.concurrency == 4
+    assert cfg.drain.bandwidth == 100 * 1024 * 1024
+    assert cfg.state.dir == "/srv/state"  # None = flag not given
+    assert cfg.hmac_key_path == "/srv/state/hmac.key"
+
+
+def test_bad_value_message_names_file_and_key(tmp_path: Path) -> None:
+    path = write(tmp_path, '[drain]\nconcurrency = "x"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {})
+    assert str(err.value) == f'{path}: drain.concurrency: expected a positive integer, got "x"'
+
+
+def test_bad_override_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^override: drain\.concurrency: expected a positive integer"):
+        load_config(None, {"drain.concurrency": 0})
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[daemon]\nlog_format = "xml"\n', "daemon.log_format"),
+        ('[daemon]\nlisten = "nohostport"\n', "daemon.listen"),
+        ("[daemon]\nsocket_mode = 660\n", "daemon.socket_mode"),  # decimal 660 is a mistake
+        ('[tier]\ncapacity = "lots"\n', "tier.capacity"),
+        ("[tier]\nreserve_margin = -0.5\n", "tier.reserve_margin"),
+        ('[tier]\nkind = "nvme"\n', "tier.kind"),
+        ('[store]\nurl = "ftp://x/y"\n', "store.url"),
+        ("[drain]\ncompression_level = 99\n", "drain.compression_level"),
+        ("[drain]\nconcurrency = true\n", "drain.concurrency"),
+        ("[drain]\nretry_initial_s = 10.0\nretry_max_s = 5.0\n", "drain.retry_max_s"),
+        ('[daemon]\ntls_cert = "/c.pem"\n', "daemon.tls_key"),
+        ('[tier]\nkind = "numa"\n', "tier.numa_node"),
+    ],
+)
+def test_bad_values_are_rejected_by_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf": {key.replace('.', '[.]')}: "):
+        load_config(write(tmp_path, text), {})
+
+
+def test_unknown_keys_and_sections_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tier\.sizee: unknown key"):
+        load_config(write(tmp_path, '[tier]\nsizee = "1G"\n'), {})
+    with pytest.raises(ConfigError, match=r"tierr: unknown section"):
+        load_config(write(tmp_path, "[tierr]\n"), {})
+    with pytest.raises(ConfigError, match=r"^override: tier\.bogus: unknown key"):
+        load_config(None, {"tier.bogus": 1})
+    with pytest.raises(ConfigError, match=r"^override: nodot: unknown key"):
+        load_config(None, {"nodot": 1})
+
+
+def test_invalid_toml_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(write(tmp_path, "[tier\n"), {})
+
+
+def test_sizes_modes_and_numbers_are_parsed(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        '[daemon]\nsocket_mode = "0640"\nmetrics_listen = "127.0.0.1:9464"\nlog_level = "DEBUG"\n'
+        '[tier]\ncapacity = "64G"\n[drain]\nbandwidth = "1.5M/s"\ncompression_threads = "4"\n',
+    )
+    cfg = load_config(path, {"daemon.listen": "[::1]:7443"})
+    assert cfg.daemon.socket_mode == 0o640
+    assert cfg.daemon.log_level == "debug"
+    assert cfg.tier.capacity == 64 * 1024**3
+    assert cfg.drain.bandwidth == int(1.5 * 1024**2)
+    assert cfg.drain.compression_threads == 4
+    assert config_module.parse_host_port(cfg.daemon.metrics_listen) == ("127.0.0.1", 9464)
+    assert config_module.parse_host_port(cfg.daemon.listen) == ("::1", 7443)
+    assert load_config(None, {"daemon.socket_mode": 0o600}).daemon.socket_mode == 0o600
+    assert load_config(None, {"tier.capacity": 4096}).tier.capacity == 4096
+
+
+def test_to_toml_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        {
+            "daemon.socket_mode": "0600",
+            "daemon.socket_group": 'we "quote"\\ and \u00e9',
+            "daemon.log_format": "json",
+            "tier.capacity": "8G",
+            "tier.reserve_margin": 0.25,
+            "store.url": "s3://bucket/pre/fix",
+            "drain.bandwidth": "10M",
+            "security.hmac_key_file": "/etc/memsnap/hmac.key",
+        },
+    )
+    text = cfg.to_toml()
+    tomllib.loads(text)  # valid TOML
+    assert load_config(write(tmp_path, text), {}) == cfg
+    assert 'socket_mode = "0600"' in text
+
+
+def test_default_to_toml_round_trips(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, Config().to_toml()), {}) == Config()
+
+
+def test_example_config_loads_and_shows_every_key() -> None:
+    assert load_config(str(EXAMPLE), {}) == Config()
+    shown = tomllib.loads(EXAMPLE.read_text())
+    for name, section_type in config_module.SECTIONS.items():
+        expected = {f.name for f in dataclasses.fields(section_type)}
+        assert set(shown[name]) == expected, name
+
+
+def test_config_is_frozen() -> None:
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tier = cfg.tier  # type: ignore[misc]
