@@ -1,0 +1,54 @@
+"""Fixtures: one real memsnapd shared by the e2e tests, plus factories for tests that need their own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.helpers import DaemonProc, kill_job
+
+
+def _criu_ready() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("the e2e tests run real CRIU and must run as root (CI does)")
+    if not (shutil.which("criu") or os.access("/usr/local/sbin/criu", os.X_OK)):
+        pytest.fail("criu is not installed: run scripts/install-criu.sh (CI does)")
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """A real memsnapd on a temp socket with temp tier/store/state dirs, shared by e2e tests."""
+    _criu_ready()
+    d = DaemonProc(tmp_path_factory.mktemp("memsnapd"))
+    d.start()
+    yield d
+    d.cleanup()
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[object]:
+    """Factory for tests that need their own daemon (odd config, kill -9, small tier)."""
+    _criu_ready()
+    made: list[DaemonProc] = []
+
+    def make(name: str = "d", extra: list[str] | None = None, **kw: object) -> DaemonProc:
+        d = DaemonProc(tmp_path / name, extra=extra or [], **kw)  # type: ignore[arg-type]
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.cleanup()
+
+
+@pytest.fixture
+def jobs_to_kill() -> Iterator[list[int]]:
+    """Pids a test started; killed at teardown so nothing leaks between tests."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        kill_job(pid)

@@ -1,0 +1,155 @@
+"""Shared test helpers: a real memsnapd in a subprocess, and readers for the counter workload's log."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from memsnap.client import ClientError, MemsnapClient
+
+REPO = Path(__file__).resolve().parent.parent
+COUNTER = REPO / "tests" / "workloads" / "counter.py"
+TICK = re.compile(r"^tick (\d+) (\d+) ([0-9a-f]+)$")
+START = re.compile(r"^start (\d+) ([0-9a-f]+)$")
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> object:
+    """Polls pred until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or pred}")
+        time.sleep(interval)
+
+
+@dataclass
+class Tick:
+    n: int
+    hostpid: int
+    digest: str
+
+
+def ticks(log_path: str | Path, hostpid: int | None = None) -> list[Tick]:
+    """The counter workload's ticks, optionally only those printed by one host pid."""
+    out = []
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        m = TICK.match(line.strip())
+        if m and (hostpid is None or int(m.group(2)) == hostpid):
+            out.append(Tick(int(m.group(1)), int(m.group(2)), m.group(3)))
+    return out
+
+
+def start_digest(log_path: str | Path) -> str:
+    """The digest the workload printed right after filling its memory."""
+    for line in Path(log_path).read_text().splitlines():
+        m = START.match(line.strip())
+        if m:
+            return m.group(2)
+    raise AssertionError("workload printed no start line")
+
+
+def counter_argv(mib: int = 32, interval: float = 0.1, *extra: str) -> list[str]:
+    """argv for the counter workload."""
+    return [sys.executable, str(COUNTER), "--mib", str(mib), "--interval", str(interval), *extra]
+
+
+@dataclass
+class DaemonProc:
+    """A real memsnapd subprocess with its own socket, tier, store and state dirs."""
+
+    base: Path
+    tier: Path = field(default_factory=lambda: Path(f"/dev/shm/memsnap-test-{uuid.uuid4().hex[:8]}"))
+    extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    socket_path: str = ""
+
+    @property
+    def socket(self) -> str:
+        return self.socket_path or str(self.base / "memsnapd.sock")
+
+    @property
+    def state(self) -> Path:
+        return self.base / "state"
+
+    @property
+    def store(self) -> Path:
+        return self.base / "store"
+
+    @property
+    def log(self) -> Path:
+        return self.base / "memsnapd.log"
+
+    def args(self) -> list[str]:
+        return [sys.executable, "-m", "memsnap.daemon", "--socket", self.socket, "--tier-dir", str(self.tier),
+                "--store-dir", str(self.store), "--state-dir", str(self.state), "--config", "/dev/null",
+                *self.extra]
+
+    def start(self, timeout: float = 30.0) -> DaemonProc:
+        self.base.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
+        with open(self.log, "ab") as logf:
+            self.proc = subprocess.Popen(self.args(), stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+        def up() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"memsnapd exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                with self.client() as c:
+                    c.status(timeout=2)
+                return True
+            except ClientError:
+                return False
+
+        wait_for(up, timeout, 0.1, "memsnapd to answer")
+        return self
+
+    def client(self) -> MemsnapClient:
+        return MemsnapClient(socket=self.socket)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        return rc
+
+    def cleanup(self) -> None:
+        self.stop(signal.SIGKILL)
+        shutil.rmtree(self.tier, ignore_errors=True)
+
+    def ctl(self, *args: str, user: int | None = None, check: bool = False,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """Runs memsnapctl against this daemon."""
+        env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": self.socket}
+        r = subprocess.run([sys.executable, "-m", "memsnap.cli", *args], env=env, capture_output=True,
+                           text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"memsnapctl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+        return r
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILLs a job root (its PID namespace goes with it)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

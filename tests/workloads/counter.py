@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""Test workload: random memory plus a counter; prints 'tick N HOSTPID DIGEST' so a restore can be checked.
+
+HOSTPID comes from /proc/self, which resolves in the host's proc mount even inside a job's own PID
+namespace, so two restored copies of one image tell their lines apart.
+"""
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--mib", type=int, default=32)
+p.add_argument("--interval", type=float, default=0.1)
+p.add_argument("--digest-every", type=int, default=1)
+p.add_argument("--ticks", type=int, default=0, help="exit after this many ticks (0 = forever)")
+p.add_argument("--compressible", action="store_true", help="repetitive memory instead of random")
+a = p.parse_args()
+
+if a.compressible:
+    block = bytes(range(256)) * 4096
+    mem = bytearray(block * (a.mib * (1 << 20) // len(block)))
+else:
+    mem = bytearray(os.urandom(a.mib << 20))
+
+
+def digest() -> str:
+    return hashlib.sha1(mem).hexdigest()[:16]
+
+
+d = digest()
+print(f"start {os.readlink('/proc/self')} {d}", flush=True)
+n = 0
+while True:
+    n += 1
+    if n % a.digest_every == 0:
+        d = digest()
+    print(f"tick {n} {os.readlink('/proc/self')} {d}", flush=True)
+    if a.ticks and n >= a.ticks:
+        sys.exit(0)
+    time.sleep(a.interval)
