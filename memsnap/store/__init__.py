@@ -1,0 +1,41 @@
+"""Durable storage for checkpoint images: a posix directory tree or an S3 bucket."""
+
+from memsnap.store.base import MANIFEST_NAME, Store, StoredObject, StoreWriter
+from memsnap.store.codec import (
+    Codec,
+    DecodeResult,
+    DecodingReader,
+    EncodeResult,
+    EncodingWriter,
+    copy_decode,
+    copy_encode,
+)
+from memsnap.store.errors import StoreCorrupt, StoreError, StoreFull, StoreNotFound, StoreUnavailable
+from memsnap.store.factory import open_store
+from memsnap.store.posix import PosixStore
+from memsnap.store.s3 import S3Store
+from memsnap.store.throttle import Throttle, parse_size
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Codec",
+    "DecodeResult",
+    "DecodingReader",
+    "EncodeResult",
+    "EncodingWriter",
+    "PosixStore",
+    "S3Store",
+    "Store",
+    "StoreCorrupt",
+    "StoreError",
+    "StoreFull",
+    "StoreNotFound",
+    "StoreUnavailable",
+    "StoreWriter",
+    "StoredObject",
+    "Throttle",
+    "copy_decode",
+    "copy_encode",
+    "open_store",
+    "parse_size",
+]
