@@ -1,0 +1,197 @@
+"""Suspending a job's CUDA state around a CRIU dump, and bringing it back after a restore.
+
+Lock every pid first (a consistent quiesce point; a lock timeout then only costs unlocks), then
+checkpoint every pid. Any failure rolls back what was done, so a job is never left locked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from memsnap.errors import InvalidArgument
+from memsnap.gpu.base import GpuDriver, ProcessState
+from memsnap.gpu.bindings import uuid_bytes
+from memsnap.gpu.errors import GpuError
+
+log = logging.getLogger(__name__)
+
+
+def _joined(op: str, errors: Sequence[GpuError]) -> GpuError:
+    """One GpuError that names every failure."""
+    return GpuError(op, "; ".join(str(e) for e in errors), pid=errors[0].pid if len(errors) == 1 else None)
+
+
+class GpuSuspension:
+    """The CUDA state of a job, checkpointed into host memory until resume() or release().
+
+    As a context manager it resumes on the way out (exception or not) unless release() was called:
+    call release() once the CRIU dump has killed the processes, resume() after leave-running.
+    """
+
+    def __init__(
+        self, driver: GpuDriver, pids: Sequence[int], device_bytes: Mapping[int, int] | None = None
+    ) -> None:
+        self._driver = driver
+        self.pids = tuple(pids)
+        self.device_bytes = {p: device_bytes[p] for p in self.pids if device_bytes and p in device_bytes}
+        # None: unknown (an operation on it failed); absent: never touched.
+        self._states: dict[int, ProcessState | None] = {}
+        self.seconds: dict[str, float] = {}
+        self.released = False
+
+    def _step(self, op: str, pid: int, call: Callable[[], None], after: ProcessState) -> None:
+        """Run one driver call, tracking the state it leaves and the time it took."""
+        self._states[pid] = None
+        t0 = time.monotonic()
+        call()
+        self.seconds[op] = self.seconds.get(op, 0.0) + time.monotonic() - t0
+        self._states[pid] = after
+
+    def _lock(self, pid: int, timeout_ms: int) -> None:
+        """RUNNING -> LOCKED."""
+        self._step("lock", pid, lambda: self._driver.lock(pid, timeout_ms), ProcessState.LOCKED)
+
+    def _checkpoint(self, pid: int) -> None:
+        """LOCKED -> CHECKPOINTED."""
+        self._step("checkpoint", pid, lambda: self._driver.checkpoint(pid), ProcessState.CHECKPOINTED)
+
+    def _to_running(self, pid: int) -> None:
+        """Restore and/or unlock pid, from whatever state it is known (or queried) to be in."""
+        state = self._states.get(pid)
+        if state is None:
+            state = self._driver.get_state(pid)
+            self._states[pid] = state
+        if state is ProcessState.CHECKPOINTED:
+            self._step("restore", pid, lambda: self._driver.restore(pid), ProcessState.LOCKED)
+            state = ProcessState.LOCKED
+        if state is ProcessState.LOCKED:
+            self._step("unlock", pid, lambda: self._driver.unlock(pid), ProcessState.RUNNING)
+        elif state is ProcessState.FAILED:
+            raise GpuError("resume", "CUDA state is FAILED: the process must be restarted", pid=pid)
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """Pids not yet back to RUNNING (empty after resume() or release())."""
+        if self.released:
+            return ()
+        return tuple(p for p, s in self._states.items() if s is not ProcessState.RUNNING)
+
+    def resume(self) -> None:
+        """Restore + unlock every pid still suspended; idempotent, and retries only what failed."""
+        errors: list[GpuError] = []
+        for pid in self.pending:
+            try:
+                self._to_running(pid)
+            except GpuError as exc:
+                log.error("could not resume CUDA state: %s", exc)
+                errors.append(exc)
+        if errors:
+            raise _joined("resume", errors)
+
+    def release(self) -> None:
+        """The CRIU dump killed the processes: their CUDA state lives in the image, nothing to resume."""
+        self.released = True
+
+    def record(self) -> dict[str, Any]:
+        """What the manifest keeps: pids, device bytes per pid and the time spent per driver call."""
+        return {
+            "pids": list(self.pids),
+            "device_bytes": {str(p): n for p, n in self.device_bytes.items()},
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+        }
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self.pending:
+            return
+        try:
+            self.resume()
+        except GpuError as err:
+            if exc is None:
+                raise
+            exc.add_note(f"and resuming the CUDA state failed: {err}")
+
+
+class GpuCheckpointer:
+    """Drives one GpuDriver for the CUDA processes of a job."""
+
+    def __init__(self, driver: GpuDriver) -> None:
+        self.driver = driver
+
+    def probe(self, pids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(pids with CUDA state, pids without it): a CUDA restore thread is the tell."""
+        cuda: list[int] = []
+        other: list[int] = []
+        for pid in pids:
+            try:
+                self.driver.restore_thread_id(pid)
+            except GpuError:
+                other.append(pid)
+            else:
+                cuda.append(pid)
+        return cuda, other
+
+    def checkpointed(self, pids: Sequence[int]) -> list[int]:
+        """The pids whose CUDA state is CHECKPOINTED (after a CRIU restore: those to bring back)."""
+        out: list[int] = []
+        for pid in pids:
+            try:
+                if self.driver.get_state(pid) is ProcessState.CHECKPOINTED:
+                    out.append(pid)
+            except GpuError:
+                continue
+        return out
+
+    def suspend(
+        self, pids: Sequence[int], timeout_ms: int, device_bytes: Mapping[int, int] | None = None
+    ) -> GpuSuspension:
+        """Lock then checkpoint every pid; on any failure roll back what was done and re-raise."""
+        if timeout_ms <= 0:
+            raise ValueError("timeout_ms must be > 0: a lock without a timeout can hang the job forever")
+        sus = GpuSuspension(self.driver, list(dict.fromkeys(pids)), device_bytes)
+        try:
+            for pid in sus.pids:
+                sus._lock(pid, timeout_ms)
+            for pid in sus.pids:
+                sus._checkpoint(pid)
+        except BaseException as exc:
+            try:
+                sus.resume()
+            except GpuError as err:
+                exc.add_note(f"and rolling back the CUDA state failed: {err}")
+            raise
+        return sus
+
+    def restore(self, pids: Sequence[int], gpu_map: Mapping[str, str] | None = None) -> dict[str, float]:
+        """After CRIU restored the tree: restore every pid (remapped by gpu_map old->new UUID), then unlock.
+
+        Stops at the first failed restore and unlocks nothing then: the job is unusable, kill its tree.
+        """
+        pairs = sorted((old, new) for old, new in (gpu_map or {}).items() if old != new)
+        for old, new in pairs:
+            try:
+                uuid_bytes(old)
+                uuid_bytes(new)
+            except ValueError as exc:
+                raise InvalidArgument(f"bad GPU map entry {old!r} -> {new!r}: {exc}") from None
+        t0 = time.monotonic()
+        for pid in pids:
+            self.driver.restore(pid, pairs)
+        t1 = time.monotonic()
+        errors: list[GpuError] = []
+        for pid in pids:
+            try:
+                self.driver.unlock(pid)
+            except GpuError as exc:
+                errors.append(exc)
+        if errors:
+            raise _joined("unlock", errors)
+        return {"restore": t1 - t0, "unlock": time.monotonic() - t1}

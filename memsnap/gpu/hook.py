@@ -1,0 +1,136 @@
+"""The engine's GpuHook: describe, preflight + suspend, and restore the CUDA processes of a tree.
+
+A job declares what cannot be observed from outside through its environment: MEMSNAP_GPU_MANAGED=1
+(it uses CUDA managed/UVM memory) and MEMSNAP_GPU_IPC=1 (it shares device memory over CUDA IPC).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from memsnap.gpu import detect, preflight
+from memsnap.gpu.base import GpuDriver
+from memsnap.gpu.checkpointer import GpuCheckpointer, GpuSuspension
+from memsnap.gpu.driver import load_driver
+from memsnap.gpu.errors import GpuUnavailable
+from memsnap.gpu.runner import Runner, run_subprocess
+
+log = logging.getLogger(__name__)
+
+MANAGED_ENV = "MEMSNAP_GPU_MANAGED"
+IPC_ENV = "MEMSNAP_GPU_IPC"
+_CACHE_S = 10.0
+
+
+class NvidiaGpuHook:
+    """GpuHook for memsnap.engine; loads the driver (cuInit) only when a CUDA job is first seen."""
+
+    def __init__(
+        self,
+        driver_loader: Callable[[], GpuDriver | None] = load_driver,
+        runner: Runner = run_subprocess,
+        proc_root: str = detect.PROC,
+    ) -> None:
+        self._loader = driver_loader
+        self._runner = runner
+        self._proc = proc_root
+        self._lock = threading.Lock()
+        self._ckpt: GpuCheckpointer | None = None
+        self._cache: tuple[int, float, list[detect.CudaProcess], dict[str, Any]] | None = None
+
+    def checkpointer(self) -> GpuCheckpointer:
+        """The GpuCheckpointer over the driver, loaded on first use; GpuUnavailable when there is none."""
+        with self._lock:
+            if self._ckpt is None:
+                driver = self._loader()
+                if driver is None:
+                    raise GpuUnavailable(
+                        "load",
+                        "neither libcuda.so.1 with the checkpoint API nor cuda-checkpoint (with --action) "
+                        "is usable: install NVIDIA driver >= 570",
+                    )
+                log.info("CUDA checkpoint backend: %s", driver.name)
+                self._ckpt = GpuCheckpointer(driver)
+            return self._ckpt
+
+    def _scan(self, root_pid: int, fresh: bool) -> tuple[list[detect.CudaProcess], dict[str, Any]]:
+        """CUDA processes of the tree and gpu_info for them, reusing describe()'s scan for a few seconds."""
+        c = self._cache
+        if not fresh and c is not None and c[0] == root_pid and time.monotonic() - c[1] < _CACHE_S:
+            return c[2], c[3]
+        procs = detect.find_cuda_processes(root_pid, self._proc)
+        info = detect.gpu_info([p.pid for p in procs], self._runner, self._proc) if procs else {}
+        self._cache = (root_pid, time.monotonic(), procs, info)
+        return procs, info
+
+    def describe(self, root_pid: int) -> list[dict[str, Any]]:
+        """Per CUDA process of the tree: pid, ns pid, device files, GPUs (uuid, model, bytes), driver."""
+        procs, info = self._scan(root_pid, fresh=True)
+        models = {g["uuid"]: g["name"] for g in info.get("gpus", [])}
+        out: list[dict[str, Any]] = []
+        for p in procs:
+            apps = [a for a in info.get("processes", []) if a["pid"] == p.pid]
+            gpus = [
+                {"uuid": a["gpu_uuid"], "model": models.get(a["gpu_uuid"]), "bytes": a["used_bytes"]}
+                for a in apps
+            ]
+            out.append(
+                {
+                    "pid": p.pid,
+                    "ns_pid": p.ns_pid,
+                    "devices": list(p.devices),
+                    "uses_uvm_fd": p.uses_uvm,
+                    "gpus": gpus,
+                    "device_bytes": sum(g["bytes"] or 0 for g in gpus),
+                    "driver_version": info.get("driver_version"),
+                }
+            )
+        return out
+
+    def suspend(self, root_pid: int, timeout_ms: int) -> GpuSuspension:
+        """Preflight, then lock + checkpoint every process of the tree that holds CUDA state."""
+        procs, info = self._scan(root_pid, fresh=False)
+        pids = [p.pid for p in procs]
+        uuids = {a["gpu_uuid"] for a in info.get("processes", [])}
+        facts = preflight.facts_from_info(
+            info,
+            gpu_uuids=uuids or None,
+            uvm_managed=any(detect.declared(p, MANAGED_ENV, self._proc) for p in pids),
+            ipc_memory=any(detect.declared(p, IPC_ENV, self._proc) for p in pids),
+        )
+        preflight.check(facts)  # before cuInit: a too-old driver gets the clear message
+        ckpt = self.checkpointer()
+        cuda, other = ckpt.probe(pids)
+        version = ckpt.driver.driver_version() or None
+        preflight.check(dataclasses.replace(facts, cuda_api_version=version, untracked_pids=tuple(other)))
+        return ckpt.suspend(cuda, timeout_ms, detect.device_bytes(info))
+
+    def restore(self, root_pid: int, gpu_map: dict[str, str] | None) -> None:
+        """After CRIU restored the tree: restore (remapped by gpu_map) and unlock its checkpointed CUDA pids."""
+        remap = any(old != new for old, new in (gpu_map or {}).items())
+        info = detect.gpu_info(None, self._runner, self._proc) if remap else {}
+        # Only what would make the driver fail: the tree is already restored, MIG/MPS were checked at dump.
+        facts = preflight.GpuFacts(info.get("driver_branch"), remap_requested=remap)
+        ckpt = self.checkpointer()
+        version = ckpt.driver.driver_version() or None
+        if remap or version is not None:
+            preflight.check(dataclasses.replace(facts, cuda_api_version=version))
+        cuda = ckpt.checkpointed(detect.descendants(root_pid, self._proc))
+        if not cuda:
+            log.warning("restored tree %d has no checkpointed CUDA process; nothing to restore", root_pid)
+            return
+        seconds = ckpt.restore(cuda, gpu_map)
+        log.info("CUDA state of pids %s restored in %.3f s", cuda, sum(seconds.values()))
+
+
+def load_hook(proc_root: str = detect.PROC) -> NvidiaGpuHook | None:
+    """The hook when the NVIDIA kernel driver or nvidia-smi is present; None on CPU-only nodes."""
+    if detect.kernel_driver_version(proc_root) is None and shutil.which("nvidia-smi") is None:
+        return None
+    return NvidiaGpuHook(proc_root=proc_root)
