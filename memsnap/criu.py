@@ -109,9 +109,15 @@ def error_lines(log_path: str | Path, limit: int = 3) -> list[str]:
 class Criu:
     """Runs one `criu swrk` per operation over a SOCK_SEQPACKET pair."""
 
-    def __init__(self, binary: str | None = None) -> None:
+    def __init__(self, binary: str | None = None, plugin_dir: Path | None = None) -> None:
         self.binary = binary or find_binary()
         self._version: str | None = None
+        # CRIU loads every plugin in its libdir; memsnap drives CUDA itself (see memsnap.gpu), so CRIU
+        # gets an empty plugin dir and its cuda_plugin can never lock/unlock behind our back.
+        self._env = dict(os.environ)
+        if plugin_dir is not None:
+            plugin_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._env["CRIU_LIBS_DIR"] = str(plugin_dir)
 
     # -- transport ------------------------------------------------------------
     def _call(
@@ -131,6 +137,7 @@ class Criu:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 close_fds=True,
+                env=self._env,
             )
         except OSError as exc:
             parent.close()
@@ -296,7 +303,7 @@ class Criu:
         if page_server:
             cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1])]
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                stderr=subprocess.DEVNULL, start_new_session=True, env=self._env)
 
 
 def read_dump_stats(images_dir: Path, work_dir: Path, wall_ms: float) -> DumpStats:

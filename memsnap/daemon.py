@@ -65,7 +65,7 @@ class Daemon:
         self.metrics = Metrics()
         self.catalog = Catalog(state)
         self.tier = MemoryTier(cfg.tier.dir, cfg.tier.capacity or 0, cfg.tier.kind)
-        self.criu = Criu()
+        self.criu = Criu(plugin_dir=state / "criu-plugins")
         key = manifest.load_or_create_key(Path(cfg.hmac_key_path))
         self.drain = self._make_drain(key)
         self.engine = Engine(

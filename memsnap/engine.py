@@ -262,9 +262,12 @@ class Engine:
                 if gpu_info:
                     suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms)
             stats = self.criu.dump(pid, staging, work, opts)
-        except (CriuError, Exception) as exc:
+        except Exception as exc:
             if suspension is not None:
-                suspension.resume()
+                try:
+                    suspension.resume()
+                except Exception as gpu_exc:  # keep CRIU's reason as the error; log the GPU one
+                    clog.error("could not resume CUDA state after a failed dump: %s", gpu_exc)
             self.tier.discard_staging(ckpt_id)
             reason = exc.reason if isinstance(exc, CriuError) else str(exc)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=reason)
@@ -347,7 +350,9 @@ class Engine:
         images, fetch_ms, from_store = self._local_copy(rec)
         t1 = time.monotonic()
         try:
-            man = manifest.verify_dir(images, self.key)
+            # A copy fetched from the store was hashed while it streamed in; a tier copy is hashed now.
+            man = (manifest.verify_dir_signature_only(images, self.key) if from_store
+                   else manifest.verify_dir(images, self.key))
         except manifest.IntegrityError as exc:
             self.observe("restore", "integrity", time.monotonic() - t0)
             raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
@@ -369,7 +374,12 @@ class Engine:
             raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") from exc
         restore_ms = (time.monotonic() - t2) * 1000
         if self.gpu is not None and man.get("gpus"):
-            self.gpu.restore(new_pid, gpu_map)
+            try:
+                self.gpu.restore(new_pid, gpu_map)
+            except Exception as exc:
+                # A restored tree whose CUDA state cannot come back would stay locked forever.
+                jobs.kill_tree(new_pid)
+                raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
         if not os.environ.get("MEMSNAP_KEEP_LOGS"):
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=rec.name or rec.job or rec.id, pid=new_pid,

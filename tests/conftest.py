@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from tests.helpers import DaemonProc, kill_job
+from tests.s3server import s3_server  # noqa: F401  (fixture)
 
 
 def _criu_ready() -> None:

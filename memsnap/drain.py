@@ -1,0 +1,289 @@
+"""The drain: copies staged checkpoints from the tier to storage in the background, journaled and verified.
+
+Life of a drain: STAGED -> (journal DRAINING) -> every file streamed through zstd into the store, its raw
+blake3 checked against the signed tier manifest -> store manifest (signed, with per-object stored sizes and
+hashes) written LAST -> object sizes verified -> (journal DURABLE). A failure journals the reason, goes back
+to STAGED and retries with exponential backoff. After a crash, STAGED/DRAINING checkpoints are simply
+drained again: objects are written atomically and the store manifest is what makes a copy count.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from memsnap import manifest
+from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
+from memsnap.errors import IntegrityFailure, Unavailable
+from memsnap.store import (
+    MANIFEST_NAME, Codec, EncodeResult, Store, StoreError, StoreNotFound, StoreUnavailable, Throttle, copy_decode,
+    copy_encode, open_store,
+)
+from memsnap.tier import MemoryTier
+
+log = logging.getLogger("memsnap.drain")
+
+_PROGRESS_EVERY_S = 0.25
+
+
+class DrainService:
+    """A pool of drain workers over a time-ordered queue, sharing one bandwidth throttle."""
+
+    def __init__(self, store: Store, catalog: Catalog, tier: MemoryTier, key: bytes, codec: Codec,
+                 throttle: Throttle | None = None, concurrency: int = 2, retry_initial_s: float = 1.0,
+                 retry_max_s: float = 60.0, metrics: Any = None) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.tier = tier
+        self.key = key
+        self.codec = codec
+        self.throttle = throttle
+        self.concurrency = max(1, concurrency)
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.metrics = metrics
+        self._heap: list[tuple[float, str]] = []
+        self._queued: set[str] = set()
+        self._active: set[str] = set()
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def attach(self, engine: Any) -> None:
+        """Called by the daemon once the engine exists (kept for symmetry; the engine calls us)."""
+
+    def describe(self) -> str:
+        """Where checkpoints go."""
+        return self.store.describe()
+
+    # -- queue --------------------------------------------------------------------------------
+    def start(self, pending: list[str]) -> None:
+        """Cleans up interrupted uploads, requeues unfinished drains and starts the workers."""
+        try:
+            removed = self.store.cleanup_temps()
+            if removed:
+                log.info("removed %d interrupted uploads from the store", removed)
+        except StoreError as exc:
+            log.warning("store not reachable at start (%s); drains will retry", exc)
+        for ckpt_id in pending:
+            self.enqueue(ckpt_id)
+        for i in range(self.concurrency):
+            t = threading.Thread(target=self._worker, name=f"drain-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def enqueue(self, ckpt_id: str, delay_s: float = 0.0) -> None:
+        """Queues a checkpoint for draining (now, or after delay_s)."""
+        with self._cv:
+            if ckpt_id in self._queued:
+                return
+            self._queued.add(ckpt_id)
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, ckpt_id))
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """Stops the workers; an interrupted drain resumes at the next start."""
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def queue_stats(self) -> tuple[int, int]:
+        """(checkpoints waiting or draining, bytes still to drain)."""
+        with self._cv:
+            ids = set(self._queued) | set(self._active)
+        left = 0
+        for ckpt_id in ids:
+            rec = self.catalog.get_checkpoint(ckpt_id)
+            if rec is not None:
+                left += max(0, rec.size_bytes - rec.drained_bytes)
+        return len(ids), left
+
+    def _next(self) -> str | None:
+        with self._cv:
+            while not self._stop.is_set():
+                if self._heap:
+                    due, ckpt_id = self._heap[0]
+                    wait = due - time.monotonic()
+                    if wait <= 0:
+                        heapq.heappop(self._heap)
+                        self._queued.discard(ckpt_id)
+                        self._active.add(ckpt_id)
+                        return ckpt_id
+                    self._cv.wait(min(wait, 1.0))
+                else:
+                    self._cv.wait(1.0)
+        return None
+
+    def _worker(self) -> None:
+        while (ckpt_id := self._next()) is not None:
+            try:
+                self._drain_with_retry(ckpt_id)
+            finally:
+                with self._cv:
+                    self._active.discard(ckpt_id)
+
+    # -- one drain ----------------------------------------------------------------------------
+    def _drain_with_retry(self, ckpt_id: str) -> None:
+        rec = self.catalog.get_checkpoint(ckpt_id)
+        if rec is None or rec.state not in (STAGED, DRAINING) or not rec.in_tier:
+            return
+        clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
+        attempts = rec.drain_attempts + 1
+        self.catalog.update_checkpoint(ckpt_id, state=DRAINING, drain_attempts=attempts, drained_bytes=0)
+        t0 = time.monotonic()
+        try:
+            stored = self._drain(rec)
+        except Exception as exc:  # any failure: keep the reason, back off, try again
+            if self.catalog.get_checkpoint(ckpt_id) is None:
+                self._forget(ckpt_id)  # deleted while draining
+                return
+            delay = min(self.retry_max_s, self.retry_initial_s * 2 ** (attempts - 1))
+            reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StoreError) else str(exc)
+            self.catalog.update_checkpoint(ckpt_id, state=STAGED, last_error=reason,
+                                           next_attempt_ms=now_ms() + int(delay * 1000))
+            if self.metrics is not None:
+                self.metrics.storage_errors.labels(op="put").inc()
+            clog.warning("drain attempt %d failed, retrying in %.1fs: %s", attempts, delay, reason)
+            self.enqueue(ckpt_id, delay)
+            return
+        if self.catalog.get_checkpoint(ckpt_id) is None:
+            self._forget(ckpt_id)
+            return
+        self.catalog.update_checkpoint(ckpt_id, state=DURABLE, in_store=True, durable_ms=now_ms(),
+                                       drained_bytes=rec.size_bytes, stored_bytes=stored, last_error="",
+                                       next_attempt_ms=0)
+        secs = time.monotonic() - t0
+        if self.metrics is not None:
+            self.metrics.observe_phase("drain", secs)
+        clog.info("durable in %s: %d bytes stored in %.2fs", self.store.describe(), stored, secs)
+
+    def _forget(self, ckpt_id: str) -> None:
+        try:
+            self.store.delete_prefix(ckpt_id + "/")
+        except StoreError:
+            pass
+
+    def _drain(self, rec: CheckpointRecord) -> int:
+        src = self.tier.path(rec.id)
+        tier_manifest = manifest.verify_dir_signature_only(src, self.key)
+        files: dict[str, dict[str, Any]] = tier_manifest["files"]
+        done = 0
+        last_report = time.monotonic()
+        stored_files: dict[str, dict[str, Any]] = {}
+
+        def progress(n: int) -> None:
+            nonlocal done, last_report
+            done += n
+            if self.metrics is not None:
+                self.metrics.drained_bytes.inc(n)
+            if time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+                last_report = time.monotonic()
+                self.catalog.update_checkpoint(rec.id, drained_bytes=done)
+
+        # Small files first, so a late failure retries only the big page images.
+        for name in sorted(files, key=lambda n: (files[n]["size"], n)):
+            meta = files[name]
+            key = f"{rec.id}/{name}" + (".zst" if self.codec.compressed else "")
+            with open(src / name, "rb") as f, self.store.open_writer(key) as w:
+                res = copy_encode(f, w, self.codec, self.throttle, progress)
+                if res.raw_blake3 != meta["blake3"] or res.raw_bytes != meta["size"]:
+                    raise IntegrityFailure(f"integrity check failed: tier copy of {name} does not match its "
+                                           "manifest; it will not be made durable")
+                obj = w.commit()
+            stored_files[name] = {"key": key, "stored_bytes": res.stored_bytes,
+                                  "stored_blake3": res.stored_blake3, "codec": self.codec.name}
+            if obj.size_bytes != res.stored_bytes:
+                raise StoreUnavailable(f"store reports {obj.size_bytes} bytes for {key}, wrote {res.stored_bytes}")
+        self.catalog.update_checkpoint(rec.id, drained_bytes=done)
+        body = dict(tier_manifest)
+        body["storage"] = {"codec": self.codec.name, "files": stored_files}
+        signed = manifest.sign(body, self.key)
+        data = json.dumps(signed, indent=1, sort_keys=True).encode()
+        with self.store.open_writer(f"{rec.id}/{MANIFEST_NAME}") as w:
+            w.write(data)
+            w.commit()
+        # Verified: every object is there at the size we wrote (contents were checked on the way in).
+        for name, s in stored_files.items():
+            if self.store.stat(s["key"]) != s["stored_bytes"]:
+                raise StoreUnavailable(f"stored {s['key']} has the wrong size after upload")
+        return sum(int(s["stored_bytes"]) for s in stored_files.values()) + len(data)
+
+    # -- fetch and delete ---------------------------------------------------------------------
+    def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
+        """Copies a durable checkpoint into dest, verifying the signature and every hash on the way."""
+        t0 = time.monotonic()
+        try:
+            with self.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
+                stored = json.loads(f.read())
+        except StoreNotFound as exc:
+            raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
+        except StoreUnavailable as exc:
+            raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
+        except ValueError as exc:
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable") from exc
+        try:
+            manifest.verify_signature(stored, self.key)
+        except manifest.IntegrityError as exc:
+            raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
+        files = stored["files"]
+        storage = stored.get("storage", {}).get("files", {})
+        if set(storage) != set(files):
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
+        for name, meta in files.items():
+            s = storage[name]
+            if "/" in name or name.startswith(".") or s.get("key") != f"{rec.id}/{name}" + (
+                    ".zst" if s.get("codec") == "zstd" else ""):
+                raise IntegrityFailure(f"integrity check failed: bad entry {name!r} in stored manifest")
+            fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                with self.store.open_reader(s["key"]) as src, os.fdopen(fd, "wb") as out:
+                    res = copy_decode(_as_binary(src), out, s.get("codec") == "zstd")
+            except StoreUnavailable as exc:
+                raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
+            except StoreError as exc:
+                raise IntegrityFailure(f"integrity check failed: {name}: {exc}") from exc
+            if (res.raw_bytes, res.raw_blake3) != (meta["size"], meta["blake3"]) or \
+                    res.stored_blake3 != s["stored_blake3"]:
+                raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
+        tier_body = {k: v for k, v in stored.items() if k != "storage"}
+        manifest.write(dest, manifest.sign(tier_body, self.key))
+        if self.metrics is not None:
+            self.metrics.observe_phase("fetch", time.monotonic() - t0)
+
+    def delete(self, rec: CheckpointRecord) -> None:
+        """Removes the stored copy."""
+        try:
+            self.store.delete_prefix(rec.id + "/")
+        except StoreUnavailable as exc:
+            raise Unavailable(f"cannot delete {rec.id} from the store: {exc}; try again later") from exc
+
+
+def _as_binary(f: Any) -> BinaryIO:
+    return f  # type: ignore[no-any-return]
+
+
+def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metrics: Any) -> DrainService | None:
+    """The drain for a daemon config: S3 when store.url is set, else the POSIX store dir."""
+    if cfg.store.url:
+        store = open_store(store_url=cfg.store.url, endpoint_url=cfg.store.s3_endpoint or None,
+                           region=cfg.store.s3_region or None)
+    elif cfg.store.dir:
+        store = open_store(store_dir=cfg.store.dir, create=True)
+    else:
+        return None
+    threads = cfg.drain.compression_threads or -1
+    codec = Codec(level=cfg.drain.compression_level or None, threads=threads)
+    throttle = Throttle(cfg.drain.bandwidth) if cfg.drain.bandwidth else None
+    return DrainService(store, catalog, tier, key, codec, throttle, cfg.drain.concurrency,
+                        cfg.drain.retry_initial_s, cfg.drain.retry_max_s, metrics)
+
+
+__all__ = ["DrainService", "EncodeResult", "build_drain"]
