@@ -114,7 +114,8 @@ class Daemon:
 
         servicer = MemsnapServicer(self.engine, self._status_extra, migrator=self._migrator())
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
-                             options=[("grpc.max_receive_message_length", 64 << 20)])
+                             options=[("grpc.max_receive_message_length", 64 << 20)],
+                             interceptors=self._interceptors())
         memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -147,8 +148,8 @@ class Daemon:
                                               lambda: float(self.drain.queue_stats()[1]))
             self._servers.append(serve(self.metrics, host.strip("[]") or "127.0.0.1", int(port)))
 
-        self._start_background()
         self.notifier.ready()
+        self._start_background()
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
 
     def _migrator(self) -> Any:
@@ -158,12 +159,24 @@ class Daemon:
             return None
         return Migrator(self.engine, self.cfg)
 
+    def _interceptors(self) -> list[Any]:
+        """TCP authentication (memsnap.remote); it also refuses the reserved auth header on any socket."""
+        from memsnap.remote import RemoteConfigError, interceptors
+
+        try:
+            return interceptors(self.cfg.daemon)
+        except RemoteConfigError as exc:
+            raise SystemExit(f"memsnapd: {exc}") from exc
+
     def _add_tcp(self, server: grpc.Server) -> None:
         if not self.cfg.daemon.listen:
             return
-        from memsnap.remote import add_tcp_port
+        from memsnap.remote import RemoteConfigError, add_tcp_port
 
-        add_tcp_port(server, self.cfg.daemon)
+        try:
+            add_tcp_port(server, self.cfg.daemon)
+        except RemoteConfigError as exc:
+            raise SystemExit(f"memsnapd: {exc}") from exc
 
     def _start_background(self) -> None:
         def healthy() -> bool:
@@ -181,6 +194,7 @@ class Daemon:
         def reaper() -> None:
             while not self._stopped.wait(1.0):
                 self.engine.launcher.reap()
+                self.engine.reap_lazy()
 
         t = threading.Thread(target=reaper, name="reaper", daemon=True)
         t.start()

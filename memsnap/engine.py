@@ -118,6 +118,8 @@ class Engine:
         self._busy: set[int] = set()
         self._busy_lock = threading.Lock()
         self._evict_lock = threading.Lock()
+        self._lazy: list[tuple[str, Any, Path]] = []
+        self._lazy_lock = threading.Lock()
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager
@@ -195,8 +197,12 @@ class Engine:
 
     # -- checkpoint -----------------------------------------------------------------
     def checkpoint(self, caller: Caller, target: str, stop: bool = False, tcp_established: bool = False,
-                   name: str = "") -> CheckpointRecord:
-        """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop."""
+                   name: str = "", hooks: DumpHooks | None = None) -> CheckpointRecord:
+        """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop.
+
+        hooks (memsnap.migrate) can hold the tree stopped instead, watch the staging dir while CRIU
+        writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
+        """
         pid, job = self.resolve_pid(target)
         try:
             owner = jobs.owner_uid(pid)
@@ -211,7 +217,7 @@ class Engine:
                 raise NotFound(str(exc)) from exc
             reservation = self._reserve(estimate)
             try:
-                rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name)
+                rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, hooks)
             except Exception:
                 self.observe("checkpoint", "error", time.monotonic() - t_start)
                 raise
@@ -236,11 +242,13 @@ class Engine:
                     self._evict(victim)
 
     def _lru_evictable(self) -> CheckpointRecord | None:
-        durable = [r for r in self.catalog.checkpoints(states=(DURABLE,)) if r.in_tier and r.in_store]
+        durable = [r for r in self.catalog.checkpoints(states=(DURABLE,))
+                   if r.in_tier and r.in_store and not self.lazy_in_use(r.id)]
         return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
 
     def _checkpoint_reserved(self, pid: int, job: JobRecord | None, owner: int, stop: bool,
-                             tcp_established: bool, name: str) -> CheckpointRecord:
+                             tcp_established: bool, name: str, hooks: DumpHooks | None = None) -> CheckpointRecord:
+        hooks = hooks or DumpHooks()
         ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         argv = jobs.cmdline(pid)
         own_ns = jobs.in_own_pidns(pid)
@@ -252,8 +260,10 @@ class Engine:
         staging = self.tier.new_staging(ckpt_id)
         work = self.work_root / ckpt_id
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
-        opts = DumpOptions(leave_running=not stop, leave_stopped=stop, tcp_established=tcp_established,
-                           shell_job=not jobs.is_session_leader(pid), **self.cfg.extra_dump_opts)
+        frozen_after = stop or hooks.hold
+        opts = DumpOptions(leave_running=not frozen_after, leave_stopped=frozen_after,
+                           tcp_established=tcp_established, shell_job=not jobs.is_session_leader(pid),
+                           **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = None
         try:
@@ -261,7 +271,9 @@ class Engine:
                 gpu_info = self.gpu.describe(pid)
                 if gpu_info:
                     suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms)
-            stats = self.criu.dump(pid, staging, work, opts)
+            if hooks.before_dump is not None:
+                hooks.before_dump(staging)
+            stats = self.criu.dump(pid, staging, work, opts, notify=hooks.notify)
         except Exception as exc:
             if suspension is not None:
                 try:
@@ -283,14 +295,14 @@ class Engine:
                 "memsnap_version": __version__, "created_ms": rec.created_ms, "frozen_ms": stats.frozen_ms,
                 "freezing_ms": stats.freezing_ms, "dump_ms": stats.wall_ms, "own_pidns": own_ns,
                 "log_path": job.log_path if job else "", "gpus": gpu_info,
-                "files": manifest.describe_files(staging),
+                "files": (hooks.file_table() if hooks.file_table else None) or manifest.describe_files(staging),
             }
             signed = manifest.sign(body, self.key)
             manifest.write(staging, signed)
             self.tier.publish(staging, ckpt_id)
         except Exception as exc:
             # The dump worked but the image is not safely staged: the job must go on.
-            if stop:
+            if frozen_after:
                 _resume_stopped(pid)
             if suspension is not None:
                 suspension.resume()
@@ -300,10 +312,13 @@ class Engine:
         size = sum(int(m["size"]) for m in signed["files"].values())
         meta = {k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus",
                                        "freezing_ms")}
+        meta["fingerprint"] = manifest.fingerprint(self.tier.path(ckpt_id))
         self.catalog.update_checkpoint(ckpt_id, state=STAGED, in_tier=True, size_bytes=size,
                                        frozen_ms=int(stats.frozen_ms), dump_ms=int(stats.wall_ms),
                                        last_used_ms=now_ms(), meta=meta)
-        if stop:
+        if hooks.hold:
+            pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
+        elif stop:
             # The image is safely staged: now the job may end.
             if suspension is not None:
                 suspension.release()
@@ -351,8 +366,7 @@ class Engine:
         t1 = time.monotonic()
         try:
             # A copy fetched from the store was hashed while it streamed in; a tier copy is hashed now.
-            man = (manifest.verify_dir_signature_only(images, self.key) if from_store
-                   else manifest.verify_dir(images, self.key))
+            man = manifest.verify_dir(images, self.key, trusted=rec.meta.get("fingerprint"))
         except manifest.IntegrityError as exc:
             self.observe("restore", "integrity", time.monotonic() - t0)
             raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
@@ -366,10 +380,13 @@ class Engine:
         work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
         t2 = time.monotonic()
+        server = self._start_lazy_server(rec.id, images, work) if lazy else None
         try:
             new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
                                                                      shell_job=False, lazy_pages=lazy))
         except CriuError as exc:
+            if server is not None:
+                server.kill()
             self.observe("restore", "error", time.monotonic() - t0)
             raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") from exc
         restore_ms = (time.monotonic() - t2) * 1000
@@ -380,7 +397,7 @@ class Engine:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 jobs.kill_tree(new_pid)
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
-        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+        if server is None and not os.environ.get("MEMSNAP_KEEP_LOGS"):
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=rec.name or rec.job or rec.id, pid=new_pid,
                         pid_start=_start_or_zero(new_pid), owner_uid=rec.owner_uid,
@@ -392,6 +409,37 @@ class Engine:
         log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
                              fetch_ms=fetch_ms, from_store=from_store)
+
+    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path) -> Any:
+        """Starts `criu lazy-pages` on the tier copy; it serves faults and pushes the rest, then exits."""
+        proc = self.criu.start_lazy_pages(images, work)
+        sock = work / "lazy-pages.socket"
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise FailedPrecondition(f"lazy-pages server for {ckpt_id} did not start; see {work}/lazy-pages.log")
+            time.sleep(0.002)
+        with self._lazy_lock:
+            self._lazy.append((ckpt_id, proc, work))
+        return proc
+
+    def lazy_in_use(self, ckpt_id: str) -> bool:
+        """Whether a lazy restore still pages from this checkpoint's tier copy (so it must stay)."""
+        self.reap_lazy()
+        with self._lazy_lock:
+            return any(c == ckpt_id for c, _, _ in self._lazy)
+
+    def reap_lazy(self) -> None:
+        """Forgets lazy-pages servers that have served every page."""
+        with self._lazy_lock:
+            alive = []
+            for ckpt_id, proc, work in self._lazy:
+                if proc.poll() is None:
+                    alive.append((ckpt_id, proc, work))
+                elif not os.environ.get("MEMSNAP_KEEP_LOGS"):
+                    shutil.rmtree(work, ignore_errors=True)
+            self._lazy = alive
 
     def _local_copy(self, rec: CheckpointRecord) -> tuple[Path, float, bool]:
         """The tier copy, fetched from the store first when it was evicted."""
@@ -411,7 +459,9 @@ class Engine:
                 raise
         finally:
             reservation.release()
-        self.catalog.update_checkpoint(rec.id, in_tier=True)
+        # The fetch hashed every byte as it streamed in: remember that, so verification need not re-read.
+        rec.meta["fingerprint"] = manifest.fingerprint(self.tier.path(rec.id))
+        self.catalog.update_checkpoint(rec.id, in_tier=True, meta=rec.meta)
         return self.tier.path(rec.id), (time.monotonic() - t0) * 1000, True
 
     # -- catalog operations ---------------------------------------------------------
@@ -424,6 +474,8 @@ class Engine:
         rec = self.get(caller, ckpt_id)
         if rec.state == DUMPING:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
+        if self.lazy_in_use(ckpt_id):
+            raise FailedPrecondition(f"a lazy restore is still paging from {ckpt_id}; try again when it is done")
         if rec.in_store and self.drain is not None:
             self.drain.delete(rec)
         self.tier.remove(ckpt_id)
@@ -435,6 +487,8 @@ class Engine:
         if rec.state != DURABLE or not rec.in_store:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is {rec.state}, not durable: evicting its tier copy "
                                      "would lose it; wait for the drain ('memsnapctl watch')")
+        if self.lazy_in_use(ckpt_id):
+            raise FailedPrecondition(f"a lazy restore is still paging from {ckpt_id}; try again when it is done")
         self._evict(rec)
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None

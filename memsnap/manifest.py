@@ -128,8 +128,25 @@ def read(images_dir: Path) -> dict[str, Any]:
     return data
 
 
-def verify_dir(images_dir: Path, key: bytes) -> dict[str, Any]:
-    """Checks signature, file set, sizes and checksums; returns the manifest."""
+def fingerprint(images_dir: Path) -> dict[str, list[int]]:
+    """(inode, size, mtime_ns, ctime_ns) per file: proof a file is untouched since we hashed it.
+
+    ctime cannot be set from userspace and moves on every write or chmod, so a matching fingerprint
+    means the bytes are the ones whose hash we computed ourselves (git's index uses the same idea).
+    """
+    out: dict[str, list[int]] = {}
+    for p in images_dir.iterdir():
+        if p.is_file() and p.name != MANIFEST:
+            st = p.stat()
+            out[p.name] = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return out
+
+
+def verify_dir(images_dir: Path, key: bytes, trusted: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Checks signature, file set, sizes and checksums; returns the manifest.
+
+    Files whose fingerprint equals `trusted` (recorded right after we hashed them) are not re-hashed.
+    """
     manifest = read(images_dir)
     verify_signature(manifest, key)
     files: dict[str, Any] = manifest["files"]
@@ -147,6 +164,8 @@ def verify_dir(images_dir: Path, key: bytes) -> dict[str, Any]:
             raise IntegrityError(f"integrity check failed: {name} is missing") from exc
         if size != meta.get("size"):
             raise IntegrityError(f"integrity check failed: {name} has {size} bytes, manifest says {meta.get('size')}")
+        if trusted is not None and trusted.get(name) == [*_fp(p)]:
+            continue
         if file_blake3(p) != meta.get("blake3"):
             raise IntegrityError(f"integrity check failed: checksum mismatch in {name}")
     return manifest
@@ -157,3 +176,8 @@ def verify_dir_signature_only(images_dir: Path, key: bytes) -> dict[str, Any]:
     m = read(images_dir)
     verify_signature(m, key)
     return m
+
+
+def _fp(p: Path) -> tuple[int, int, int, int]:
+    st = p.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
