@@ -13,6 +13,7 @@ import grpc
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord, JobRecord
 from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import InvalidArgument, MemsnapError, Unauthenticated
+from memsnap.remote import tcp_authenticated
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 
@@ -35,9 +36,9 @@ def caller_of(context: grpc.ServicerContext) -> Caller:
     m = PEER_RE.match(peer)
     if m:
         return Caller(uid=int(m.group(1)), gid=int(m.group(2)), pid=int(m.group(3)))
-    md = dict(context.invocation_metadata())
-    if md.get("x-memsnap-authenticated") == "tcp":
-        # Set only by the TCP auth interceptor after checking the token or client certificate.
+    if tcp_authenticated():
+        # Set only by memsnap.remote's interceptor, for this call, after checking the token or client
+        # certificate; no request header can set it.
         return ROOT
     raise Unauthenticated("caller identity unknown; connect through the daemon's Unix socket")
 
