@@ -218,3 +218,26 @@ def _has_cap(bit: int) -> bool:
 def test_default_socket_mode_is_0660(daemon):
     assert os.stat(daemon.socket).st_mode & 0o777 == 0o660
     assert (daemon.state.stat().st_mode & 0o777) == 0o700
+
+
+def test_health_service_and_reflection_are_served(daemon):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="memsnap.v1.Memsnap"),
+                                                 timeout=5)
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        resp = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([req]), timeout=5))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"memsnap.v1.Memsnap", "grpc.health.v1.Health"} <= names
+
+
+def test_status_reports_versions_tier_and_counts(daemon):
+    s = json.loads(daemon.ctl("--json", "status", check=True).stdout)
+    assert s["version"] and s["criu_version"].startswith("4.")
+    assert s["tier_capacity_bytes"] > 0 and s["tier_free_bytes"] > 0 and "tier_used_bytes" in s
+    assert "checkpoints_by_state" in s and "jobs_running" in s
+    human = daemon.ctl("status", check=True).stdout
+    assert "CRIU 4." in human and "free of" in human

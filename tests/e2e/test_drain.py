@@ -198,3 +198,16 @@ def test_s3_backend_round_trip_against_local_server(make_daemon, jobs_to_kill, s
     assert json.loads(d.ctl("--json", "status", check=True).stdout)["store"].startswith("s3://")
     r = _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
     assert r["from_store"] is True
+
+
+def test_watch_streams_progress_until_durable(make_daemon, jobs_to_kill):
+    d = make_daemon("watch", extra=["--drain-bandwidth", "16M", "--compression-level", "0"]).start()
+    jid, pid, log = _job(d, jobs_to_kill, 32)
+    ck = json.loads(d.ctl("--json", "checkpoint", jid, check=True).stdout)
+    r = d.ctl("--json", "watch", ck["id"], check=True, timeout=60)
+    updates = [json.loads(line) for line in r.stdout.splitlines()]
+    drained = [u["drained_bytes"] for u in updates]
+    assert updates[-1]["state"] == "durable" and len(updates) >= 3
+    assert drained == sorted(drained) and 0 < drained[-2] < updates[-1]["size_bytes"]
+    human = d.ctl("watch", ck["id"], check=True).stdout
+    assert "100.0%" in human and "durable" in human
