@@ -154,6 +154,7 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._unshare = shutil.which("unshare") or "/usr/bin/unshare"
         self._setsid = shutil.which("setsid") or "/usr/bin/setsid"
+        self._setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         self._children: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
 
@@ -168,24 +169,36 @@ class Launcher:
             os.fchown(fd, uid, gid)
         full_env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), **(env or {})}
         full_env["MEMSNAP_JOB"] = job_id
+        full_env["MEMSNAP_JOB_LOG_FD"] = str(fd)
+        # unshare needs root (CLONE_NEWPID); privileges are dropped inside the namespace with setpriv.
+        # The log fd (opened here, as root, in the 0700 state dir) is handed down and becomes the job's
+        # stdout/stderr only in the job itself, so unshare's own messages go to a separate launcher log.
+        cmd = [self._unshare, "--pid", "--fork", "--"]
+        if uid:
+            cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+        # bash, not sh: dash cannot redirect to fd numbers above 9.
+        cmd += [self._setsid, "--", "/bin/bash", "-c",
+                'n=$MEMSNAP_JOB_LOG_FD; unset MEMSNAP_JOB_LOG_FD; exec "$@" >&"$n" 2>&"$n" {n}>&-',
+                "memsnap-job", *argv]
+        launcher_log = os.open(self.log_dir / f"{job_id}.launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                               0o600)
         try:
             proc = subprocess.Popen(
-                [self._unshare, "--pid", "--fork", "--", self._setsid, "--", *argv],
+                cmd,
                 stdin=subprocess.DEVNULL,
-                stdout=fd,
-                stderr=fd,
+                stdout=launcher_log,
+                stderr=launcher_log,
                 cwd=cwd or "/",
                 env=full_env,
                 start_new_session=True,
                 close_fds=True,
-                user=uid if uid else None,
-                group=gid if uid else None,
-                extra_groups=[] if uid else None,
+                pass_fds=(fd,),
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from exc
         finally:
             os.close(fd)
+            os.close(launcher_log)
         pid = self._find_child(proc)
         with self._lock:
             self._children.append(proc)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from memsnap.client import ClientError
@@ -170,7 +171,8 @@ _AS_NOBODY = textwrap.dedent("""
     out = {}
     for name, call in [("checkpoint_root", lambda: c.checkpoint(int(sys.argv[2]))),
                        ("show_root", lambda: c.show(sys.argv[3])),
-                       ("checkpoint_own", lambda: c.checkpoint(int(sys.argv[4])).state)]:
+                       ("checkpoint_own", lambda: c.checkpoint(int(sys.argv[4])).state),
+                       ("run_own", lambda: int(c.run(["/bin/sleep", "60"]).pid))]:
         try:
             out[name] = ["OK", call()]
         except ClientError as e:
@@ -200,6 +202,10 @@ def test_peer_credentials_non_root_cannot_touch_roots_process(make_daemon, jobs_
     out = json.loads(r.stdout)
     assert out["checkpoint_root"][0] == "PERMISSION_DENIED", out
     assert out["show_root"][0] == "PERMISSION_DENIED", out
+    # nobody's own job runs as nobody (in its own PID namespace), not as root.
+    assert out["run_own"][0] == "OK", out
+    jobs_to_kill.append(int(out["run_own"][1]))
+    assert psutil.Process(int(out["run_own"][1])).uids().real == 65534
     # Authorization lets nobody act on its own process. Whether CRIU can then dump another uid's
     # process needs CAP_SYS_RESOURCE (prlimit), which some sandboxes (this CI VM) withhold from root.
     if _has_cap(24):  # CAP_SYS_RESOURCE
