@@ -193,18 +193,21 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):  # type: ignore[misc]
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> pb.MigrateResponse:
         if self.migrator is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
-        return self.migrator.migrate(caller_of(context), request, context)
+        resp: pb.MigrateResponse = self.migrator.migrate(caller_of(context), request, context)
+        return resp
 
     @translate
     def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],
                      context: grpc.ServicerContext) -> pb.ReceiveImageResponse:
         if self.migrator is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
-        return self.migrator.receive(caller_of(context), request_iterator, context)
+        got: pb.ReceiveImageResponse = self.migrator.receive(caller_of(context), request_iterator, context)
+        return got
 
     @translate
     def RestoreReceived(self, request: pb.RestoreReceivedRequest,
                         context: grpc.ServicerContext) -> pb.RestoreResponse:
         if self.migrator is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
-        return self.migrator.restore_received(caller_of(context), request, context)
+        res: pb.RestoreResponse = self.migrator.restore_received(caller_of(context), request, context)
+        return res

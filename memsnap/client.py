@@ -142,6 +142,14 @@ class MemsnapClient:
         """Moves a job to another daemon."""
         return self._call("Migrate", req, timeout)  # type: ignore[return-value]
 
+    def receive_image(self, chunks: Iterator[pb.ImageChunk], timeout: float = LONG_S) -> grpc.Future:
+        """Peer side of a move: streams image chunks; the future's result() is a ReceiveImageResponse."""
+        return self.stub.ReceiveImage.future(chunks, timeout=timeout, metadata=self._md)
+
+    def restore_received(self, req: pb.RestoreReceivedRequest, timeout: float = LONG_S) -> pb.RestoreResponse:
+        """Peer side of a move: restores an image sent to the peer (or one it fetches from the store)."""
+        return self._call("RestoreReceived", req, timeout)  # type: ignore[return-value]
+
 
 def _client_error(exc: grpc.RpcError) -> ClientError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

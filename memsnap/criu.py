@@ -64,6 +64,8 @@ class DumpOptions:
     lazy_pages: bool = False
     page_server: tuple[str, int] | None = None
     network_lock_nft: bool = True
+    # The caller locks the connections itself (memsnap.net, for moves between nodes).
+    network_lock_skip: bool = False
     external: list[str] = field(default_factory=list)
     log_level: int = 2
 
@@ -79,6 +81,8 @@ class RestoreOptions:
     lazy_pages: bool = False
     inherit_fds: dict[str, int] = field(default_factory=dict)
     network_lock_nft: bool = True
+    # The caller locks the connections itself (memsnap.net, for moves between nodes).
+    network_lock_skip: bool = False
     external: list[str] = field(default_factory=list)
     log_level: int = 2
 
@@ -240,7 +244,9 @@ class Criu:
             )
             if opts.leave_stopped:
                 o.leave_stopped = True
-            if opts.tcp_established and opts.network_lock_nft:
+            if opts.tcp_established and opts.network_lock_skip:
+                o.network_lock = rpc.SKIP
+            elif opts.tcp_established and opts.network_lock_nft:
                 o.network_lock = rpc.NFTABLES
             if opts.lazy_pages:
                 o.lazy_pages = True
@@ -282,7 +288,9 @@ class Criu:
             )
             for key, fd in opts.inherit_fds.items():
                 o.inherit_fd.add(key=key, fd=fd)
-            if opts.tcp_established and opts.network_lock_nft:
+            if opts.tcp_established and opts.network_lock_skip:
+                o.network_lock = rpc.SKIP
+            elif opts.tcp_established and opts.network_lock_nft:
                 o.network_lock = rpc.NFTABLES
             if opts.lazy_pages:
                 o.lazy_pages = True

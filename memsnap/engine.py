@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from memsnap import __version__, jobs, manifest
+from memsnap import __version__, failpoints, jobs, manifest
 from memsnap.catalog import (
     DRAINING, DUMPING, DURABLE, FAILED, RESTORABLE, STAGED, Catalog, CheckpointRecord, JobRecord, now_ms,
 )
-from memsnap.criu import Criu, CriuError, DumpOptions, RestoreOptions
+from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions
 from memsnap.errors import (
     Aborted, FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied, TierExhausted,
 )
@@ -84,6 +84,17 @@ class RestoreResult:
     verify_ms: float
     fetch_ms: float = 0.0
     from_store: bool = False
+
+
+@dataclass
+class DumpHooks:
+    """Extras for a dump that feeds a move to another node (memsnap.migrate); all optional."""
+
+    hold: bool = False  # leave the tree stopped after staging; end_held() or resume_held() decides
+    before_dump: Callable[[Path], None] | None = None  # gets the staging dir just before CRIU starts
+    file_table: Callable[[], dict[str, dict[str, Any]] | None] | None = None  # {name: {size, blake3}}
+    notify: NotifyCallback | None = None  # CRIU notify callbacks (post-dump, ...)
+    dump_opts: dict[str, Any] = field(default_factory=dict)  # extra DumpOptions fields
 
 
 @dataclass
@@ -247,13 +258,17 @@ class Engine:
         return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
 
     def _checkpoint_reserved(self, pid: int, job: JobRecord | None, owner: int, stop: bool,
-                             tcp_established: bool, name: str, hooks: DumpHooks | None = None) -> CheckpointRecord:
+                             tcp_established: bool, name: str,
+                             hooks: DumpHooks | None = None) -> CheckpointRecord:
         hooks = hooks or DumpHooks()
         ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         argv = jobs.cmdline(pid)
         own_ns = jobs.in_own_pidns(pid)
+        # The intent (stop or not) and the process identity are journaled too, so that recovery after a
+        # crash can finish or roll back a --stop whose job CRIU left stopped.
         rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
-                               job=job.id if job else "", name=name or (job.name if job else ""))
+                               job=job.id if job else "", name=name or (job.name if job else ""),
+                               meta={"stop": stop, "pid_start": _start_or_zero(pid), "hold": hooks.hold})
         # Journal first: after a crash, recovery finds this row and removes the half-written image.
         self.catalog.add_checkpoint(rec)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
@@ -295,10 +310,12 @@ class Engine:
                 "memsnap_version": __version__, "created_ms": rec.created_ms, "frozen_ms": stats.frozen_ms,
                 "freezing_ms": stats.freezing_ms, "dump_ms": stats.wall_ms, "own_pidns": own_ns,
                 "log_path": job.log_path if job else "", "gpus": gpu_info,
-                "files": (hooks.file_table() if hooks.file_table else None) or manifest.describe_files(staging),
+                "files": ((hooks.file_table() if hooks.file_table else None)
+                          or manifest.describe_files(staging)),
             }
             signed = manifest.sign(body, self.key)
             manifest.write(staging, signed)
+            failpoints.hit("before-publish")
             self.tier.publish(staging, ckpt_id)
         except Exception as exc:
             # The dump worked but the image is not safely staged: the job must go on.
@@ -310,12 +327,13 @@ class Engine:
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
         size = sum(int(m["size"]) for m in signed["files"].values())
-        meta = {k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus",
-                                       "freezing_ms")}
+        meta = {**rec.meta, **{k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "log_path",
+                                                      "gpus", "freezing_ms")}}
         meta["fingerprint"] = manifest.fingerprint(self.tier.path(ckpt_id))
         self.catalog.update_checkpoint(ckpt_id, state=STAGED, in_tier=True, size_bytes=size,
                                        frozen_ms=int(stats.frozen_ms), dump_ms=int(stats.wall_ms),
                                        last_used_ms=now_ms(), meta=meta)
+        failpoints.hit("after-publish")
         if hooks.hold:
             pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
         elif stop:
@@ -353,8 +371,12 @@ class Engine:
         return rec
 
     def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
-                tcp_established: bool = False) -> RestoreResult:
-        """Verifies a checkpoint against its signed manifest, then restores it detached."""
+                tcp_established: bool = False, notify: NotifyCallback | None = None,
+                restore_opts: dict[str, Any] | None = None) -> RestoreResult:
+        """Verifies a checkpoint against its signed manifest, then restores it detached.
+
+        notify gets CRIU's callbacks (post-restore, ...); restore_opts adds RestoreOptions fields.
+        """
         if not key:
             raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
         rec = self.latest_restorable(caller, key)
@@ -383,7 +405,8 @@ class Engine:
         server = self._start_lazy_server(rec.id, images, work) if lazy else None
         try:
             new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
-                                                                     shell_job=False, lazy_pages=lazy))
+                                                                     shell_job=False, lazy_pages=lazy,
+                                                                     **(restore_opts or {})), notify=notify)
         except CriuError as exc:
             if server is not None:
                 server.kill()
@@ -499,6 +522,24 @@ class Engine:
         self.catalog.update_checkpoint(rec.id, in_tier=False)
         self.tier.remove(rec.id)
 
+    # -- held trees (a move in progress) ------------------------------------------------
+    def end_held(self, pid: int, job_id: str = "", ckpt_id: str = "") -> None:
+        """Ends a tree held stopped by checkpoint(hooks=DumpHooks(hold=True)) once it runs elsewhere."""
+        jobs.kill_tree(pid)
+        if job_id:
+            self.catalog.update_job(job_id, ended=True)
+        self._release_hold(ckpt_id)
+
+    def resume_held(self, pid: int, ckpt_id: str = "") -> None:
+        """Lets a held tree run on (SIGCONT), after a move that did not happen."""
+        _resume_stopped(pid)
+        self._release_hold(ckpt_id)
+
+    def _release_hold(self, ckpt_id: str) -> None:
+        rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
+        if rec is not None and rec.meta.get("hold"):
+            self.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "hold": False})
+
     def status(self) -> dict[str, Any]:
         """Daemon-wide numbers for `memsnapctl status`."""
         counts = self.catalog.counts_by_state()
@@ -516,10 +557,29 @@ class Engine:
         """Reconciles the catalog with the tier after a (possibly unclean) stop."""
         fixed = {"failed_dumps": 0, "stray_staging": 0, "stray_tier": 0, "lost_tier": 0}
         for rec in self.catalog.checkpoints(states=(DUMPING,)):
-            # A dump was cut short: the job was resumed by CRIU's own cleanup or died with it.
+            # A dump was cut short: roll back. CRIU unfreezes on its own failure, but a --stop dump that
+            # had finished left the tree stopped: never leave a job frozen.
             self.tier.discard_staging(rec.id)
             self.catalog.update_checkpoint(rec.id, state=FAILED, last_error="daemon stopped during the dump")
+            if (rec.meta.get("stop") or rec.meta.get("hold")) and \
+                    jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                _resume_stopped(rec.pid)
             fixed["failed_dumps"] += 1
+        for rec in self.catalog.checkpoints(states=RESTORABLE):
+            if rec.meta.get("hold"):
+                # A move was in flight: the target confirmed it (moved_to) or the job runs on here.
+                if jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                    if rec.meta.get("moved_to"):
+                        self.end_held(rec.pid, rec.job, rec.id)
+                    else:
+                        self.resume_held(rec.pid, rec.id)
+                continue
+            # Published, but the daemon died before ending a --stop job: finish what was asked.
+            if rec.meta.get("stop") and rec.in_tier and self.tier.has(rec.id) and \
+                    jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                jobs.kill_tree(rec.pid)
+                if rec.job:
+                    self.catalog.update_job(rec.job, ended=True)
         for ckpt_id in list(self.tier.staging_ids()):
             self.tier.discard_staging(ckpt_id)
             fixed["stray_staging"] += 1

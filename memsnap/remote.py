@@ -75,7 +75,8 @@ def load_credentials(daemon_cfg: Any) -> Credentials:
     cert = read(daemon_cfg.tls_cert, "daemon.tls_cert") if daemon_cfg.tls_cert else b""
     key = read(daemon_cfg.tls_key, "daemon.tls_key") if daemon_cfg.tls_key else b""
     ca = read(daemon_cfg.tls_ca, "daemon.tls_ca") if daemon_cfg.tls_ca else b""
-    return Credentials(token=token, mutual_tls=bool(cert and key and ca), tls_cert=cert, tls_key=key, tls_ca=ca)
+    return Credentials(token=token, mutual_tls=bool(cert and key and ca), tls_cert=cert, tls_key=key,
+                       tls_ca=ca)
 
 
 def transfer_key(token: str | bytes) -> bytes:
@@ -119,7 +120,8 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
                               "missing or wrong bearer token; pass --token-file with the node token")
         if self.creds.mutual_tls and not context.peer_identities():
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a client certificate signed by the node CA is required")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "a client certificate signed by the node CA is required")
         return True
 
 
@@ -191,6 +193,6 @@ def add_tcp_port(server: grpc.Server, daemon_cfg: Any) -> int:
         port = int(server.add_insecure_port(daemon_cfg.listen))
     if port == 0:
         raise RemoteConfigError(f"cannot listen on {daemon_cfg.listen}: the address is in use or not local")
-    log.info("serving the API on %s (%s)", daemon_cfg.listen,
-             " + ".join(m for m, on in (("token", bool(creds.token)), ("mutual TLS", creds.mutual_tls)) if on))
+    methods = [m for m, on in (("token", bool(creds.token)), ("mutual TLS", creds.mutual_tls)) if on]
+    log.info("serving the API on %s (%s)", daemon_cfg.listen, " + ".join(methods))
     return port

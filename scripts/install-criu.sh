@@ -3,6 +3,8 @@
 #
 #   1. criu >= 4.1 already on PATH (or at /usr/local/sbin/criu): only run `criu check`.
 #   2. the distro's candidate package is >= 4.1 (Debian 13+): `apt-get install criu`.
+#   (1 and 2 also require that the criu can dump a process with an inet socket: stock CRIU <= 4.1.1
+#   cannot on Linux >= 6.16; then, as in 3, a build with scripts/criu-patches/*.patch is made.)
 #   3. otherwise (Debian 12: its criu 3.17 fails on recent kernels with
 #      "Unexpected rt vDSO area bounds"): build the criu binary from the
 #      upstream tarball that Debian ${CRIU_SOURCE_SUITE:-trixie} ships, fetched
@@ -34,10 +36,39 @@ KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 # picked up automatically if their -dev package happens to be installed:
 # gnutls (TLS page server), libnftables (nft network locking), libdrm (amdgpu).
 BUILD_DEPS=(
-    build-essential pkg-config
+    build-essential pkg-config patch
     libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler
     libnl-3-dev libnet1-dev libcap-dev uuid-dev libbsd-dev
+    libnftables-dev
 )
+# libnftables-dev: nftables network locking for --tcp-established (the iptables lock needs legacy tables).
+
+# Fixes memsnap needs on top of the upstream release (see scripts/criu-patches/README.md). A build
+# carries a stamp of the patch set it was made with; a different stamp means "rebuild".
+PATCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/criu-patches
+STAMP_FILE=/usr/local/share/memsnap/criu-build.stamp
+patch_stamp() {
+    { echo "min=$MIN_VERSION deps=${BUILD_DEPS[*]}"; cat "$PATCH_DIR"/*.patch 2>/dev/null; } | sha256sum | cut -d' ' -f1
+}
+
+# Functional probe: can this criu dump a process holding an inet socket? Stock CRIU <= 4.1.1 cannot on
+# Linux >= 6.16 ("Can't get 1:34 opt: Operation not supported"), which breaks every networked job.
+dumps_inet_sockets() {
+    local bin=$1 dir pid rc=0
+    dir=$(mktemp -d /tmp/criu-probe.XXXXXX)
+    unshare --pid --fork -- setsid -- python3 -c \
+        'import socket,time; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); time.sleep(60)' \
+        </dev/null >/dev/null 2>&1 &
+    local launcher=$!
+    for _ in $(seq 50); do pid=$(pgrep -P "$launcher" | head -n1); [[ -n $pid ]] && break; sleep 0.1; done
+    sleep 0.3
+    "$bin" dump -t "$pid" -D "$dir" --leave-running -o dump.log >/dev/null 2>&1 || rc=$?
+    [[ $rc -ne 0 ]] && grep -h "Error" "$dir/dump.log" 2>/dev/null | grep -v RLIMIT_NOFILE | tail -n 2 >&2
+    kill -9 "$pid" "$launcher" 2>/dev/null || true
+    wait "$launcher" 2>/dev/null || true
+    rm -rf "$dir"
+    return $rc
+}
 
 export DEBIAN_FRONTEND=noninteractive
 export LC_ALL=C
@@ -223,6 +254,12 @@ build_from_source() {
         apt-get install -y --no-install-recommends "${BUILD_DEPS[@]}" >"$tmp/apt.log" 2>&1 \
             || { tail -n 30 "$tmp/apt.log" >&2; die "installing build dependencies failed"; }
     fi
+    local p
+    for p in "$PATCH_DIR"/*.patch; do
+        [[ -e $p ]] || continue
+        log "applying $(basename "$p")"
+        patch -d "$tmp/src" -p1 --forward --quiet <"$p" || die "patch $(basename "$p") does not apply to criu $upver"
+    done
     log "building criu $upver (make -j$JOBS criu)"
     local t0=$SECONDS
     if ! make -C "$tmp/src" -j"$JOBS" criu >"$tmp/build.log" 2>&1; then
@@ -237,7 +274,9 @@ build_from_source() {
     fi
 
     install -D -m 0755 -o root -g root "$built" "$INSTALL_PATH"
-    log "installed $INSTALL_PATH ($bver)"
+    mkdir -p "$(dirname "$STAMP_FILE")"
+    patch_stamp >"$STAMP_FILE"
+    log "installed $INSTALL_PATH ($bver, patches: $(ls "$PATCH_DIR"/*.patch 2>/dev/null | wc -l))"
 
     # The binary links against runtime libs that apt only pulled in as
     # dependencies of the -dev packages; pin them so an autoremove after the
@@ -265,14 +304,24 @@ main() {
     flock 9
 
     local bin ver
-    # 1. Already installed?
+    # 1. Already installed? Our own build with the current patch set is used as is; any other
+    #    criu >= MIN_VERSION is used if it passes the inet-socket probe.
+    if [[ -x $INSTALL_PATH && -f $STAMP_FILE && $(cat "$STAMP_FILE") == "$(patch_stamp)" ]]; then
+        log "criu $(criu_version "$INSTALL_PATH") already built by memsnap at $INSTALL_PATH (patch set current)"
+        run_check "$INSTALL_PATH"
+        return 0
+    fi
     for bin in "$(command -v criu 2>/dev/null || true)" "$INSTALL_PATH"; do
         [[ -n $bin && -x $bin ]] || continue
         ver=$(criu_version "$bin")
         if [[ -n $ver ]] && version_ge "$ver" "$MIN_VERSION"; then
-            log "criu $ver already installed at $bin"
-            run_check "$bin"
-            return 0
+            if dumps_inet_sockets "$bin"; then
+                log "criu $ver already installed at $bin"
+                run_check "$bin"
+                return 0
+            fi
+            log "criu $ver at $bin cannot dump inet sockets on this kernel: building a patched one"
+            continue
         fi
         log "found criu ${ver:-<unknown version>} at $bin: too old (need >= $MIN_VERSION)"
     done
@@ -287,8 +336,11 @@ main() {
     if [[ -n $cand && $cand != "(none)" ]] && version_ge "$cand" "$MIN_VERSION"; then
         log "installing distro package criu $cand"
         apt-get install -y criu
-        run_check "$(command -v criu || echo /usr/sbin/criu)"
-        return 0
+        if dumps_inet_sockets "$(command -v criu || echo /usr/sbin/criu)"; then
+            run_check "$(command -v criu || echo /usr/sbin/criu)"
+            return 0
+        fi
+        log "distro criu $cand cannot dump inet sockets on this kernel: building a patched one"
     fi
     log "distro candidate criu ${cand:-none} < $MIN_VERSION: building from $SOURCE_SUITE source"
 

@@ -299,7 +299,7 @@ class WatchCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target")
+    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
     VIA_STORE_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class MigrateRequest(_message.Message):
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
     MOVE_IP_DEV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MOVE_IP_DEV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
     target: str
     to: str
     via_store: bool
@@ -316,7 +317,8 @@ class MigrateRequest(_message.Message):
     tcp_established: bool
     move_ip_dev_source: str
     move_ip_dev_target: str
-    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ...) -> None: ...
+    to_token: str
+    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ...) -> None: ...
 
 class Phase(_message.Message):
     __slots__ = ("name", "ms")
@@ -327,21 +329,23 @@ class Phase(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ms: _Optional[int] = ...) -> None: ...
 
 class MigrateResponse(_message.Message):
-    __slots__ = ("target_pid", "checkpoint_id", "phases", "downtime_ms", "bytes_sent")
+    __slots__ = ("target_pid", "checkpoint_id", "phases", "downtime_ms", "bytes_sent", "target_job")
     TARGET_PID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_JOB_FIELD_NUMBER: _ClassVar[int]
     target_pid: int
     checkpoint_id: str
     phases: _containers.RepeatedCompositeFieldContainer[Phase]
     downtime_ms: int
     bytes_sent: int
-    def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    target_job: str
+    def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_job: _Optional[str] = ...) -> None: ...
 
 class ImageChunk(_message.Message):
-    __slots__ = ("checkpoint_id", "file", "offset", "data", "blake3", "file_done", "manifest")
+    __slots__ = ("checkpoint_id", "file", "offset", "data", "blake3", "file_done", "manifest", "expected_bytes")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +353,7 @@ class ImageChunk(_message.Message):
     BLAKE3_FIELD_NUMBER: _ClassVar[int]
     FILE_DONE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     file: str
     offset: int
@@ -356,7 +361,8 @@ class ImageChunk(_message.Message):
     blake3: bytes
     file_done: bool
     manifest: bytes
-    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., blake3: _Optional[bytes] = ..., file_done: _Optional[bool] = ..., manifest: _Optional[bytes] = ...) -> None: ...
+    expected_bytes: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., blake3: _Optional[bytes] = ..., file_done: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., expected_bytes: _Optional[int] = ...) -> None: ...
 
 class ReceiveImageResponse(_message.Message):
     __slots__ = ("checkpoint_id", "bytes")
@@ -367,17 +373,19 @@ class ReceiveImageResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RestoreReceivedRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "lazy", "lazy_address", "add_ip", "add_ip_dev", "tcp_established")
+    __slots__ = ("checkpoint_id", "lazy", "lazy_address", "add_ip", "add_ip_dev", "tcp_established", "from_store")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     LAZY_FIELD_NUMBER: _ClassVar[int]
     LAZY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ADD_IP_FIELD_NUMBER: _ClassVar[int]
     ADD_IP_DEV_FIELD_NUMBER: _ClassVar[int]
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
+    FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     lazy: bool
     lazy_address: str
     add_ip: str
     add_ip_dev: str
     tcp_established: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_address: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ...) -> None: ...
+    from_store: CheckpointInfo
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_address: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...

@@ -126,3 +126,41 @@ def test_print_config_and_bad_config_value(tmp_path):
     r = subprocess.run([sys.executable, "-m", "memsnap.daemon", "--config", str(bad)], capture_output=True,
                        text=True, env=env)
     assert r.returncode != 0 and "drain.concurrency" in r.stderr
+
+
+@pytest.mark.parametrize("where", ["before-publish", "after-publish"])
+def test_daemon_crash_during_stop_checkpoint_never_leaves_job_frozen(make_daemon, jobs_to_kill, where):
+    import psutil
+
+    from memsnap.client import ClientError
+
+    d = make_daemon(f"crash-{where}", env={"MEMSNAP_FAILPOINTS": where}).start()
+    with d.client() as c:
+        job = c.run(counter_argv(16), name="victim")
+        jobs_to_kill.append(int(job.pid))
+        wait_for(lambda: len(ticks(job.log_path)) >= 2, 20)
+        with pytest.raises(ClientError):
+            c.checkpoint(job.id, stop=True)  # the daemon dies mid-way
+    assert d.proc is not None and d.proc.wait(10) == 137
+    # CRIU left the tree stopped (the --stop dump had finished): the job is frozen until recovery.
+    assert psutil.Process(int(job.pid)).status() == psutil.STATUS_STOPPED
+    d.env = {}
+    d.start()
+    with d.client() as c:
+        cks = [k for k in c.list() if k.job == job.id]
+        assert len(cks) == 1
+        if where == "before-publish":
+            # Rolled back: no restorable image, the job runs on.
+            assert cks[0].state == 5 and not (d.tier / cks[0].id).exists()
+            n = len(ticks(job.log_path))
+            wait_for(lambda: len(ticks(job.log_path)) > n + 2, 10, what="the job to run again")
+        else:
+            # Rolled forward: the image was published, so the stop is completed and the image restores.
+            assert cks[0].state in (2, 3, 4)
+            wait_for(lambda: not psutil.pid_exists(int(job.pid)) or
+                     psutil.Process(int(job.pid)).status() == psutil.STATUS_ZOMBIE, 10)
+            last = ticks(job.log_path, int(job.pid))[-1].n
+            r = c.restore(cks[0].id)
+            jobs_to_kill.append(int(r.pid))
+            wait_for(lambda: ticks(job.log_path, int(r.pid)), 20)
+            assert ticks(job.log_path, int(r.pid))[0].n == last + 1

@@ -1,0 +1,52 @@
+"""memsnapctl migrate: move a running job to another node's memsnapd."""
+
+from __future__ import annotations
+
+import click
+
+from memsnap.v1 import memsnap_pb2 as pb
+
+
+def register(cli: click.Group) -> None:
+    """Adds the migrate command to memsnapctl."""
+    from memsnap.cli import Ctx, handle_errors
+
+    @cli.command("migrate")
+    @click.argument("target")
+    @click.option("--to", "to", required=True, metavar="HOST:PORT", help="the target node's memsnapd (TCP)")
+    @click.option("--token-file", "to_token_file", default="",
+                  help="bearer token for the target (default: this node's own node token)")
+    @click.option("--via-store", is_flag=True, help="the target fetches the durable copy from shared storage")
+    @click.option("--lazy", is_flag=True, help="post-copy: resume on the target at once, pages follow")
+    @click.option("--tcp-established", is_flag=True, help="keep established TCP connections")
+    @click.option("--move-ip", default="", metavar="ADDR/PREFIX",
+                  help="service address to take from this node and add on the target")
+    @click.option("--move-ip-dev-source", default="", metavar="DEV", help="device holding --move-ip here")
+    @click.option("--move-ip-dev-target", default="", metavar="DEV",
+                  help="device for --move-ip on the target (default: the one in its subnet)")
+    @click.pass_obj
+    @handle_errors
+    def migrate_cmd(obj: Ctx, target: str, to: str, to_token_file: str, via_store: bool, lazy: bool,
+                    tcp_established: bool, move_ip: str, move_ip_dev_source: str,
+                    move_ip_dev_target: str) -> None:
+        """Move a PID or job to another node; on failure it runs on here."""
+        token = ""
+        if to_token_file:
+            try:
+                with open(to_token_file, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as exc:
+                raise click.UsageError(f"cannot read --token-file {to_token_file}: {exc.strerror}") from exc
+        req = pb.MigrateRequest(target=target, to=to, via_store=via_store, lazy=lazy, move_ip=move_ip,
+                                tcp_established=tcp_established, move_ip_dev_source=move_ip_dev_source,
+                                move_ip_dev_target=move_ip_dev_target, to_token=token)
+        with obj.client() as c:
+            r = c.migrate(req)
+        phases = {p.name: int(p.ms) for p in r.phases}
+        steps = ", ".join(f"{k} {v} ms" for k, v in phases.items())
+        obj.emit({"target_pid": int(r.target_pid), "target_job": r.target_job, "checkpoint": r.checkpoint_id,
+                  "downtime_ms": int(r.downtime_ms), "bytes_sent": int(r.bytes_sent), "phases": phases,
+                  "to": to},
+                 f"moved {target} to {to}: job {r.target_job} pid {r.target_pid}, "
+                 f"downtime {r.downtime_ms} ms\nphases: {steps}")
+

@@ -1,0 +1,12 @@
+"""Crash-injection points for tests: MEMSNAP_FAILPOINTS=name[,name] makes the daemon die there like kill -9."""
+
+from __future__ import annotations
+
+import os
+
+
+def hit(name: str) -> None:
+    """Exits the process at once (no cleanup, as a crash would) when the failpoint is armed."""
+    armed = os.environ.get("MEMSNAP_FAILPOINTS", "")
+    if armed and name in armed.split(","):
+        os._exit(137)

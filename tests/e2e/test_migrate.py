@@ -1,0 +1,243 @@
+"""Moving a running job between two daemons on loopback: it goes on at the next tick with the same memory,
+the source lets go only once the target runs it, and every failure leaves it running on the source."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from memsnap import manifest
+from tests.e2e.test_remote import token_daemon
+from tests.helpers import REPO, DaemonProc, counter_argv, start_digest, ticks, wait_for
+
+BIG_MIB = 256
+
+
+@dataclass
+class Pair:
+    a: DaemonProc
+    b: DaemonProc
+    token_file: Path
+    base: Path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """Two daemons with one node token but each with its own HMAC key: moves must not need a shared key."""
+    if os.geteuid() != 0:
+        pytest.fail("the e2e tests run real CRIU and must run as root (CI does)")
+    base = tmp_path_factory.mktemp("migrate")
+    token = base / "token"
+    token.write_text(secrets.token_hex(32))
+    a = token_daemon(base / "a", token).start()
+    b = token_daemon(base / "b", token).start()
+    yield Pair(a, b, token, base)
+    a.cleanup()
+    b.cleanup()
+
+
+def _counter(d: DaemonProc, jobs_to_kill: list[int], mib: int, name: str) -> dict:
+    with d.client() as c:
+        job = c.run(counter_argv(mib, 0.1, "--digest-every", "10"), name=name)
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: len(ticks(job.log_path)) >= 3, 60, what="the job to tick")
+    return {"id": job.id, "pid": int(job.pid), "log": job.log_path, "digest": start_digest(job.log_path)}
+
+
+def _keeps_ticking_with(job: dict, pid: int, digest: str, fresh: int = 12) -> None:
+    """pid prints `fresh` more ticks, including recomputed digests, all equal to digest."""
+    n0 = len(ticks(job["log"], pid))
+    wait_for(lambda: len(ticks(job["log"], pid)) >= n0 + fresh, 30, what=f"pid {pid} to keep ticking")
+    assert all(t.digest == digest for t in ticks(job["log"], pid))
+
+
+def _migrate(d: DaemonProc, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return d.ctl("--json", "migrate", *args, timeout=timeout)
+
+
+def test_migrate_moves_the_job_and_the_source_lets_go(pair, jobs_to_kill):
+    a, b = pair.a, pair.b
+    job = _counter(a, jobs_to_kill, BIG_MIB, "mover")
+
+    r = _migrate(a, job["id"], "--to", b.address)
+    assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
+    out = json.loads(r.stdout)
+    jobs_to_kill.append(out["target_pid"])
+    last = ticks(job["log"], job["pid"])[-1]
+
+    # It goes on at the next tick, with the same memory, on the target's side.
+    wait_for(lambda: len(ticks(job["log"], out["target_pid"])) >= 1, 20, what="the moved job to tick")
+    moved = ticks(job["log"], out["target_pid"])
+    assert moved[0].n == last.n + 1
+    _keeps_ticking_with(job, out["target_pid"], job["digest"])
+
+    # No copy is left on the source, whose catalog says so.
+    assert not Path(f"/proc/{job['pid']}").exists()
+    src_jobs = {j["id"]: j for j in json.loads(a.ctl("--json", "jobs", check=True).stdout)}
+    assert src_jobs[job["id"]]["running"] is False
+    dst_jobs = {j["id"]: j for j in json.loads(b.ctl("--json", "jobs", check=True).stdout)}
+    moved_job = dst_jobs[out["target_job"]]
+    assert moved_job["running"] and moved_job["restored_from"] == out["checkpoint"]
+
+    # Phases and downtime are reported; the whole image crossed, and both copies check out against
+    # their own node's key (the target re-signed what it verified).
+    assert {"preflight", "dump", "transfer", "restore", "confirm", "cleanup"} <= set(out["phases"])
+    assert 0 < out["downtime_ms"] < 30_000 and out["bytes_sent"] > BIG_MIB << 20
+    for d in (a, b):
+        m = manifest.verify_dir(d.tier / out["checkpoint"], (d.state / "hmac.key").read_bytes())
+        assert m["id"] == out["checkpoint"]
+    assert (a.state / "hmac.key").read_bytes() != (b.state / "hmac.key").read_bytes()
+
+
+def test_wrong_token_is_refused_before_the_job_is_touched(pair, jobs_to_kill, tmp_path):
+    a, b = pair.a, pair.b
+    job = _counter(a, jobs_to_kill, 16, "refused")
+    wrong = tmp_path / "wrong"
+    wrong.write_text(secrets.token_hex(32))
+    r = _migrate(a, job["id"], "--to", b.address, "--token-file", str(wrong))
+    assert r.returncode != 0
+    assert "UNAUTHENTICATED" in r.stderr and "preflight" in r.stderr, r.stderr
+    _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+
+
+def test_target_tier_too_small_is_refused_and_the_job_runs_on(pair, make_daemon, jobs_to_kill, tmp_path):
+    mnt = tmp_path / "small-tier"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        small = token_daemon(tmp_path / "small", pair.token_file, tier=mnt).start()
+        try:
+            job = _counter(pair.a, jobs_to_kill, 64, "too-big")
+            r = _migrate(pair.a, job["id"], "--to", small.address)
+            assert r.returncode != 0
+            assert "RESOURCE_EXHAUSTED" in r.stderr and "MiB" in r.stderr, r.stderr
+            _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+            assert [p for p in mnt.rglob("*") if p.is_file()] == []
+        finally:
+            small.cleanup()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _incoming_bytes(d: DaemonProc) -> int:
+    total = 0
+    for p in (d.tier / ".incoming").rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def test_target_killed_mid_transfer_job_resumes_on_the_source(pair, jobs_to_kill, tmp_path):
+    a = pair.a
+    victim = token_daemon(tmp_path / "victim", pair.token_file).start()
+    try:
+        job = _counter(a, jobs_to_kill, BIG_MIB, "interrupted")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": a.socket}
+        argv = [sys.executable, "-m", "memsnap.cli", "--json", "migrate", job["id"], "--to", victim.address]
+        mig = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # kill -9 the target while the image streams in.
+        wait_for(lambda: _incoming_bytes(victim) > 8 << 20, 60, 0.002, "the image to start arriving")
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        _, err = mig.communicate(timeout=120)
+        assert mig.returncode != 0
+        assert "migration failed at transfer" in err and "resumed on this node" in err, err
+        # The same process goes on, memory intact.
+        _keeps_ticking_with(job, job["pid"], job["digest"])
+        src_jobs = {j["id"]: j for j in json.loads(a.ctl("--json", "jobs", check=True).stdout)}
+        assert src_jobs[job["id"]]["running"]
+    finally:
+        victim.cleanup()
+
+
+@dataclass
+class BlindDaemon(DaemonProc):
+    """A daemon in its own mount namespace where `hide` is covered by an empty tmpfs."""
+
+    hide: str = ""
+
+    def args(self) -> list[str]:
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                'mount -t tmpfs tmpfs "$0" && exec "$@"', self.hide, *super().args()]
+
+
+def test_target_that_cannot_restore_leaves_the_job_running_here(pair, jobs_to_kill, tmp_path):
+    # The target cannot see the job's log file (a node without the shared file system): CRIU's
+    # restore fails there after the whole image has arrived, so the source must take the job back.
+    a = pair.a
+    port_daemon = token_daemon(tmp_path / "blind", pair.token_file)
+    blind = BlindDaemon(port_daemon.base, extra=port_daemon.extra, hide=str(a.state / "jobs"))
+    blind.address = port_daemon.address  # type: ignore[attr-defined]
+    blind.start()
+    try:
+        job = _counter(a, jobs_to_kill, 32, "homebound")
+        r = _migrate(a, job["id"], "--to", blind.address)
+        assert r.returncode != 0
+        assert "migration failed at restore on the target" in r.stderr, r.stderr
+        assert "resumed on this node" in r.stderr
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+        # The target kept no half-restored job.
+        with blind.client() as c:
+            assert not [j for j in c.jobs() if j.running]
+    finally:
+        blind.cleanup()
+
+
+def test_migrate_via_store(pair, jobs_to_kill, tmp_path):
+    # The target fetches the durable copy from the shared store; that copy is signed with the
+    # source's node key, so this path needs the key shared (security.hmac_key_file on both).
+    a = pair.a
+    shared = ["--store-dir", str(a.store), "--hmac-key-file", str(a.state / "hmac.key")]
+    c = token_daemon(tmp_path / "c", pair.token_file)
+    c.extra += shared
+    c.start()
+    try:
+        job = _counter(a, jobs_to_kill, 32, "stored")
+        r = _migrate(a, job["id"], "--to", c.address, "--via-store")
+        assert r.returncode == 0, r.stderr + c.log.read_text()[-2000:]
+        out = json.loads(r.stdout)
+        jobs_to_kill.append(out["target_pid"])
+        assert "drain" in out["phases"] and out["bytes_sent"] == 0
+        last = ticks(job["log"], job["pid"])[-1]
+        wait_for(lambda: len(ticks(job["log"], out["target_pid"])) >= 1, 20, what="the moved job to tick")
+        assert ticks(job["log"], out["target_pid"])[0].n == last.n + 1
+        _keeps_ticking_with(job, out["target_pid"], job["digest"], fresh=5)
+        assert not Path(f"/proc/{job['pid']}").exists()
+    finally:
+        c.cleanup()
+        time.sleep(0.1)
+
+
+def test_source_daemon_crash_mid_move_never_leaves_the_job_frozen(pair, jobs_to_kill, tmp_path):
+    # The source dies (like kill -9) right after staging the held image, before the target has it:
+    # its restart must find the move unconfirmed and let the job run on here.
+    src = token_daemon(tmp_path / "crashy", pair.token_file, env={"MEMSNAP_FAILPOINTS": "after-publish"})
+    src.start()
+    try:
+        job = _counter(src, jobs_to_kill, 16, "orphan")
+        r = _migrate(src, job["id"], "--to", pair.b.address)
+        assert r.returncode != 0
+        assert src.proc is not None and src.proc.wait(10) == 137
+        import psutil
+
+        assert psutil.Process(job["pid"]).status() == psutil.STATUS_STOPPED  # held by the dump
+        src.env = {}
+        src.start()
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+        with pair.b.client() as c:
+            assert not [j for j in c.jobs() if j.running and j.name == "orphan"]
+    finally:
+        src.cleanup()
