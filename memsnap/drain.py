@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,9 @@ from memsnap.store import (
 from memsnap.tier import MemoryTier
 
 log = logging.getLogger("memsnap.drain")
+
+INDEX = "_index"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 _PROGRESS_EVERY_S = 0.25
 # Files at least this big are written by a helper thread while the next chunk is read, hashed and compressed.
@@ -227,6 +231,10 @@ class DrainService:
         for name, s in stored_files.items():
             if self.store.stat(s["key"]) != s["stored_bytes"]:
                 raise StoreUnavailable(f"stored {s['key']} has the wrong size after upload")
+        # A by-name index lets another node find this checkpoint (Slurm requeue elsewhere, --via-store).
+        if rec.name and _SAFE_NAME.match(rec.name):
+            with self.store.open_writer(f"{INDEX}/{rec.name}/{rec.id}") as w:
+                w.commit()
         return sum(int(s["stored_bytes"]) for s in stored_files.values()) + len(data)
 
     # -- fetch and delete ---------------------------------------------------------------------
@@ -276,6 +284,27 @@ class DrainService:
         manifest.write(dest, manifest.sign(tier_body, self.key))
         if self.metrics is not None:
             self.metrics.observe_phase("fetch", time.monotonic() - t0)
+
+    def find_stored(self, name: str) -> list[dict[str, Any]]:
+        """Signed store manifests of the checkpoints indexed under name, newest first (unverified ones skipped)."""
+        if not _SAFE_NAME.match(name):
+            return []
+        try:
+            keys = self.store.list(f"{INDEX}/{name}/")
+        except StoreError as exc:
+            raise Unavailable(f"cannot search the store for {name!r}: {exc}") from exc
+        found = []
+        for ckpt_id in sorted((k.rsplit("/", 1)[-1] for k in keys), reverse=True):
+            try:
+                with self.store.open_reader(f"{ckpt_id}/{MANIFEST_NAME}") as f:
+                    m = json.loads(f.read())
+                manifest.verify_signature(m, self.key)
+            except (StoreError, ValueError, manifest.IntegrityError) as exc:
+                log.warning("skipping stored checkpoint %s for %r: %s", ckpt_id, name, exc)
+                continue
+            if m.get("id") == ckpt_id:
+                found.append(m)
+        return found
 
     def delete(self, rec: CheckpointRecord) -> None:
         """Removes the stored copy."""

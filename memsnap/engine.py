@@ -365,10 +365,33 @@ class Engine:
             names |= {job.id, job.name}
         cands = [r for r in self.catalog.checkpoints(states=RESTORABLE) if r.job in names or r.name in names]
         if not cands:
-            raise NotFound(f"no checkpoint {key!r}; 'memsnapctl list' shows the checkpoints")
+            adopted = self._adopt_from_store(key)
+            if adopted is None:
+                raise NotFound(f"no checkpoint {key!r}; 'memsnapctl list' shows the checkpoints")
+            cands = [adopted]
         rec = max(cands, key=lambda r: (r.created_ms, r.id))
         self._authorize_uid(caller, rec.owner_uid, f"checkpoint {rec.id}")
         return rec
+
+    def _adopt_from_store(self, name: str) -> CheckpointRecord | None:
+        """Catalogs the newest durable checkpoint another node stored under this job name (shared store and key)."""
+        find = getattr(self.drain, "find_stored", None)
+        if find is None:
+            return None
+        for m in find(name):
+            if self.catalog.get_checkpoint(m["id"]) is not None:
+                continue
+            size = sum(int(f["size"]) for f in m["files"].values())
+            meta = {k: m.get(k) for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus")}
+            rec = CheckpointRecord(id=m["id"], state=DURABLE, pid=int(m["pid"]), owner_uid=int(m["uid"]),
+                                   created_ms=int(m["created_ms"]), job=str(m.get("job", "")), name=name,
+                                   size_bytes=size, frozen_ms=int(m.get("frozen_ms", 0)),
+                                   dump_ms=int(m.get("dump_ms", 0)), in_tier=False, in_store=True,
+                                   durable_ms=now_ms(), meta=meta)
+            self.catalog.add_checkpoint(rec)
+            log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.get("host"))
+            return rec
+        return None
 
     def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
                 tcp_established: bool = False, notify: NotifyCallback | None = None,

@@ -211,3 +211,32 @@ def test_watch_streams_progress_until_durable(make_daemon, jobs_to_kill):
     assert drained == sorted(drained) and 0 < drained[-2] < updates[-1]["size_bytes"]
     human = d.ctl("watch", ck["id"], check=True).stdout
     assert "100.0%" in human and "durable" in human
+
+
+def test_another_node_restores_by_job_name_from_the_shared_store(make_daemon, jobs_to_kill, tmp_path):
+    key = tmp_path / "cluster.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    shared = tmp_path / "shared-store"
+    a = make_daemon("node-a", extra=["--hmac-key-file", str(key), "--store-dir", str(shared)]).start()
+    b = make_daemon("node-b", extra=["--hmac-key-file", str(key), "--store-dir", str(shared)]).start()
+    with a.client() as c:
+        job = c.run(counter_argv(16), name="slurm-4242")
+        jobs_to_kill.append(int(job.pid))
+        wait_for(lambda: len(ticks(job.log_path)) >= 2, 20)
+        digest = start_digest(job.log_path)
+        ck = c.checkpoint(job.id, stop=True, wait_durable=True)
+        assert ck.state == DURABLE
+    last = ticks(job.log_path, int(job.pid))[-1].n
+    # Node B has never heard of this job: it finds the newest checkpoint by name in the shared store.
+    r = json.loads(b.ctl("--json", "restore", "slurm-4242", check=True).stdout)
+    jobs_to_kill.append(r["pid"])
+    assert r["from_store"] is True and r["checkpoint"] == "slurm-4242"
+    wait_for(lambda: ticks(job.log_path, r["pid"]), 20, what="the job restored on node B to tick")
+    got = ticks(job.log_path, r["pid"])
+    assert got[0].n == last + 1 and got[0].digest == digest
+    with b.client() as c:
+        assert [k.id for k in c.list()] == [ck.id]
+    # A node with a different key refuses the stored copy instead of restoring it.
+    other = make_daemon("node-c", extra=["--store-dir", str(shared)]).start()
+    assert other.ctl("restore", "slurm-4242").returncode != 0
