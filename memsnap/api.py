@@ -6,7 +6,8 @@ import functools
 import logging
 import re
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 
@@ -89,7 +90,7 @@ def job_pb(j: JobRecord, running: bool) -> pb.Job:
                   started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
 
 
-class MemsnapServicer(pb_grpc.MemsnapServicer):  # type: ignore[misc]
+class MemsnapServicer(pb_grpc.MemsnapServicer):
     """The memsnap.v1.Memsnap service over an Engine."""
 
     def __init__(self, engine: Engine, status_extra: Callable[[], dict[str, Any]] | None = None,

@@ -6,9 +6,10 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 DUMPING, STAGED, DRAINING, DURABLE, FAILED = "dumping", "staged", "draining", "durable", "failed"
 STATES = (DUMPING, STAGED, DRAINING, DURABLE, FAILED)
@@ -225,14 +226,14 @@ class Catalog:
 
 
 def _ck(row: tuple[Any, ...]) -> CheckpointRecord:
-    d = dict(zip(_CK_FIELDS, row))
+    d = dict(zip(_CK_FIELDS, row, strict=True))
     d["meta"] = json.loads(d["meta"] or "{}")
     d["in_tier"], d["in_store"] = bool(d["in_tier"]), bool(d["in_store"])
     return CheckpointRecord(**d)
 
 
 def _job(row: tuple[Any, ...]) -> JobRecord:
-    d = dict(zip(_JOB_FIELDS, row))
+    d = dict(zip(_JOB_FIELDS, row, strict=True))
     d["argv"] = json.loads(d["argv"] or "[]")
     d["ended"] = bool(d["ended"])
     return JobRecord(**d)

@@ -6,7 +6,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 from google.protobuf.json_format import MessageToDict
@@ -30,7 +31,8 @@ def human_bytes(n: float) -> str:
 
 def ckpt_dict(c: pb.CheckpointInfo) -> dict[str, Any]:
     """A checkpoint as plain JSON-able data, with the state as a lower-case word."""
-    d = MessageToDict(c, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d: dict[str, Any] = MessageToDict(c, preserving_proto_field_name=True,
+                                      always_print_fields_with_no_presence=True)
     d["state"] = STATE_NAMES.get(c.state, "unknown")
     for k in ("pid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "drained_bytes", "stored_bytes",
               "durable_unix_ms"):
@@ -40,7 +42,8 @@ def ckpt_dict(c: pb.CheckpointInfo) -> dict[str, Any]:
 
 def job_dict(j: pb.Job) -> dict[str, Any]:
     """A job as plain data."""
-    d = MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d: dict[str, Any] = MessageToDict(j, preserving_proto_field_name=True,
+                                      always_print_fields_with_no_presence=True)
     d["pid"], d["started_unix_ms"] = int(d.get("pid", 0)), int(d.get("started_unix_ms", 0))
     return d
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import grpc
 
@@ -64,7 +64,7 @@ class MemsnapClient:
     def __init__(self, target: Target | None = None, socket: str = "") -> None:
         self.target = target or Target(socket=socket or os.environ.get("MEMSNAP_SOCKET", DEFAULT_SOCKET))
         self.channel = channel_for(self.target)
-        self.stub = pb_grpc.MemsnapStub(self.channel)
+        self.stub = pb_grpc.MemsnapStub(self.channel)  # type: ignore[no-untyped-call]
         self._md = [("authorization", f"Bearer {self.target.token}")] if self.target.token else []
 
     def close(self) -> None:

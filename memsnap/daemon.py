@@ -116,7 +116,7 @@ class Daemon:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20)],
                              interceptors=self._interceptors())
-        memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)
+        memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"].full_name,

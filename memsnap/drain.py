@@ -24,8 +24,17 @@ from memsnap import manifest
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.store import (
-    MANIFEST_NAME, Codec, EncodeResult, Store, StoreError, StoreNotFound, StoreUnavailable, Throttle, copy_decode,
-    copy_encode, open_store,
+    MANIFEST_NAME,
+    Codec,
+    EncodeResult,
+    Store,
+    StoreError,
+    StoreNotFound,
+    StoreUnavailable,
+    Throttle,
+    copy_decode,
+    copy_encode,
+    open_store,
 )
 from memsnap.tier import MemoryTier
 
@@ -228,7 +237,7 @@ class DrainService:
             w.write(data)
             w.commit()
         # Verified: every object is there at the size we wrote (contents were checked on the way in).
-        for name, s in stored_files.items():
+        for s in stored_files.values():
             if self.store.stat(s["key"]) != s["stored_bytes"]:
                 raise StoreUnavailable(f"stored {s['key']} has the wrong size after upload")
         # A by-name index lets another node find this checkpoint (Slurm requeue elsewhere, --via-store).

@@ -10,18 +10,34 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 from memsnap import __version__, failpoints, jobs, manifest
 from memsnap.catalog import (
-    DRAINING, DUMPING, DURABLE, FAILED, RESTORABLE, STAGED, Catalog, CheckpointRecord, JobRecord, now_ms,
+    DRAINING,
+    DUMPING,
+    DURABLE,
+    FAILED,
+    RESTORABLE,
+    STAGED,
+    Catalog,
+    CheckpointRecord,
+    JobRecord,
+    now_ms,
 )
 from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions
 from memsnap.errors import (
-    Aborted, FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied, TierExhausted,
+    Aborted,
+    FailedPrecondition,
+    IntegrityFailure,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    TierExhausted,
 )
 from memsnap.tier import MemoryTier, TierFull
 
@@ -608,8 +624,8 @@ class Engine:
             fixed["stray_staging"] += 1
         known = set(self.catalog.iter_ids())
         for ckpt_id in self.tier.published_ids():
-            rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id in known else None
-            if rec is None or not rec.in_tier:
+            found = self.catalog.get_checkpoint(ckpt_id) if ckpt_id in known else None
+            if found is None or not found.in_tier:
                 self.tier.remove(ckpt_id)
                 fixed["stray_tier"] += 1
         for rec in self.catalog.checkpoints():

@@ -6,9 +6,9 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 STAGING = ".staging"
 INCOMING = ".incoming"

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from memsnap.client import ClientError, MemsnapClient
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from memsnap.client import ClientError
-from tests.helpers import COUNTER, REPO, DaemonProc, counter_argv, kill_job, start_digest, ticks, wait_for
+from tests.helpers import REPO, DaemonProc, counter_argv, start_digest, ticks, wait_for
 
 
 def _run_counter(d: DaemonProc, jobs_to_kill: list[int], mib: int = 32, name: str = "") -> dict:
