@@ -228,28 +228,11 @@ class Criu:
         img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
         wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
         try:
-            o = rpc.Opts(
-                images_dir_fd=img_fd,
-                work_dir_fd=wd_fd,
-                pid=pid,
-                log_file="dump.log",
-                log_level=opts.log_level,
-                leave_running=opts.leave_running and not opts.leave_stopped,
-                tcp_established=opts.tcp_established,
-                shell_job=opts.shell_job,
-                ext_unix_sk=opts.ext_unix_sk,
-                file_locks=opts.file_locks,
-                notify_scripts=notify is not None,
-                external=opts.external,
-            )
+            o = _common_opts(img_fd, wd_fd, "dump.log", opts, notify)
+            o.pid = pid
+            o.leave_running = opts.leave_running and not opts.leave_stopped
             if opts.leave_stopped:
                 o.leave_stopped = True
-            if opts.tcp_established and opts.network_lock_skip:
-                o.network_lock = rpc.SKIP
-            elif opts.tcp_established and opts.network_lock_nft:
-                o.network_lock = rpc.NFTABLES
-            if opts.lazy_pages:
-                o.lazy_pages = True
             if opts.page_server:
                 o.ps.address, o.ps.port = opts.page_server
             t0 = time.monotonic()
@@ -274,26 +257,9 @@ class Criu:
         img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
         wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
         try:
-            o = rpc.Opts(
-                images_dir_fd=img_fd,
-                work_dir_fd=wd_fd,
-                log_file="restore.log",
-                log_level=opts.log_level,
-                tcp_established=opts.tcp_established,
-                shell_job=opts.shell_job,
-                ext_unix_sk=opts.ext_unix_sk,
-                file_locks=opts.file_locks,
-                notify_scripts=notify is not None,
-                external=opts.external,
-            )
+            o = _common_opts(img_fd, wd_fd, "restore.log", opts, notify)
             for key, fd in opts.inherit_fds.items():
                 o.inherit_fd.add(key=key, fd=fd)
-            if opts.tcp_established and opts.network_lock_skip:
-                o.network_lock = rpc.SKIP
-            elif opts.tcp_established and opts.network_lock_nft:
-                o.network_lock = rpc.NFTABLES
-            if opts.lazy_pages:
-                o.lazy_pages = True
             fds = (img_fd, wd_fd, *opts.inherit_fds.values())
             resp = self._call("restore", rpc.Req(type=rpc.RESTORE, opts=o), fds, notify, log_path)
         finally:
@@ -312,6 +278,21 @@ class Criu:
             cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1])]
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True, env=self._env)
+
+
+def _common_opts(img_fd: int, wd_fd: int, log_file: str, opts: DumpOptions | RestoreOptions,
+                 notify: NotifyCallback | None) -> rpc.Opts:
+    """The options a dump and a restore share."""
+    o = rpc.Opts(images_dir_fd=img_fd, work_dir_fd=wd_fd, log_file=log_file, log_level=opts.log_level,
+                 tcp_established=opts.tcp_established, shell_job=opts.shell_job, ext_unix_sk=opts.ext_unix_sk,
+                 file_locks=opts.file_locks, notify_scripts=notify is not None, external=opts.external)
+    if opts.tcp_established and opts.network_lock_skip:
+        o.network_lock = rpc.SKIP
+    elif opts.tcp_established and opts.network_lock_nft:
+        o.network_lock = rpc.NFTABLES
+    if opts.lazy_pages:
+        o.lazy_pages = True
+    return o
 
 
 def read_dump_stats(images_dir: Path, work_dir: Path, wall_ms: float) -> DumpStats:
