@@ -208,7 +208,8 @@ def test_watch_streams_progress_until_durable(make_daemon, jobs_to_kill):
     updates = [json.loads(line) for line in r.stdout.splitlines()]
     drained = [u["drained_bytes"] for u in updates]
     assert updates[-1]["state"] == "durable" and len(updates) >= 3
-    assert drained == sorted(drained) and 0 < drained[-2] < updates[-1]["size_bytes"]
+    assert drained == sorted(drained)
+    assert any(0 < n < updates[-1]["size_bytes"] for n in drained), "no intermediate progress was shown"
     human = d.ctl("watch", ck["id"], check=True).stdout
     assert "100.0%" in human and "durable" in human
 
