@@ -9,6 +9,8 @@ drained again: objects are written atomically and the store manifest is what mak
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import heapq
 import json
 import logging
@@ -146,6 +148,7 @@ class DrainService:
             finally:
                 with self._cv:
                     self._active.discard(ckpt_id)
+                _release_memory()
 
     # -- one drain ----------------------------------------------------------------------------
     def _drain_with_retry(self, ckpt_id: str) -> None:
@@ -293,6 +296,7 @@ class DrainService:
         manifest.write(dest, manifest.sign(tier_body, self.key))
         if self.metrics is not None:
             self.metrics.observe_phase("fetch", time.monotonic() - t0)
+        _release_memory()
 
     def find_stored(self, name: str) -> list[dict[str, Any]]:
         """Signed store manifests of the checkpoints indexed under name, newest first (unverified ones skipped)."""
@@ -321,6 +325,29 @@ class DrainService:
             self.store.delete_prefix(rec.id + "/")
         except StoreUnavailable as exc:
             raise Unavailable(f"cannot delete {rec.id} from the store: {exc}; try again later") from exc
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def _release_memory() -> None:
+    """Hands the heap that a drain or fetch freed back to the OS (glibc keeps it otherwise).
+
+    Each drain and fetch allocates and frees hundreds of MB in 4 MiB chunks across several threads; glibc
+    raises its mmap threshold after the first such free and then keeps the freed chunks in per-thread
+    arenas, so an idle daemon stayed at ~150-230 MB after a few checkpoints instead of ~70 MB.
+    """
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _as_binary(f: Any) -> BinaryIO:
@@ -415,6 +442,12 @@ class _ReadAhead:
 
 def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metrics: Any) -> DrainService | None:
     """The drain for a daemon config: S3 when store.url is set, else the POSIX store dir."""
+    # Buffers of 1 MiB and more (the drain's and fetch's 4 MiB chunks) come from mmap and go back to the OS
+    # when freed; glibc's default, a threshold that rises after the first free, kept them in per-thread
+    # arenas, which malloc_trim cannot fully shrink (daemon RSS ~120 MB after a few drains instead of ~75).
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, 1 << 20)
     if cfg.store.url:
         store = open_store(store_url=cfg.store.url, endpoint_url=cfg.store.s3_endpoint or None,
                            region=cfg.store.s3_region or None)
