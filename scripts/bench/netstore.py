@@ -135,6 +135,8 @@ class NetStore:
         if NS in sh("ip", "netns", "list", check=False).stdout.split():
             sh("ip", "netns", "del", NS, check=False)
         sh("ip", "link", "del", VETH_HOST, check=False)
+        if not os.path.ismount(mnt):  # the store's files (GBs of images) live on the VM's disk: drop them
+            shutil.rmtree(self.base / "backing", ignore_errors=True)
 
     # -- measurement ------------------------------------------------------------------------------
     def check(self, mib: int = 256) -> dict[str, float]:
