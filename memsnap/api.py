@@ -206,6 +206,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         return got
 
     @translate
+    def PageTunnel(self, request_iterator: Iterator[pb.TunnelChunk],
+                   context: grpc.ServicerContext) -> Iterator[pb.TunnelChunk]:
+        if self.migrator is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
+        out: Iterator[pb.TunnelChunk] = self.migrator.tunnels.serve(caller_of(context), request_iterator, context)
+        return out
+
+    @translate
     def RestoreReceived(self, request: pb.RestoreReceivedRequest,
                         context: grpc.ServicerContext) -> pb.RestoreResponse:
         if self.migrator is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -145,6 +146,10 @@ class MemsnapClient:
     def receive_image(self, chunks: Iterator[pb.ImageChunk], timeout: float = LONG_S) -> grpc.Future:
         """Peer side of a move: streams image chunks; the future's result() is a ReceiveImageResponse."""
         return self.stub.ReceiveImage.future(chunks, timeout=timeout, metadata=self._md)
+
+    def page_tunnel(self, chunks: Iterator[pb.TunnelChunk], timeout: float = LONG_S) -> Any:
+        """Peer side of a lazy move: a bidirectional stream of page-server bytes (an iterator and a call)."""
+        return self.stub.PageTunnel(chunks, timeout=timeout, metadata=self._md)
 
     def restore_received(self, req: pb.RestoreReceivedRequest, timeout: float = LONG_S) -> pb.RestoreResponse:
         """Peer side of a move: restores an image sent to the peer (or one it fetches from the store)."""

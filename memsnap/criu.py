@@ -63,6 +63,8 @@ class DumpOptions:
     file_locks: bool = True
     lazy_pages: bool = False
     page_server: tuple[str, int] | None = None
+    # A connected socket for the page server (a lazy dump serves its pages over it): no TCP port opens.
+    ps_socket: int = -1
     network_lock_nft: bool = True
     # The caller locks the connections itself (memsnap.net, for moves between nodes).
     network_lock_skip: bool = False
@@ -235,8 +237,16 @@ class Criu:
                 o.leave_stopped = True
             if opts.page_server:
                 o.ps.address, o.ps.port = opts.page_server
+            fds: tuple[int, ...] = (img_fd, wd_fd)
+            if opts.ps_socket >= 0:
+                # CRIU's RPC ignores criu_page_server_info.fd for lazy dumps (cr-service.c), but a config
+                # file read after the RPC options may set ps-socket, as `criu dump --ps-socket` does.
+                conf = work_dir / "ps-socket.conf"
+                conf.write_text(f"ps-socket {opts.ps_socket}\n")
+                o.config_file = str(conf)
+                fds += (opts.ps_socket,)
             t0 = time.monotonic()
-            resp = self._call("dump", rpc.Req(type=rpc.DUMP, opts=o), (img_fd, wd_fd), notify, log_path)
+            resp = self._call("dump", rpc.Req(type=rpc.DUMP, opts=o), fds, notify, log_path)
             wall_ms = (time.monotonic() - t0) * 1000
         finally:
             os.close(img_fd)
@@ -269,15 +279,54 @@ class Criu:
             raise self._fail("restore", resp, log_path)
         return int(resp.restore.pid)
 
-    def start_lazy_pages(self, images_dir: Path, work_dir: Path, page_server: tuple[str, int] | None = None,
-                         ) -> subprocess.Popen[bytes]:
-        """Starts the `criu lazy-pages` daemon that serves faults for a lazy restore."""
+    def start_lazy_pages(self, images_dir: Path, work_dir: Path, ps_socket: int = -1) -> subprocess.Popen[bytes]:
+        """Starts the `criu lazy-pages` daemon that serves faults for a lazy restore.
+
+        Without ps_socket it reads the pages from images_dir. With ps_socket (a connected socket to the
+        source's lazy dump) it fetches them from there, under a supervisor shell that outlives memsnapd:
+        if the transfer fails, it kills the restored job (work_dir/job.pid), whose missing pages would
+        otherwise read as zeros once userfaultfd is gone. Its exit code lands in work_dir/lazy-pages.rc.
+        """
         cmd = [self.binary, "lazy-pages", "-D", str(images_dir), "-W", str(work_dir),
                "-o", "lazy-pages.log", "-v2"]
-        if page_server:
-            cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1])]
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True, env=self._env)
+        if ps_socket < 0:
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True, env=self._env)
+        cmd += ["--page-server", "--ps-socket", str(ps_socket)]
+        return subprocess.Popen(["/bin/sh", "-c", _LAZY_SUPERVISOR, "memsnap-lazy-pages", str(work_dir), *cmd],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, env=self._env, pass_fds=(ps_socket,))
+
+
+# $1 = work dir, then the lazy-pages command. A failed transfer kills the restored job's pid namespace
+# (its root is the namespace's init), so no copy with missing pages ever runs on.
+_LAZY_SUPERVISOR = """w=$1; shift
+"$@"; rc=$?
+echo "$rc" > "$w/lazy-pages.rc.tmp" && mv "$w/lazy-pages.rc.tmp" "$w/lazy-pages.rc"
+if [ "$rc" -ne 0 ] && [ -s "$w/job.pid" ]; then kill -KILL "$(cat "$w/job.pid")" 2>/dev/null; fi
+exit "$rc"
+"""
+
+
+def pipe_size_problem() -> str:
+    """Why a lazy dump's page server would fail here, or "".
+
+    It sizes its pipes to PIPE_MAX_SIZE pages (about 3.2 MiB), which needs CAP_SYS_RESOURCE or
+    fs.pipe-max-size at least that big; CRIU 4.1 ignores the failure and then fails with EBADF.
+    """
+    need = 4 << 20
+    try:
+        cap_eff = int(next(ln.split()[1] for ln in Path("/proc/self/status").read_text().splitlines()
+                           if ln.startswith("CapEff:")), 16)
+        if cap_eff & (1 << 24):  # CAP_SYS_RESOURCE
+            return ""
+        have = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    except (OSError, StopIteration, ValueError):
+        return ""
+    if have >= need:
+        return ""
+    return (f"lazy moves need CAP_SYS_RESOURCE or fs.pipe-max-size >= {need} (it is {have}); "
+            f"run 'sysctl -w fs.pipe-max-size={need}' on this node")
 
 
 def _common_opts(img_fd: int, wd_fd: int, log_file: str, opts: DumpOptions | RestoreOptions,

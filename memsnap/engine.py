@@ -100,6 +100,8 @@ class RestoreResult:
     verify_ms: float
     fetch_ms: float = 0.0
     from_store: bool = False
+    lazy_server: Any = None  # the lazy-pages process of a lazy restore
+    work_dir: Path | None = None
 
 
 @dataclass
@@ -411,10 +413,11 @@ class Engine:
 
     def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
                 tcp_established: bool = False, notify: NotifyCallback | None = None,
-                restore_opts: dict[str, Any] | None = None) -> RestoreResult:
+                restore_opts: dict[str, Any] | None = None, lazy_ps_socket: int = -1) -> RestoreResult:
         """Verifies a checkpoint against its signed manifest, then restores it detached.
 
         notify gets CRIU's callbacks (post-restore, ...); restore_opts adds RestoreOptions fields.
+        lazy_ps_socket (a lazy move, memsnap.lazymove): the pages come from the source over that socket.
         """
         if not key:
             raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
@@ -432,6 +435,9 @@ class Engine:
             self.observe("restore", "integrity", time.monotonic() - t0)
             raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
         verify_ms = (time.monotonic() - t1) * 1000
+        if man.get("pages_remote") and lazy_ps_socket < 0:
+            raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
+                                     "on the source node, so it cannot be restored on its own")
         if not man.get("own_pidns", False) and jobs.alive(rec.pid):
             raise FailedPrecondition(
                 f"pid {rec.pid} is in use, and this checkpoint needs it back: stop that process first, "
@@ -441,17 +447,20 @@ class Engine:
         work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
         t2 = time.monotonic()
-        server = self._start_lazy_server(rec.id, images, work) if lazy else None
+        server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket) if lazy else None
         try:
             new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
                                                                      shell_job=False, lazy_pages=lazy,
                                                                      **(restore_opts or {})), notify=notify)
         except CriuError as exc:
             if server is not None:
-                server.kill()
+                _kill_group(server.pid)
             self.observe("restore", "error", time.monotonic() - t0)
             raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") from exc
         restore_ms = (time.monotonic() - t2) * 1000
+        if server is not None and lazy_ps_socket >= 0:
+            # The lazy-pages supervisor kills this pid if the transfer from the source fails.
+            (work / "job.pid").write_text(f"{new_pid}\n")
         if self.gpu is not None and man.get("gpus"):
             try:
                 self.gpu.restore(new_pid, gpu_map)
@@ -470,11 +479,12 @@ class Engine:
         self.observe("restore", "ok", time.monotonic() - t0)
         log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
-                             fetch_ms=fetch_ms, from_store=from_store)
+                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
 
-    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path) -> Any:
-        """Starts `criu lazy-pages` on the tier copy; it serves faults and pushes the rest, then exits."""
-        proc = self.criu.start_lazy_pages(images, work)
+    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int = -1) -> Any:
+        """Starts `criu lazy-pages` on the tier copy (or the source's, over ps_socket); it serves faults
+        and pushes the rest, then exits."""
+        proc = self.criu.start_lazy_pages(images, work, ps_socket)
         sock = work / "lazy-pages.socket"
         deadline = time.monotonic() + 10
         while not sock.exists():
@@ -602,9 +612,19 @@ class Engine:
             self.catalog.update_checkpoint(rec.id, state=FAILED, last_error="daemon stopped during the dump")
             if (rec.meta.get("stop") or rec.meta.get("hold")) and \
                     jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                _resume_stopped(rec.pid)
+                if rec.meta.get("moved_to"):
+                    # A lazy move the target had confirmed complete: the job runs there now.
+                    self.end_held(rec.pid, rec.job, rec.id)
+                else:
+                    # A lazy dump's CRIU may still hold the tree for a moment after we died; SIGCONT
+                    # only helps once it let go.
+                    _wait_untraced(rec.pid, 30)
+                    _resume_stopped(rec.pid)
             fixed["failed_dumps"] += 1
         for rec in self.catalog.checkpoints(states=RESTORABLE):
+            if rec.meta.get("pages_remote"):
+                self._recover_lazy_target(rec)
+                continue
             if rec.meta.get("hold"):
                 # A move was in flight: the target confirmed it (moved_to) or the job runs on here.
                 if jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
@@ -641,6 +661,26 @@ class Engine:
                 self.catalog.update_job(job.id, ended=True)
         return fixed
 
+    def _recover_lazy_target(self, rec: CheckpointRecord) -> None:
+        """The target half of a lazy move that was in flight: keep the job only if every page arrived."""
+        done = False
+        for rc_file in self.work_root.glob(f"{rec.id}.restore-*/lazy-pages.rc"):
+            done = done or rc_file.read_text().strip() == "0"
+        for job in self.catalog.jobs():
+            if job.restored_from == rec.id and not job.ended and jobs.alive(job.pid, job.pid_start) and not done:
+                log.warning("killing %s: its lazy move did not finish, so pages are missing", job.id)
+                jobs.kill_tree(job.pid)
+                self.catalog.update_job(job.id, ended=True)
+        self.forget_lazy_image(rec.id)
+
+    def forget_lazy_image(self, ckpt_id: str) -> None:
+        """Drops the small first half of a lazy move (its memory never was here) and its work dirs."""
+        self.catalog.delete_checkpoint(ckpt_id)
+        self.tier.remove(ckpt_id)
+        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+            for work in self.work_root.glob(f"{ckpt_id}.restore-*"):
+                shutil.rmtree(work, ignore_errors=True)
+
     def pending_drains(self) -> list[str]:
         """Staged or draining checkpoints that still need to reach the store."""
         return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING)) if r.in_tier]
@@ -654,6 +694,29 @@ def _resume_stopped(pid: int) -> None:
             p.send_signal(signal.SIGCONT)
         except Exception:  # the process may be gone already
             pass
+
+
+def _kill_group(pgid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _wait_untraced(pid: int, timeout: float) -> None:
+    """Waits until no tracer (a CRIU that outlived us) holds pid, or timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return
+        tracer = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("TracerPid:")), "0")
+        if tracer == "0":
+            return
+        time.sleep(0.05)
 
 
 def _start_or_zero(pid: int) -> float:

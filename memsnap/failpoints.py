@@ -1,4 +1,5 @@
-"""Crash-injection points for tests: MEMSNAP_FAILPOINTS=name[,name] makes the daemon die there like kill -9."""
+"""Fault-injection points for tests: MEMSNAP_FAILPOINTS=name[,name] makes the daemon die there like kill -9
+(hit), or slows it down there (delay)."""
 
 from __future__ import annotations
 
@@ -10,3 +11,12 @@ def hit(name: str) -> None:
     armed = os.environ.get("MEMSNAP_FAILPOINTS", "")
     if armed and name in armed.split(","):
         os._exit(137)
+
+
+def delay(name: str, seconds: float = 0.05) -> None:
+    """Sleeps when the failpoint is armed: makes a transfer slow enough to interrupt in a test."""
+    armed = os.environ.get("MEMSNAP_FAILPOINTS", "")
+    if armed and name in armed.split(","):
+        import time
+
+        time.sleep(seconds)

@@ -48,6 +48,7 @@ from memsnap.errors import (
     PermissionDenied,
     TierExhausted,
 )
+from memsnap.lazymove import TunnelHost, lazy_preflight, move_lazily
 from memsnap.remote import read_token, transfer_key
 from memsnap.tier import INCOMING
 from memsnap.v1 import memsnap_pb2 as pb
@@ -389,8 +390,9 @@ class ImageReceiver:
         finally:
             for r in self._reservations:
                 r.release()
-        if self.engine.drain is not None:
-            self.engine.drain.enqueue(ckpt_id)
+        rec = self.engine.catalog.get_checkpoint(ckpt_id)
+        if self.engine.drain is not None and rec is not None and not rec.meta.get("pages_remote"):
+            self.engine.drain.enqueue(ckpt_id)  # (the first half of a lazy move is never worth storing)
         return ckpt_id, total
 
     def _write(self, d: Path, files: dict[str, _Incoming], chunk: pb.ImageChunk) -> None:
@@ -461,7 +463,7 @@ class ImageReceiver:
         self.engine.tier.publish(d, ckpt_id)
         size = sum(int(x["size"]) for x in signed["files"].values())
         meta = {k: signed.get(k) for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus",
-                                           "freezing_ms")}
+                                           "freezing_ms", "pages_remote")}
         # Every byte was hashed as it arrived: restore need not read the files again.
         meta["fingerprint"] = manifest.fingerprint(self.engine.tier.path(ckpt_id))
         self.engine.catalog.update_checkpoint(
@@ -515,6 +517,7 @@ class Migrator:
     def __init__(self, engine: Engine, cfg: Config) -> None:
         self.engine = engine
         self.cfg = cfg
+        self.tunnels = TunnelHost(engine)
         self.token = ""
         if cfg.daemon.auth_token_file:
             try:
@@ -556,7 +559,7 @@ class Migrator:
         if not caller.is_root and caller.uid != owner:
             raise PermissionDenied(f"uid {caller.uid} may not move pid {pid} owned by uid {owner}")
         if req.lazy:
-            raise InvalidArgument("lazy moves (--lazy) are not available yet; move without --lazy")
+            lazy_preflight(req)
         if self.engine.gpu is not None and self.engine.gpu.describe(pid):
             raise FailedPrecondition("jobs that use CUDA cannot be moved yet")
         moved_ip: net.IfAddr | None = None
@@ -570,7 +573,8 @@ class Migrator:
         if req.tcp_established and not net.nft_available():
             raise FailedPrecondition("--tcp-established needs nft (apt-get install nftables) to lock the "
                                      "connections during the move")
-        estimate = int(jobs.tree_rss(pid) * (1 + self.cfg.tier.reserve_margin))
+        # A lazy move puts only the small images into the target's tier; the memory goes to the job.
+        estimate = 0 if req.lazy else int(jobs.tree_rss(pid) * (1 + self.cfg.tier.reserve_margin))
         client, token = self._target_client(req)
         with client:
             try:
@@ -585,6 +589,8 @@ class Migrator:
                     "touched")
             phases.mark("preflight")
             move = _Move(pid=pid, job_id=job.id if job else "", moved_ip=moved_ip)
+            if req.lazy:
+                return move_lazily(self, caller, req, client, token, move, phases)
             if req.via_store:
                 return self._via_store(caller, req, client, move, phases)
             return self._streamed(caller, req, client, token, move, estimate, phases)
@@ -806,8 +812,11 @@ class Migrator:
 
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may restore moves")
+        tunnel = None
         if req.lazy:
-            raise InvalidArgument("lazy moves are not available yet")
+            if req.tcp_established or req.HasField("from_store"):
+                raise InvalidArgument("a lazy move keeps no TCP connections and reads nothing from the store")
+            tunnel = self.tunnels.claim(req.lazy_tunnel, req.checkpoint_id)
         if req.HasField("from_store"):
             self._adopt_stored(req.from_store)
         ifa = None
@@ -836,11 +845,19 @@ class Migrator:
             except net.NetError as exc:
                 raise FailedPrecondition(str(exc)) from exc
             opts = {"network_lock_skip": True} if req.tcp_established else None
-            res = self.engine.restore(ROOT, req.checkpoint_id, tcp_established=req.tcp_established,
-                                      notify=notify if lock is not None else None, restore_opts=opts)
+            try:
+                res = self.engine.restore(ROOT, req.checkpoint_id, tcp_established=req.tcp_established,
+                                          notify=notify if lock is not None else None, restore_opts=opts,
+                                          lazy=tunnel is not None,
+                                          lazy_ps_socket=tunnel.criu_end.fileno() if tunnel else -1)
+            finally:
+                if tunnel is not None:
+                    tunnel.criu_end.close()  # lazy-pages holds its own copy now
             if not jobs.alive(res.pid):
                 raise FailedPrecondition(f"the restored job (pid {res.pid}) exited at once; see its log")
-        except BaseException:
+        except BaseException as exc:
+            if tunnel is not None:
+                self.tunnels.failed(tunnel, f"the lazy restore failed: {exc}")
             if lock is not None:
                 lock.release()
             if added and ifa is not None:
@@ -853,6 +870,8 @@ class Migrator:
             lock.release()
         if ifa is not None:
             net.announce(ifa, added)
+        if tunnel is not None:
+            self.tunnels.watch(tunnel, res.lazy_server, res.pid, res.job.id)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
                                   from_store=res.from_store)

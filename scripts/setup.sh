@@ -25,6 +25,14 @@ fi
 log "CRIU"
 scripts/install-criu.sh
 
+# A lazy move's page server (CRIU) sizes its pipes to ~3.2 MiB: that needs CAP_SYS_RESOURCE, or a
+# pipe-max-size at least that big. Some VMs and containers give root no CAP_SYS_RESOURCE.
+cap_eff=$(awk '/^CapEff:/ { print $2 }' /proc/self/status)
+if (( (16#$cap_eff >> 24 & 1) == 0 )) && [ "$(cat /proc/sys/fs/pipe-max-size)" -lt 4194304 ]; then
+  log "no CAP_SYS_RESOURCE here: raising fs.pipe-max-size to 4 MiB for lazy moves"
+  sysctl -q -w fs.pipe-max-size=4194304
+fi
+
 PY=${PYTHON:-python3}
 extras="."
 [ $want_test = 1 ] && extras=".[test]"

@@ -372,20 +372,34 @@ class ReceiveImageResponse(_message.Message):
     bytes: int
     def __init__(self, checkpoint_id: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class TunnelChunk(_message.Message):
+    __slots__ = ("tunnel_id", "data", "done", "ok", "error")
+    TUNNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tunnel_id: str
+    data: bytes
+    done: bool
+    ok: bool
+    error: str
+    def __init__(self, tunnel_id: _Optional[str] = ..., data: _Optional[bytes] = ..., done: _Optional[bool] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
 class RestoreReceivedRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "lazy", "lazy_address", "add_ip", "add_ip_dev", "tcp_established", "from_store")
+    __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     LAZY_FIELD_NUMBER: _ClassVar[int]
-    LAZY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAZY_TUNNEL_FIELD_NUMBER: _ClassVar[int]
     ADD_IP_FIELD_NUMBER: _ClassVar[int]
     ADD_IP_DEV_FIELD_NUMBER: _ClassVar[int]
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     lazy: bool
-    lazy_address: str
+    lazy_tunnel: str
     add_ip: str
     add_ip_dev: str
     tcp_established: bool
     from_store: CheckpointInfo
-    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_address: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...

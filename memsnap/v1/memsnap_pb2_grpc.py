@@ -99,6 +99,11 @@ class MemsnapStub:
                 request_serializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreReceivedRequest.SerializeToString,
                 response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.PageTunnel = channel.stream_stream(
+                '/memsnap.v1.Memsnap/PageTunnel',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
+                _registered_method=True)
 
 
 class MemsnapServicer:
@@ -192,6 +197,14 @@ class MemsnapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PageTunnel(self, request_iterator, context):
+        """Peer side of a lazy Migrate: carries CRIU's page-server protocol between the source's lazy dump
+        and the target's lazy-pages daemon, inside this authenticated channel (no extra port to open).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemsnapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +272,11 @@ def add_MemsnapServicer_to_server(servicer, server):
                     servicer.RestoreReceived,
                     request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreReceivedRequest.FromString,
                     response_serializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.SerializeToString,
+            ),
+            'PageTunnel': grpc.stream_stream_rpc_method_handler(
+                    servicer.PageTunnel,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -612,6 +630,33 @@ class Memsnap:
             '/memsnap.v1.Memsnap/RestoreReceived',
             memsnap_dot_v1_dot_memsnap__pb2.RestoreReceivedRequest.SerializeToString,
             memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PageTunnel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/memsnap.v1.Memsnap/PageTunnel',
+            memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,8 +31,7 @@ class Pair:
     base: Path
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def two_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     """Two daemons with one node token but each with its own HMAC key: moves must not need a shared key."""
     if os.geteuid() != 0:
         pytest.fail("the e2e tests run real CRIU and must run as root (CI does)")
@@ -44,6 +43,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     yield Pair(a, b, token, base)
     a.cleanup()
     b.cleanup()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    yield from two_daemons(tmp_path_factory)
 
 
 def _counter(d: DaemonProc, jobs_to_kill: list[int], mib: int, name: str) -> dict:

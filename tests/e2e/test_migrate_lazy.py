@@ -1,0 +1,197 @@
+"""Lazy (post-copy) moves between two daemons on loopback, with real CRIU over userfaultfd: the job resumes
+on the target before its memory arrived, with the same memory; any failure before every page arrived
+leaves it running on the source, and no half-restored copy survives on the target."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.test_migrate import BlindDaemon, Pair, _counter, _keeps_ticking_with, _migrate, two_daemons
+from tests.e2e.test_remote import token_daemon
+from tests.helpers import REPO, DaemonProc, ticks, wait_for
+
+MIB = 256
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    yield from two_daemons(tmp_path_factory)
+
+
+def _lazy_pages(d: DaemonProc) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "lazy-pages" in cmd and any(str(d.state) in a for a in cmd):
+            out.append(p)
+    return out
+
+
+def _target_jobs(d: DaemonProc) -> dict[str, dict]:
+    return {j["id"]: j for j in json.loads(d.ctl("--json", "jobs", check=True).stdout)}
+
+
+def test_lazy_move_resumes_before_the_memory_arrived_and_gets_it_all(pair: Pair, jobs_to_kill):
+    a, b = pair.a, pair.b
+    job = _counter(a, jobs_to_kill, MIB, "lazy-mover")
+
+    r = _migrate(a, job["id"], "--to", b.address, "--lazy")
+    assert r.returncode == 0, r.stderr + a.log.read_text()[-3000:] + b.log.read_text()[-3000:]
+    out = json.loads(r.stdout)
+    jobs_to_kill.append(out["target_pid"])
+    last = ticks(job["log"], job["pid"])[-1]
+
+    # Phases: it resumed on the target ("restore") before the pages had all come ("pages").
+    assert {"preflight", "dump", "transfer", "restore", "pages", "confirm", "cleanup"} == set(out["phases"])
+    print("lazy move:", out["downtime_ms"], "ms to resume;", out["phases"])
+    assert 0 < out["downtime_ms"] < 10_000
+    # Every page crossed (through the tunnel), but the images alone are tiny.
+    assert out["bytes_sent"] > MIB << 20
+
+    # It goes on at the next tick with the same memory, and the copy on the source is gone.
+    wait_for(lambda: len(ticks(job["log"], out["target_pid"])) >= 1, 20, what="the moved job to tick")
+    assert ticks(job["log"], out["target_pid"])[0].n == last.n + 1
+    _keeps_ticking_with(job, out["target_pid"], job["digest"])
+    assert not Path(f"/proc/{job['pid']}").exists()
+    assert _target_jobs(a)[job["id"]]["running"] is False
+    moved = _target_jobs(b)[out["target_job"]]
+    assert moved["running"] and moved["restored_from"] == out["checkpoint"]
+
+    # All its memory is resident on the target, the lazy-pages daemon is done, and neither node keeps
+    # the half image (the target's lacks the pages; the source's was never complete).
+    assert psutil.Process(out["target_pid"]).memory_info().rss >= MIB << 20
+    wait_for(lambda: not _lazy_pages(b), 20, what="lazy-pages to exit on the target")
+    for d in (a, b):
+        assert not (d.tier / out["checkpoint"]).exists()
+        ids = [c["id"] for c in json.loads(d.ctl("--json", "list", check=True).stdout)]
+        assert out["checkpoint"] not in ids
+
+
+def test_lazy_move_refuses_tcp_established_without_touching_the_job(pair: Pair, jobs_to_kill):
+    job = _counter(pair.a, jobs_to_kill, 16, "lazy-tcp")
+    r = _migrate(pair.a, job["id"], "--to", pair.b.address, "--lazy", "--tcp-established")
+    assert r.returncode != 0 and "INVALID_ARGUMENT" in r.stderr and "--tcp-established" in r.stderr, r.stderr
+    _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
+
+
+def test_target_that_cannot_restore_lazily_leaves_the_job_running_here(pair: Pair, jobs_to_kill, tmp_path):
+    # As in the streamed case: the target cannot see the job's log file, so its restore fails.
+    a = pair.a
+    port_daemon = token_daemon(tmp_path / "blind", pair.token_file)
+    blind = BlindDaemon(port_daemon.base, extra=port_daemon.extra, hide=str(a.state / "jobs"))
+    blind.address = port_daemon.address  # type: ignore[attr-defined]
+    blind.start()
+    try:
+        job = _counter(a, jobs_to_kill, 32, "lazy-homebound")
+        r = _migrate(a, job["id"], "--to", blind.address, "--lazy")
+        assert r.returncode != 0
+        assert "migration failed at restore on the target" in r.stderr, r.stderr
+        assert "resumed on this node" in r.stderr
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+        with blind.client() as c:
+            assert not [j for j in c.jobs() if j.running]
+        wait_for(lambda: not _lazy_pages(blind), 10, what="lazy-pages to be gone on the target")
+    finally:
+        blind.cleanup()
+
+
+def test_target_killed_while_pages_flow_job_resumes_on_the_source(pair: Pair, jobs_to_kill, tmp_path):
+    a = pair.a
+    # slow-tunnel: the target takes each page chunk slowly, so the move is surely mid-transfer.
+    victim = token_daemon(tmp_path / "victim", pair.token_file, env={"MEMSNAP_FAILPOINTS": "slow-tunnel"})
+    victim.start()
+    try:
+        job = _counter(a, jobs_to_kill, MIB, "lazy-interrupted")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": a.socket}
+        argv = [sys.executable, "-m", "memsnap.cli", "--json", "migrate", job["id"], "--to", victim.address,
+                "--lazy"]
+        mig = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        # Wait until the job runs on the target (restored, pages still coming), then kill -9 the target.
+        def restored_there() -> list[int]:
+            with victim.client() as c:
+                return [int(j.pid) for j in c.jobs() if j.running]
+
+        wait_for(lambda: restored_there(), 60, 0.01, "the job to resume on the target")
+        half = restored_there()[0]
+        jobs_to_kill.append(half)
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        _, err = mig.communicate(timeout=120)
+        assert mig.returncode != 0
+        assert "migration failed at pages" in err and "resumed on this node" in err, err
+
+        # The same process goes on here, memory intact; the half-restored copy there was killed by the
+        # lazy-pages supervisor, although its daemon was dead.
+        _keeps_ticking_with(job, job["pid"], job["digest"])
+        wait_for(lambda: not psutil.pid_exists(half) or psutil.Process(half).status() == psutil.STATUS_ZOMBIE,
+                 10, what="the half-restored copy to be killed")
+        assert _target_jobs(a)[job["id"]]["running"]
+
+        # The target's restart drops the half image and forgets the job.
+        victim.env = {}
+        victim.start()
+        with victim.client() as c:
+            assert not [j for j in c.jobs() if j.running]
+            assert not [ck for ck in c.list() if ck.id.startswith("ck-")]
+    finally:
+        victim.cleanup()
+        time.sleep(0.1)
+
+
+def test_source_daemon_killed_while_pages_flow_job_runs_on_the_source(pair: Pair, jobs_to_kill, tmp_path):
+    # The source dies like kill -9 once the job runs on the target and the pages are still flowing:
+    # the target kills its half copy, and the source's restart lets the frozen original run on.
+    src = token_daemon(tmp_path / "crashy", pair.token_file, env={"MEMSNAP_FAILPOINTS": "lazy-pages-flowing"})
+    slow = token_daemon(tmp_path / "slow", pair.token_file, env={"MEMSNAP_FAILPOINTS": "slow-tunnel"})
+    src.start()
+    slow.start()
+    try:
+        job = _counter(src, jobs_to_kill, 64, "lazy-orphan")
+        r = _migrate(src, job["id"], "--to", slow.address, "--lazy")
+        assert r.returncode != 0
+        assert src.proc is not None and src.proc.wait(10) == 137
+        wait_for(lambda: not _lazy_pages(slow), 20, what="the target's lazy-pages to give up")
+        with slow.client() as c:
+            assert not [j for j in c.jobs() if j.running]
+        src.env = {}
+        src.start()
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+        assert _target_jobs(src)[job["id"]]["running"]
+    finally:
+        src.cleanup()
+        slow.cleanup()
+
+
+def test_lazy_move_needs_big_pipes_or_says_how(pair: Pair, jobs_to_kill):
+    """Without CAP_SYS_RESOURCE, CRIU's page server needs fs.pipe-max-size >= 4 MiB: a clear preflight error."""
+    cap_eff = int(next(ln.split()[1] for ln in Path("/proc/self/status").read_text().splitlines()
+                       if ln.startswith("CapEff:")), 16)
+    if cap_eff & (1 << 24):
+        # Root has CAP_SYS_RESOURCE here, so the pipe limit cannot bite: check the helper says so.
+        from memsnap.criu import pipe_size_problem
+
+        assert pipe_size_problem() == ""
+        return
+    pipe_max = Path("/proc/sys/fs/pipe-max-size")
+    old = pipe_max.read_text().strip()
+    pipe_max.write_text("1048576")
+    try:
+        job = _counter(pair.a, jobs_to_kill, 16, "lazy-pipes")
+        r = _migrate(pair.a, job["id"], "--to", pair.b.address, "--lazy")
+        assert r.returncode != 0 and "FAILED_PRECONDITION" in r.stderr, r.stderr
+        assert "sysctl -w fs.pipe-max-size=4194304" in r.stderr and "not touched" in r.stderr
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
+    finally:
+        pipe_max.write_text(old)
