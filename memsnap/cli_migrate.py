@@ -18,6 +18,8 @@ def register(cli: click.Group) -> None:
                   help="bearer token for the target (default: this node's own node token)")
     @click.option("--via-store", is_flag=True, help="the target fetches the durable copy from shared storage")
     @click.option("--lazy", is_flag=True, help="post-copy: resume on the target at once, pages follow")
+    @click.option("--plain-restore", is_flag=True,
+                  help="resume only once all memory is restored (default: resume at once, page in locally)")
     @click.option("--tcp-established", is_flag=True, help="keep established TCP connections")
     @click.option("--move-ip", default="", metavar="ADDR/PREFIX",
                   help="service address to take from this node and add on the target")
@@ -27,7 +29,7 @@ def register(cli: click.Group) -> None:
     @click.pass_obj
     @handle_errors
     def migrate_cmd(obj: Ctx, target: str, to: str, to_token_file: str, via_store: bool, lazy: bool,
-                    tcp_established: bool, move_ip: str, move_ip_dev_source: str,
+                    plain_restore: bool, tcp_established: bool, move_ip: str, move_ip_dev_source: str,
                     move_ip_dev_target: str) -> None:
         """Move a PID or job to another node; on failure it runs on here."""
         token = ""
@@ -37,7 +39,8 @@ def register(cli: click.Group) -> None:
                     token = f.read().strip()
             except OSError as exc:
                 raise click.UsageError(f"cannot read --token-file {to_token_file}: {exc.strerror}") from exc
-        req = pb.MigrateRequest(target=target, to=to, via_store=via_store, lazy=lazy, move_ip=move_ip,
+        req = pb.MigrateRequest(target=target, to=to, via_store=via_store, lazy=lazy, plain_restore=plain_restore,
+                                move_ip=move_ip,
                                 tcp_established=tcp_established, move_ip_dev_source=move_ip_dev_source,
                                 move_ip_dev_target=move_ip_dev_target, to_token=token)
         with obj.client() as c:

@@ -282,20 +282,21 @@ class Criu:
     def start_lazy_pages(self, images_dir: Path, work_dir: Path, ps_socket: int = -1) -> subprocess.Popen[bytes]:
         """Starts the `criu lazy-pages` daemon that serves faults for a lazy restore.
 
-        Without ps_socket it reads the pages from images_dir. With ps_socket (a connected socket to the
-        source's lazy dump) it fetches them from there, under a supervisor shell that outlives memsnapd:
-        if the transfer fails, it kills the restored job (work_dir/job.pid), whose missing pages would
-        otherwise read as zeros once userfaultfd is gone. Its exit code lands in work_dir/lazy-pages.rc.
+        Without ps_socket it reads the pages from images_dir; with ps_socket (a connected socket to the
+        source's lazy dump) it fetches them from there. It runs under a supervisor shell that outlives
+        memsnapd: if lazy-pages fails, the shell kills the restored job (work_dir/job.pid), whose missing
+        pages would otherwise read as zeros once userfaultfd is gone. The exit code lands in
+        work_dir/lazy-pages.rc.
         """
         cmd = [self.binary, "lazy-pages", "-D", str(images_dir), "-W", str(work_dir),
                "-o", "lazy-pages.log", "-v2"]
-        if ps_socket < 0:
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True, env=self._env)
-        cmd += ["--page-server", "--ps-socket", str(ps_socket)]
+        fds: tuple[int, ...] = ()
+        if ps_socket >= 0:
+            cmd += ["--page-server", "--ps-socket", str(ps_socket)]
+            fds = (ps_socket,)
         return subprocess.Popen(["/bin/sh", "-c", _LAZY_SUPERVISOR, "memsnap-lazy-pages", str(work_dir), *cmd],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, env=self._env, pass_fds=(ps_socket,))
+                                start_new_session=True, env=self._env, pass_fds=fds)
 
 
 # $1 = work dir, then the lazy-pages command. A failed transfer kills the restored job's pid namespace

@@ -458,8 +458,8 @@ class Engine:
             self.observe("restore", "error", time.monotonic() - t0)
             raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") from exc
         restore_ms = (time.monotonic() - t2) * 1000
-        if server is not None and lazy_ps_socket >= 0:
-            # The lazy-pages supervisor kills this pid if the transfer from the source fails.
+        if server is not None:
+            # The lazy-pages supervisor kills this pid if paging in fails.
             (work / "job.pid").write_text(f"{new_pid}\n")
         if self.gpu is not None and man.get("gpus"):
             try:

@@ -20,3 +20,8 @@ def delay(name: str, seconds: float = 0.05) -> None:
         import time
 
         time.sleep(seconds)
+
+
+def armed(name: str) -> bool:
+    """Whether a failpoint is armed, for the few that do something other than die or wait."""
+    return name in os.environ.get("MEMSNAP_FAILPOINTS", "").split(",")

@@ -35,11 +35,12 @@ from typing import Any, NoReturn
 import blake3
 import grpc
 
-from memsnap import jobs, manifest, net
+from memsnap import failpoints, jobs, manifest, net
 from memsnap.catalog import DUMPING, DURABLE, FAILED, STAGED, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.config import Config, parse_host_port
-from memsnap.engine import ROOT, Caller, DumpHooks, Engine
+from memsnap.drain import release_memory
+from memsnap.engine import ROOT, Caller, DumpHooks, Engine, RestoreResult
 from memsnap.errors import (
     FailedPrecondition,
     IntegrityFailure,
@@ -390,6 +391,7 @@ class ImageReceiver:
         finally:
             for r in self._reservations:
                 r.release()
+            release_memory()
         rec = self.engine.catalog.get_checkpoint(ckpt_id)
         if self.engine.drain is not None and rec is not None and not rec.meta.get("pages_remote"):
             self.engine.drain.enqueue(ckpt_id)  # (the first half of a lazy move is never worth storing)
@@ -689,12 +691,19 @@ class Migrator:
     def _restore_on_target(self, req: pb.MigrateRequest, client: MemsnapClient, move: _Move,
                            rec: CheckpointRecord, phases: _Phases, freeze_start: float, sent: int,
                            from_store: pb.CheckpointInfo | None = None) -> pb.MigrateResponse:
+        # Early resume: the job runs on the target as soon as its state is back, and pages its memory in
+        # from the target's verified copy; the reply comes once all of it is in place. Off for the
+        # serial baseline, and with --tcp-established (kept to the plain path that its tests cover).
+        early = not (req.plain_restore or req.tcp_established or os.environ.get("MEMSNAP_MIGRATE_SERIAL"))
         rreq = pb.RestoreReceivedRequest(checkpoint_id=rec.id, tcp_established=req.tcp_established,
                                          add_ip=str(move.moved_ip) if move.moved_ip else "",
-                                         add_ip_dev=req.move_ip_dev_target, from_store=from_store)
+                                         add_ip_dev=req.move_ip_dev_target, from_store=from_store,
+                                         early_resume=early)
+        paged_ms = 0
         try:
             res = client.restore_received(rreq, timeout=600)
             target_pid, target_job = int(res.pid), res.job.id
+            paged_ms = int(res.paged_in_ms)
         except ClientError as exc:
             why = f"{exc.code.name}: {exc.message}"
             if exc.code not in _TRANSPORT_CODES:
@@ -704,7 +713,10 @@ class Migrator:
             if found is None:
                 self._rollback(move, "restore on the target", why, exc.code.name)
             target_pid, target_job = int(found.pid), found.id
-        t_running = phases.mark("restore")
+        t_reply = time.monotonic()
+        t_running = phases.mark("restore", t_reply - paged_ms / 1000)
+        if paged_ms:
+            phases.mark("paging", t_reply)  # the job already ran on the target meanwhile
         downtime_ms = (t_running - freeze_start) * 1000
         time.sleep(CONFIRM_S)
         found = self._target_job(client, rec.id)
@@ -727,6 +739,7 @@ class Migrator:
                 self.engine.delete(ROOT, rec.id)
             except MemsnapError as exc:
                 log.warning("could not drop the moved image %s: %s", rec.id, exc)
+        release_memory()
         phases.mark("cleanup")
         log.info("moved %s to %s as pid %d: downtime %.0f ms, %d bytes", move.job_id or move.pid, req.to,
                  target_pid, downtime_ms, sent, extra={"checkpoint_id": rec.id})
@@ -813,6 +826,7 @@ class Migrator:
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may restore moves")
         tunnel = None
+        early = req.early_resume and not req.lazy and not req.tcp_established
         if req.lazy:
             if req.tcp_established or req.HasField("from_store"):
                 raise InvalidArgument("a lazy move keeps no TCP connections and reads nothing from the store")
@@ -848,13 +862,14 @@ class Migrator:
             try:
                 res = self.engine.restore(ROOT, req.checkpoint_id, tcp_established=req.tcp_established,
                                           notify=notify if lock is not None else None, restore_opts=opts,
-                                          lazy=tunnel is not None,
+                                          lazy=tunnel is not None or early,
                                           lazy_ps_socket=tunnel.criu_end.fileno() if tunnel else -1)
             finally:
                 if tunnel is not None:
                     tunnel.criu_end.close()  # lazy-pages holds its own copy now
             if not jobs.alive(res.pid):
                 raise FailedPrecondition(f"the restored job (pid {res.pid}) exited at once; see its log")
+            paged_ms = self._wait_paged_in(res) if early else 0
         except BaseException as exc:
             if tunnel is not None:
                 self.tunnels.failed(tunnel, f"the lazy restore failed: {exc}")
@@ -874,7 +889,25 @@ class Migrator:
             self.tunnels.watch(tunnel, res.lazy_server, res.pid, res.job.id)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
-                                  from_store=res.from_store)
+                                  from_store=res.from_store, paged_in_ms=paged_ms)
+
+    def _wait_paged_in(self, res: RestoreResult) -> int:
+        """Early resume: waits until lazy-pages has put every page in place; ms the job ran meanwhile."""
+        t0 = time.monotonic()
+        if failpoints.armed("kill-lazy-pages"):
+            import psutil
+
+            for child in psutil.Process(res.lazy_server.pid).children():
+                child.kill()  # lazy-pages itself, not its supervisor
+        rc = res.lazy_server.wait()
+        self.engine.reap_lazy()
+        if rc != 0:
+            # Its supervisor killed the job already (missing pages would read as zeros).
+            jobs.kill_tree(res.pid)
+            self.engine.catalog.update_job(res.job.id, ended=True)
+            raise FailedPrecondition(f"paging in the restored job's memory failed (lazy-pages exit {rc}, see "
+                                     f"{res.work_dir}/lazy-pages.log); the copy there was killed")
+        return max(1, int((time.monotonic() - t0) * 1000))
 
     def _adopt_stored(self, info: pb.CheckpointInfo) -> None:
         """Catalogs a durable checkpoint another node wrote to the shared store, so restore can fetch it."""

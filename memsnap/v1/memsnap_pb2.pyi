@@ -231,20 +231,22 @@ class RestoreRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., gpu_map: _Optional[_Mapping[str, str]] = ..., tcp_established: _Optional[bool] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("pid", "job", "restore_ms", "verify_ms", "fetch_ms", "from_store")
+    __slots__ = ("pid", "job", "restore_ms", "verify_ms", "fetch_ms", "from_store", "paged_in_ms")
     PID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     FETCH_MS_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    PAGED_IN_MS_FIELD_NUMBER: _ClassVar[int]
     pid: int
     job: Job
     restore_ms: int
     verify_ms: int
     fetch_ms: int
     from_store: bool
-    def __init__(self, pid: _Optional[int] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., restore_ms: _Optional[int] = ..., verify_ms: _Optional[int] = ..., fetch_ms: _Optional[int] = ..., from_store: _Optional[bool] = ...) -> None: ...
+    paged_in_ms: int
+    def __init__(self, pid: _Optional[int] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., restore_ms: _Optional[int] = ..., verify_ms: _Optional[int] = ..., fetch_ms: _Optional[int] = ..., from_store: _Optional[bool] = ..., paged_in_ms: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("job",)
@@ -299,7 +301,7 @@ class WatchCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token")
+    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token", "plain_restore")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
     VIA_STORE_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +311,7 @@ class MigrateRequest(_message.Message):
     MOVE_IP_DEV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MOVE_IP_DEV_TARGET_FIELD_NUMBER: _ClassVar[int]
     TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_RESTORE_FIELD_NUMBER: _ClassVar[int]
     target: str
     to: str
     via_store: bool
@@ -318,7 +321,8 @@ class MigrateRequest(_message.Message):
     move_ip_dev_source: str
     move_ip_dev_target: str
     to_token: str
-    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ...) -> None: ...
+    plain_restore: bool
+    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ..., plain_restore: _Optional[bool] = ...) -> None: ...
 
 class Phase(_message.Message):
     __slots__ = ("name", "ms")
@@ -387,7 +391,7 @@ class TunnelChunk(_message.Message):
     def __init__(self, tunnel_id: _Optional[str] = ..., data: _Optional[bytes] = ..., done: _Optional[bool] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RestoreReceivedRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store")
+    __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store", "early_resume")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     LAZY_FIELD_NUMBER: _ClassVar[int]
     LAZY_TUNNEL_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +399,7 @@ class RestoreReceivedRequest(_message.Message):
     ADD_IP_DEV_FIELD_NUMBER: _ClassVar[int]
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    EARLY_RESUME_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     lazy: bool
     lazy_tunnel: str
@@ -402,4 +407,5 @@ class RestoreReceivedRequest(_message.Message):
     add_ip_dev: str
     tcp_established: bool
     from_store: CheckpointInfo
-    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+    early_resume: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., early_resume: _Optional[bool] = ...) -> None: ...

@@ -5,8 +5,12 @@ Modes, each a median of --runs moves after one warm-up move (runs alternate betw
   pipelined  memsnapctl migrate as shipped: image files stream while CRIU still writes them.
   serial     the same path with pipelining off (MEMSNAP_MIGRATE_SERIAL=1 on the source): dump, then
              copy, then restore, one after the other. This is the baseline pipelining must beat.
+  lazy       memsnapctl migrate --lazy (post-copy): the job resumes on the target first, its pages
+             follow through the page tunnel. Also run at --lazy-mib sizes, to show time-to-resume
+             against size.
 
-Downtime is the job's freeze (from CRIU's own timers) until it runs on the target. The workload is
+Downtime is the job's freeze until it runs on the target (for lazy: until it resumed there, with
+the time until every page had arrived reported next to it). The workload is
 tests/workloads/counter.py with random (incompressible) memory. Writes <out>/migrate.json and .md.
 Needs root and CRIU, like the e2e tests. Run: python scripts/bench/bench_migrate.py [--mib 2048]
 """
@@ -35,7 +39,8 @@ from memsnap.criu import Criu  # noqa: E402
 from memsnap.migrate import CHUNK_BYTES  # noqa: E402
 from tests.helpers import DaemonProc, counter_argv, kill_job, ticks, wait_for  # noqa: E402
 
-MODES = {"pipelined": {}, "serial": {"MEMSNAP_MIGRATE_SERIAL": "1"}}
+MODES = {"pipelined": {}, "pipelined-plain": {}, "serial": {"MEMSNAP_MIGRATE_SERIAL": "1"}, "lazy": {}}
+MODE_ARGS = {"lazy": ["--lazy"], "pipelined-plain": ["--plain-restore"]}
 # memsnap.migrate logs how much of the image it had read for sending when CRIU returned.
 STREAMED = re.compile(r"streamed (\d+) of \d+ bytes while CRIU was still dumping")
 
@@ -57,12 +62,12 @@ def daemon(base: Path, token: Path, env: dict[str, str]) -> tuple[DaemonProc, st
     return d.start(), f"127.0.0.1:{port}"
 
 
-def one_move(a: DaemonProc, b: DaemonProc, to: str, mib: int) -> dict[str, Any]:
+def one_move(a: DaemonProc, b: DaemonProc, to: str, mib: int, mode: str = "pipelined") -> dict[str, Any]:
     with a.client() as c:
         job = c.run(counter_argv(mib, 0.1, "--digest-every", "1000000"), name="bench")
     try:
         wait_for(lambda: len(ticks(job.log_path)) >= 2, 300, 0.1, "the job to tick")
-        r = a.ctl("--json", "migrate", job.id, "--to", to, timeout=900)
+        r = a.ctl("--json", "migrate", job.id, "--to", to, *MODE_ARGS.get(mode, []), timeout=900)
         if r.returncode != 0:
             raise SystemExit(f"migrate failed: {r.stderr}")
         out = json.loads(r.stdout)
@@ -75,8 +80,11 @@ def one_move(a: DaemonProc, b: DaemonProc, to: str, mib: int) -> dict[str, Any]:
         for d in (a, b):
             d.ctl("delete", out["checkpoint"])
         streamed = [int(m.group(1)) for m in STREAMED.finditer(a.log.read_text())]
+        # Lazy: the pages phase runs after the job resumed; complete = resumed + all pages there.
+        complete = out["downtime_ms"] + out["phases"].get("pages", 0)
         return {"downtime_ms": out["downtime_ms"], "phases": out["phases"], "bytes": out["bytes_sent"],
-                "bytes_during_dump": streamed[-1] if streamed else 0}
+                "complete_ms": complete,
+                "bytes_during_dump": streamed[-1] if streamed and mode != "lazy" else 0}
     finally:
         kill_job(int(job.pid))
 
@@ -92,10 +100,10 @@ def run_modes(modes: list[str], base: Path, token: Path, mib: int, runs: int) ->
         results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for mode in modes:
             print(f"{mode}: warm-up", flush=True)
-            one_move(sources[mode], target, to, mib)
+            one_move(sources[mode], target, to, mib, mode)
         for i in range(runs):
             for mode in modes:
-                res = one_move(sources[mode], target, to, mib)
+                res = one_move(sources[mode], target, to, mib, mode)
                 print(f"{mode}: run {i + 1}: downtime {res['downtime_ms']} ms, phases {res['phases']}",
                       flush=True)
                 results[mode].append(res)
@@ -111,7 +119,32 @@ def run_modes(modes: list[str], base: Path, token: Path, mib: int, runs: int) ->
             "median_phases_ms": {n: statistics.median(r["phases"][n] for r in rs) for n in names},
             "bytes": rs[0]["bytes"],
             "median_bytes_during_dump": statistics.median(r["bytes_during_dump"] for r in rs),
+            "median_complete_ms": statistics.median(r["complete_ms"] for r in rs),
         }
+    return out
+
+
+def lazy_sweep(base: Path, token: Path, sizes: list[int], runs: int) -> dict[str, Any]:
+    """Time-to-resume of lazy moves against job size (median of runs after a warm-up)."""
+    target, to = daemon(base / "lazy-target", token, {})
+    source, _ = daemon(base / "lazy-source", token, {})
+    out: dict[str, Any] = {}
+    try:
+        one_move(source, target, to, sizes[0], "lazy")
+        for mib in sizes:
+            rs = []
+            for i in range(runs):
+                res = one_move(source, target, to, mib, "lazy")
+                print(f"lazy {mib} MiB: run {i + 1}: resumed after {res['downtime_ms']} ms, all pages after "
+                      f"{res['complete_ms']} ms", flush=True)
+                rs.append(res)
+            out[str(mib)] = {"runs": rs, "median_resume_ms": statistics.median(r["downtime_ms"] for r in rs),
+                             "median_complete_ms": statistics.median(r["complete_ms"] for r in rs),
+                             "median_phases_ms": {n: statistics.median(r["phases"][n] for r in rs)
+                                                  for n in rs[0]["phases"]}}
+    finally:
+        source.cleanup()
+        target.cleanup()
     return out
 
 
@@ -181,7 +214,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=2048, help="job memory (default 2048)")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--modes", default="pipelined,serial")
+    p.add_argument("--modes", default="pipelined,serial,lazy")
+    p.add_argument("--lazy-mib", default="256,1024,2048", help="sizes for the lazy time-to-resume sweep ('' = none)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -205,6 +239,8 @@ def main() -> None:
     }
     try:
         data["modes"] = run_modes(args.modes.split(","), base, token, args.mib, args.runs)
+        if args.lazy_mib:
+            data["lazy_sweep"] = lazy_sweep(base, token, [int(x) for x in args.lazy_mib.split(",")], args.runs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = Path(args.out)

@@ -95,7 +95,8 @@ def test_migrate_moves_the_job_and_the_source_lets_go(pair, jobs_to_kill):
 
     # Phases and downtime are reported; the whole image crossed, and both copies check out against
     # their own node's key (the target re-signed what it verified).
-    assert {"preflight", "dump", "transfer", "restore", "confirm", "cleanup"} <= set(out["phases"])
+    # Early resume (the default): it ran on the target while its memory was paged in from the copy there.
+    assert {"preflight", "dump", "transfer", "restore", "paging", "confirm", "cleanup"} == set(out["phases"])
     assert 0 < out["downtime_ms"] < 30_000 and out["bytes_sent"] > BIG_MIB << 20
     for d in (a, b):
         m = manifest.verify_dir(d.tier / out["checkpoint"], (d.state / "hmac.key").read_bytes())
@@ -245,3 +246,30 @@ def test_source_daemon_crash_mid_move_never_leaves_the_job_frozen(pair, jobs_to_
             assert not [j for j in c.jobs() if j.running and j.name == "orphan"]
     finally:
         src.cleanup()
+
+
+def test_plain_restore_resumes_only_with_all_memory_in_place(pair, jobs_to_kill):
+    job = _counter(pair.a, jobs_to_kill, 32, "plain")
+    r = _migrate(pair.a, job["id"], "--to", pair.b.address, "--plain-restore")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    jobs_to_kill.append(out["target_pid"])
+    assert "paging" not in out["phases"] and "restore" in out["phases"]
+    _keeps_ticking_with(job, out["target_pid"], job["digest"], fresh=5)
+
+
+def test_paging_in_fails_on_the_target_job_resumes_here(pair, jobs_to_kill, tmp_path):
+    # lazy-pages dies on the target after the early resume: its supervisor kills the copy there
+    # (its missing pages would read as zeros), and the source takes the job back.
+    bad = token_daemon(tmp_path / "bad", pair.token_file, env={"MEMSNAP_FAILPOINTS": "kill-lazy-pages"}).start()
+    try:
+        job = _counter(pair.a, jobs_to_kill, 64, "unpaged")
+        r = _migrate(pair.a, job["id"], "--to", bad.address)
+        assert r.returncode != 0
+        assert "migration failed at restore on the target" in r.stderr and "paging in" in r.stderr, r.stderr
+        assert "resumed on this node" in r.stderr
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+        with bad.client() as c:
+            assert not [j for j in c.jobs() if j.running]
+    finally:
+        bad.cleanup()
