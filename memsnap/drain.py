@@ -19,6 +19,8 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -339,6 +341,42 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
 _M_TRIM_THRESHOLD = -1
 
 
+# (mmap threshold, trim threshold): at rest, big buffers go back to the OS as soon as they are freed;
+# during a move, buffers up to 2 MiB (its 1 MiB chunks, gRPC's) are kept and reused. With the idle
+# setting every move chunk was a fresh mmap faulted in anew (an explicit mmap threshold also pins the
+# trim threshold at 128 KiB): a 2 GiB move's transfer took 11-14 s instead of 3-5 s on this VM. Keeping
+# the move setting for good cost ~22 MB of idle RSS (94 vs 72 MB).
+_IDLE_MALLOC = (1 << 20, 128 << 10)
+_BULK_MALLOC = (2 << 20, 64 << 20)
+_bulk_lock = threading.Lock()
+_bulk_users = 0
+
+
+def _set_malloc(setting: tuple[int, int]) -> None:
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, setting[0])
+        mallopt(_M_TRIM_THRESHOLD, setting[1])
+
+
+@contextmanager
+def bulk_transfer() -> Iterator[None]:
+    """While a move streams an image: keep freed buffers for reuse; afterwards hand them back."""
+    global _bulk_users
+    with _bulk_lock:
+        _bulk_users += 1
+        if _bulk_users == 1:
+            _set_malloc(_BULK_MALLOC)
+    try:
+        yield
+    finally:
+        with _bulk_lock:
+            _bulk_users -= 1
+            if _bulk_users == 0:
+                _set_malloc(_IDLE_MALLOC)
+                release_memory()
+
+
 def release_memory() -> None:
     """Hands the heap that a drain or fetch freed back to the OS (glibc keeps it otherwise).
 
@@ -443,17 +481,11 @@ class _ReadAhead:
 
 def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metrics: Any) -> DrainService | None:
     """The drain for a daemon config: S3 when store.url is set, else the POSIX store dir."""
-    # Buffers of 2 MiB and more (the drain's and fetch's 4 MiB chunks) come from mmap and go back to the OS
+    # Buffers of 1 MiB and more (the drain's and fetch's 4 MiB chunks) come from mmap and go back to the OS
     # when freed; glibc's default, a threshold that rises after the first free, kept them in per-thread
     # arenas, which malloc_trim cannot fully shrink (daemon RSS ~120 MB after a few drains instead of ~75).
-    # Smaller buffers (a move's 1 MiB chunks, gRPC's) stay in the arenas up to 64 MiB of free memory, so
-    # they are reused instead of faulted in again: with a 1 MiB mmap threshold and glibc's 128 KiB trim
-    # threshold, every chunk was a fresh mmap and a 2 GiB move's transfer took 11-14 s instead of 3-5 s
-    # on this VM. Drains and moves call release_memory() when they finish.
-    mallopt = getattr(_LIBC, "mallopt", None)
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, 2 << 20)
-        mallopt(_M_TRIM_THRESHOLD, 64 << 20)
+    # Moves switch to reusing their buffers while they run: see bulk_transfer().
+    _set_malloc(_IDLE_MALLOC)
     if cfg.store.url:
         store = open_store(store_url=cfg.store.url, endpoint_url=cfg.store.s3_endpoint or None,
                            region=cfg.store.s3_region or None)

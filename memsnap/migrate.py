@@ -39,7 +39,7 @@ from memsnap import failpoints, jobs, manifest, net
 from memsnap.catalog import DUMPING, DURABLE, FAILED, STAGED, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.config import Config, parse_host_port
-from memsnap.drain import release_memory
+from memsnap.drain import bulk_transfer
 from memsnap.engine import ROOT, Caller, DumpHooks, Engine, RestoreResult
 from memsnap.errors import (
     FailedPrecondition,
@@ -391,7 +391,6 @@ class ImageReceiver:
         finally:
             for r in self._reservations:
                 r.release()
-            release_memory()
         rec = self.engine.catalog.get_checkpoint(ckpt_id)
         if self.engine.drain is not None and rec is not None and not rec.meta.get("pages_remote"):
             self.engine.drain.enqueue(ckpt_id)  # (the first half of a lazy move is never worth storing)
@@ -544,7 +543,8 @@ class Migrator:
         """Moves a job to req.to; on failure the job runs on here and the error names the step."""
         t0 = time.monotonic()
         try:
-            resp = self._migrate(caller, req)
+            with bulk_transfer():
+                resp = self._migrate(caller, req)
         except Exception:
             self.engine.observe("migrate", "error", time.monotonic() - t0)
             raise
@@ -739,7 +739,6 @@ class Migrator:
                 self.engine.delete(ROOT, rec.id)
             except MemsnapError as exc:
                 log.warning("could not drop the moved image %s: %s", rec.id, exc)
-        release_memory()
         phases.mark("cleanup")
         log.info("moved %s to %s as pid %d: downtime %.0f ms, %d bytes", move.job_id or move.pid, req.to,
                  target_pid, downtime_ms, sent, extra={"checkpoint_id": rec.id})
@@ -814,7 +813,8 @@ class Migrator:
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may send images")
         key = transfer_key(self.token) if self.token else None
-        ckpt_id, total = ImageReceiver(self.engine, key).receive(chunks)
+        with bulk_transfer():
+            ckpt_id, total = ImageReceiver(self.engine, key).receive(chunks)
         log.info("received image %s: %d bytes", ckpt_id, total, extra={"checkpoint_id": ckpt_id})
         return pb.ReceiveImageResponse(checkpoint_id=ckpt_id, bytes=total)
 
