@@ -461,6 +461,11 @@ class Engine:
         if server is not None:
             # The lazy-pages supervisor kills this pid if paging in fails.
             (work / "job.pid").write_text(f"{new_pid}\n")
+            if failpoints.armed("kill-lazy-pages"):
+                import psutil
+
+                for child in psutil.Process(server.pid).children():
+                    child.kill()  # lazy-pages itself, not its supervisor
         if self.gpu is not None and man.get("gpus"):
             try:
                 self.gpu.restore(new_pid, gpu_map)

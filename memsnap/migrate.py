@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import blake3
 import grpc
 
-from memsnap import failpoints, jobs, manifest, net
+from memsnap import jobs, manifest, net
 from memsnap.catalog import DUMPING, DURABLE, FAILED, STAGED, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.config import Config, parse_host_port
@@ -867,9 +867,9 @@ class Migrator:
             finally:
                 if tunnel is not None:
                     tunnel.criu_end.close()  # lazy-pages holds its own copy now
+            paged_ms = self._wait_paged_in(res) if early else 0
             if not jobs.alive(res.pid):
                 raise FailedPrecondition(f"the restored job (pid {res.pid}) exited at once; see its log")
-            paged_ms = self._wait_paged_in(res) if early else 0
         except BaseException as exc:
             if tunnel is not None:
                 self.tunnels.failed(tunnel, f"the lazy restore failed: {exc}")
@@ -894,11 +894,6 @@ class Migrator:
     def _wait_paged_in(self, res: RestoreResult) -> int:
         """Early resume: waits until lazy-pages has put every page in place; ms the job ran meanwhile."""
         t0 = time.monotonic()
-        if failpoints.armed("kill-lazy-pages"):
-            import psutil
-
-            for child in psutil.Process(res.lazy_server.pid).children():
-                child.kill()  # lazy-pages itself, not its supervisor
         rc = res.lazy_server.wait()
         self.engine.reap_lazy()
         if rc != 0:
