@@ -630,6 +630,10 @@ class Engine:
             if rec.meta.get("pages_remote"):
                 self._recover_lazy_target(rec)
                 continue
+            if rec.meta.get("move_pending"):
+                # Restored here for a move that the source never committed: it runs the job itself.
+                self.abandon_move(rec)
+                continue
             if rec.meta.get("hold"):
                 # A move was in flight: the target confirmed it (moved_to) or the job runs on here.
                 if jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
@@ -667,16 +671,30 @@ class Engine:
         return fixed
 
     def _recover_lazy_target(self, rec: CheckpointRecord) -> None:
-        """The target half of a lazy move that was in flight: keep the job only if every page arrived."""
-        done = False
-        for rc_file in self.work_root.glob(f"{rec.id}.restore-*/lazy-pages.rc"):
-            done = done or rc_file.read_text().strip() == "0"
+        """The target half of a lazy move that was in flight (a committed one has no row left): whether or
+        not every page arrived, the source never let go of its copy, so this one goes."""
         for job in self.catalog.jobs():
-            if job.restored_from == rec.id and not job.ended and jobs.alive(job.pid, job.pid_start) and not done:
-                log.warning("killing %s: its lazy move did not finish, so pages are missing", job.id)
+            if job.restored_from == rec.id and not job.ended and jobs.alive(job.pid, job.pid_start):
+                log.warning("killing %s: its lazy move was never committed by the source", job.id)
                 jobs.kill_tree(job.pid)
                 self.catalog.update_job(job.id, ended=True)
         self.forget_lazy_image(rec.id)
+
+    def abandon_move(self, rec: CheckpointRecord) -> None:
+        """Kills the job restored here for a move that the source did not commit (it resumed its copy)."""
+        job_id = rec.meta.get("move_pending", "")
+        job = self.catalog.get_job(job_id) if job_id else None
+        if job is not None and not job.ended and jobs.alive(job.pid, job.pid_start):
+            log.warning("killing %s: its move was never committed, the source runs the job", job.id,
+                        extra={"checkpoint_id": rec.id})
+            jobs.kill_tree(job.pid)
+        if job is not None:
+            self.catalog.update_job(job.id, ended=True)
+        if rec.meta.get("pages_remote"):
+            self.forget_lazy_image(rec.id)
+        else:
+            self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items()
+                                                         if k != "move_pending"})
 
     def forget_lazy_image(self, ckpt_id: str) -> None:
         """Drops the small first half of a lazy move (its memory never was here) and its work dirs."""

@@ -289,8 +289,13 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
     found = mig._target_job(client, ckpt_id)
     if found is None or found.id != target_job:
         give_back("confirm", f"the restored job {target_job} is not running on the target", "FAILED_PRECONDITION")
+    try:
+        mig._commit_on(client, move, ckpt_id)
+    except MemsnapError:
+        engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error="the target could not be told to keep it")
+        raise
     phases.mark("confirm")
-    # The target has every page and runs the job: journal that, then let the frozen copy here go.
+    # The target has every page, runs the job and keeps it: journal that, then let the frozen copy go.
     engine.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "moved_to": req.to, "moved_job": target_job})
     engine.end_held(pid, move.job_id, ckpt_id)
     engine.catalog.delete_checkpoint(ckpt_id)
@@ -451,10 +456,15 @@ class TunnelHost:
                 log.warning("lazy move of %s failed: lazy-pages exit %d", job_id, rc,
                             extra={"checkpoint_id": t.ckpt_id})
             self.engine.reap_lazy()
-            self._forget_image(t.ckpt_id)
+            if not ok_now(t):
+                self._forget_image(t.ckpt_id)  # (on success the commit drops it: it journals the move)
             t.settled.set()
 
         threading.Thread(target=run, name=f"lazy-watch-{t.ckpt_id}", daemon=True).start()
+
+    def committed(self, ckpt_id: str) -> None:
+        """The source committed a lazy move whose pages all arrived: the small image has served its turn."""
+        self._forget_image(ckpt_id)
 
     def failed(self, t: _Tunnel, why: str) -> None:
         """The lazy restore never got going."""
@@ -467,6 +477,10 @@ class TunnelHost:
         rec = self.engine.catalog.get_checkpoint(ckpt_id)
         if rec is not None and rec.meta.get("pages_remote"):
             self.engine.forget_lazy_image(ckpt_id)
+
+
+def ok_now(t: _Tunnel) -> bool:
+    return t.verdict is not None and t.verdict[0]
 
 
 def lazy_preflight(req: pb.MigrateRequest) -> None:

@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import blake3
 import grpc
 
-from memsnap import jobs, manifest, net
+from memsnap import failpoints, jobs, manifest, net
 from memsnap.catalog import DUMPING, DURABLE, FAILED, STAGED, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.config import Config, parse_host_port
@@ -63,6 +63,8 @@ _RESERVE_SLACK = 16 << 20
 _CKPT_ID = re.compile(r"^ck-[A-Za-z0-9][A-Za-z0-9_.-]{0,80}$")
 # How long a restored job must stay alive on the target before the source lets go of its copy.
 CONFIRM_S = 0.2
+# A restored job whose move the source does not commit within this time is killed on the target.
+COMMIT_TIMEOUT_S = 120.0
 # A move via the store waits this long (or this many failed drain attempts) for the durable copy.
 _VIA_STORE_WAIT_S = 600.0
 _VIA_STORE_ATTEMPTS = 3
@@ -519,6 +521,8 @@ class Migrator:
         self.engine = engine
         self.cfg = cfg
         self.tunnels = TunnelHost(engine)
+        self._commit_lock = threading.Lock()
+        self._committed: dict[str, str] = {}
         self.token = ""
         if cfg.daemon.auth_token_file:
             try:
@@ -723,9 +727,10 @@ class Migrator:
         if found is None or found.id != target_job:
             self._rollback(move, "confirm", f"the restored job {target_job} is not running on the target",
                            "FAILED_PRECONDITION")
+        self._commit_on(client, move, rec.id)
         phases.mark("confirm")
-        # The target runs the job: journal that (a crash from here on must not resume the copy here),
-        # and only then let the copy here go.
+        # The target runs the job and keeps it: journal that (a crash from here on must not resume the
+        # copy here), and only then let the copy here go.
         cur = self.engine.catalog.get_checkpoint(rec.id)
         if cur is not None:
             self.engine.catalog.update_checkpoint(rec.id, meta={**cur.meta, "moved_to": req.to,
@@ -744,6 +749,17 @@ class Migrator:
                  target_pid, downtime_ms, sent, extra={"checkpoint_id": rec.id})
         return pb.MigrateResponse(target_pid=target_pid, checkpoint_id=rec.id, phases=phases.pb(),
                                   downtime_ms=int(downtime_ms), bytes_sent=sent, target_job=target_job)
+
+    def _commit_on(self, client: MemsnapClient, move: _Move, ckpt_id: str) -> None:
+        """Tells the target to keep the job; if it cannot be told, the job runs on here (and dies there)."""
+        for attempt in range(3):
+            try:
+                client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True), timeout=10)
+                return
+            except ClientError as exc:
+                if exc.code not in _TRANSPORT_CODES or attempt == 2:
+                    self._rollback(move, "commit", f"{exc.code.name}: {exc.message}", exc.code.name)
+                time.sleep(0.5 * (attempt + 1))
 
     @staticmethod
     def _target_job(client: MemsnapClient, ckpt_id: str, tries: int = 3) -> pb.Job | None:
@@ -825,6 +841,8 @@ class Migrator:
 
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may restore moves")
+        if req.commit:
+            return self._commit(req.checkpoint_id)
         tunnel = None
         early = req.early_resume and not req.lazy and not req.tcp_established
         if req.lazy:
@@ -885,11 +903,52 @@ class Migrator:
             lock.release()
         if ifa is not None:
             net.announce(ifa, added)
+        self._pend(req.checkpoint_id, res.job.id)
         if tunnel is not None:
             self.tunnels.watch(tunnel, res.lazy_server, res.pid, res.job.id)
+        failpoints.hit("before-restore-reply")
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
                                   from_store=res.from_store, paged_in_ms=paged_ms)
+
+    # -- the commit step -------------------------------------------------------------------------
+    def _pend(self, ckpt_id: str, job_id: str) -> None:
+        """Journals a restored, not yet committed move; it dies unless the source commits in time."""
+        rec = self.engine.catalog.get_checkpoint(ckpt_id)
+        if rec is not None:
+            self.engine.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "move_pending": job_id})
+        timer = threading.Timer(COMMIT_TIMEOUT_S, self._expire, args=(ckpt_id, job_id))
+        timer.daemon = True
+        timer.start()
+
+    def _commit(self, ckpt_id: str) -> pb.RestoreResponse:
+        """The source confirmed and lets go of its copy: the job restored from ckpt_id stays (idempotent)."""
+        from memsnap.api import job_pb
+
+        with self._commit_lock:
+            rec = self.engine.catalog.get_checkpoint(ckpt_id)
+            job_id = rec.meta.get("move_pending", "") if rec is not None else ""
+            if not job_id:
+                job_id = self._committed.get(ckpt_id, "")
+            job = self.engine.catalog.get_job(job_id) if job_id else None
+            if job is None or job.ended or not jobs.alive(job.pid, job.pid_start):
+                raise FailedPrecondition(f"no job moved from {ckpt_id} runs here; the source keeps its copy")
+            self._committed[ckpt_id] = job_id
+            if rec is not None:
+                meta = {k: v for k, v in rec.meta.items() if k != "move_pending"}
+                self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
+                if meta.get("pages_remote"):
+                    self.tunnels.committed(ckpt_id)
+        return pb.RestoreResponse(pid=job.pid, job=job_pb(job, True))
+
+    def _expire(self, ckpt_id: str, job_id: str) -> None:
+        with self._commit_lock:
+            rec = self.engine.catalog.get_checkpoint(ckpt_id)
+            if rec is None or rec.meta.get("move_pending") != job_id:
+                return
+            log.warning("the source never committed the move of %s: killing it here (the source runs it)",
+                        job_id, extra={"checkpoint_id": ckpt_id})
+            self.engine.abandon_move(rec)
 
     def _wait_paged_in(self, res: RestoreResult) -> int:
         """Early resume: waits until lazy-pages has put every page in place; ms the job ran meanwhile."""

@@ -274,3 +274,42 @@ def test_paging_in_fails_on_the_target_job_resumes_here(pair, jobs_to_kill, tmp_
             assert not [j for j in c.jobs() if j.running]
     finally:
         bad.cleanup()
+
+
+def test_target_dies_before_replying_its_restored_copy_is_killed_at_restart(pair, jobs_to_kill, tmp_path):
+    # The target restores the job, then dies (kill -9) before it can reply: the source cannot learn
+    # that the job runs there, so it resumes its own copy and never commits. The target's restart must
+    # then kill its restored copy, or the job would run twice.
+    t = token_daemon(tmp_path / "mute", pair.token_file, env={"MEMSNAP_FAILPOINTS": "before-restore-reply"})
+    t.start()
+    try:
+        job = _counter(pair.a, jobs_to_kill, 32, "twice")
+        r = _migrate(pair.a, job["id"], "--to", t.address)
+        assert r.returncode != 0 and "resumed on this node" in r.stderr, r.stderr
+        assert t.proc is not None and t.proc.wait(10) == 137
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
+        # The copy on the target ran (it ticks under another pid) ...
+        others = {tk.hostpid for tk in ticks(job["log"]) if tk.hostpid != job["pid"]}
+        assert len(others) == 1, others
+        other = others.pop()
+        jobs_to_kill.append(other)
+        assert Path(f"/proc/{other}").exists()
+        # ... until the target's restart finds the move uncommitted and kills it.
+        t.env = {}
+        t.start()
+        wait_for(lambda: not Path(f"/proc/{other}").exists(), 10, what="the uncommitted copy to be killed")
+        with t.client() as c:
+            assert not [j for j in c.jobs() if j.running]
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
+    finally:
+        t.cleanup()
+
+
+def test_commit_of_an_unknown_move_is_refused(pair):
+    from memsnap.client import ClientError
+    from memsnap.v1 import memsnap_pb2 as pb
+
+    with pair.b.client() as c:
+        with pytest.raises(ClientError) as err:
+            c.restore_received(pb.RestoreReceivedRequest(checkpoint_id="ck-nope", commit=True), timeout=10)
+    assert err.value.code.name == "FAILED_PRECONDITION"
