@@ -51,5 +51,8 @@ def register(cli: click.Group) -> None:
                   "downtime_ms": int(r.downtime_ms), "bytes_sent": int(r.bytes_sent), "phases": phases,
                   "to": to},
                  f"moved {target} to {to}: job {r.target_job} pid {r.target_pid}, "
-                 f"downtime {r.downtime_ms} ms\nphases: {steps}")
+                 + (f"resumed after {r.downtime_ms} ms, all memory there after "
+                    f"{int(r.downtime_ms) + phases.get('pages', phases.get('paging', 0))} ms"
+                    if "pages" in phases or "paging" in phases else f"downtime {r.downtime_ms} ms")
+                 + f"\nphases: {steps}")
 
