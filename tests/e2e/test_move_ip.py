@@ -301,3 +301,66 @@ def test_failed_move_gives_address_and_connection_back_to_the_source(lan, scene,
     assert SERVICE in lan.addresses(lan.a)
     assert SERVICE not in lan.addresses(lan.b)
     _no_locks_left(lan)
+
+
+LISTENER = textwrap.dedent(f"""
+    import socket
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(({SERVICE!r}, {PORT + 1}))
+    srv.listen(8)
+    print("listening", flush=True)
+    n = 0
+    while True:
+        conn, _ = srv.accept()
+        n += 1
+        conn.sendall(f"visitor {{n}}\\n".encode())
+        conn.close()
+""")
+
+
+def _visit(lan: Lan) -> str:
+    p = _in_ns(lan.c, [sys.executable, "-c", textwrap.dedent(f"""
+        import socket
+        s = socket.create_connection(({SERVICE!r}, {PORT + 1}), timeout=5)
+        print(s.makefile().readline().strip())
+    """)], stdout=subprocess.PIPE)
+    out, _ = p.communicate(timeout=20)
+    return out.decode().strip()
+
+
+def test_lazy_move_takes_the_service_address_along(lan, tmp_path, jobs_to_kill):
+    # A post-copy move of a listening service: the address leaves node A while the job is frozen, and
+    # the next visitor reaches the same process (its counter goes on) on node B.
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    a = NsDaemon(tmp_path / "node-a", netns=lan.a, extra=["--listen", f"{SUBNET}.1:7443", "--auth-token-file",
+                                                           str(token)])
+    b = NsDaemon(tmp_path / "node-b", netns=lan.b, extra=["--listen", f"{SUBNET}.2:7443", "--auth-token-file",
+                                                           str(token)])
+    try:
+        a.start()
+        b.start()
+        server = tmp_path / "listener.py"
+        server.write_text(LISTENER)
+        with a.client() as c:
+            job = c.run([sys.executable, str(server)], name="listener")
+        jobs_to_kill.append(int(job.pid))
+        wait_for(lambda: "listening" in Path(job.log_path).read_text(), 20, what="the server to listen")
+        assert _visit(lan) == "visitor 1"
+        assert _visit(lan) == "visitor 2"
+        r = a.ctl("--json", "migrate", job.id, "--to", f"{SUBNET}.2:7443", "--lazy", "--move-ip",
+                  f"{SERVICE}/24", timeout=120)
+        assert r.returncode == 0, r.stderr + a.log.read_text()[-3000:] + b.log.read_text()[-3000:]
+        out = json.loads(r.stdout)
+        jobs_to_kill.append(out["target_pid"])
+        assert "pages" in out["phases"]
+        assert SERVICE not in lan.addresses(lan.a) and SERVICE in lan.addresses(lan.b)
+        assert _visit(lan) == "visitor 3"
+        assert not os.path.exists(f"/proc/{job.pid}")
+        assert b.proc is not None
+        assert os.readlink(f"/proc/{out['target_pid']}/ns/net") == os.readlink(f"/proc/{b.proc.pid}/ns/net")
+    finally:
+        for d in (a, b):
+            d.cleanup()
+        time.sleep(0.1)
