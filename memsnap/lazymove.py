@@ -64,6 +64,34 @@ _VERDICT_S = 30.0
 _KEEP_VERDICTS = 64
 
 
+def stall_limit() -> float:
+    """Seconds without a byte through a page tunnel, while pages are due, before a lazy move gives up.
+
+    Pages flow all the time until the last one arrived (lazy-pages pushes the rest in the background), so
+    silence means a hung peer or a black-holed link: the source resumes its frozen copy, and the target
+    kills its half-restored one. MEMSNAP_TUNNEL_STALL_S overrides it (tests).
+    """
+    try:
+        return float(os.environ.get("MEMSNAP_TUNNEL_STALL_S", "30"))
+    except ValueError:
+        return 30.0
+
+
+def _watch_stall(name: str, last: Any, done: Any, give_up: Any) -> None:
+    """Calls give_up(why) once last() is older than stall_limit() and done() is still false."""
+
+    def run() -> None:
+        limit = stall_limit()
+        while not done():
+            idle = time.monotonic() - last()
+            if idle > limit:
+                give_up(f"no page traffic for {idle:.0f} s (the peer or the link hangs)")
+                return
+            time.sleep(min(1.0, limit / 4))
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
 class _Error(MemsnapError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -79,6 +107,7 @@ class SourceTunnel:
         self.criu_end, self._end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.bytes_out = 0
         self.bytes_in = 0
+        self.last_activity = time.monotonic()
         self.verdict: tuple[bool, str] | None = None  # (ok, error) from the target's last message
         self.error = ""
         self.done = threading.Event()
@@ -96,6 +125,7 @@ class SourceTunnel:
             if not data:
                 return  # CRIU closed its end: half-close the call
             self.bytes_out += len(data)
+            self.last_activity = time.monotonic()
             yield pb.TunnelChunk(data=data)
 
     def _read(self) -> None:
@@ -107,6 +137,7 @@ class SourceTunnel:
                 if msg.data:
                     self._end.sendall(msg.data)
                     self.bytes_in += len(msg.data)
+                    self.last_activity = time.monotonic()
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             self.error = f"{code.name}: {exc.details() if hasattr(exc, 'details') else exc}"
@@ -118,6 +149,13 @@ class SourceTunnel:
             self.done.set()
             # The target is gone or done: CRIU's page server must see the end of the stream.
             _shutdown(self._end)
+
+    def abort(self, why: str) -> None:
+        """Gives up on the peer: CRIU's page server sees the end of the stream, the call is cancelled."""
+        log.warning("page tunnel %s: %s", self.tunnel_id[:8], why)
+        self.error = why
+        _shutdown(self._end)
+        self._call.cancel()
 
     def close(self) -> None:
         """Ends the call and both sockets (idempotent)."""
@@ -206,8 +244,12 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
         state.t_images = time.monotonic()
         # Not awaited: the restore faults on pages that CRIU serves only once this callback returned.
         threading.Thread(target=restore_there, name=f"lazy-restore-{ckpt_id}", daemon=True).start()
+        tunnel.last_activity = time.monotonic()
+        _watch_stall(f"stall-{ckpt_id}", lambda: tunnel.last_activity,
+                     lambda: criu_done.is_set() or tunnel.done.is_set(), tunnel.abort)
 
     tunnel = SourceTunnel(client, tunnel_id, ckpt_id)
+    criu_done = threading.Event()
     staging = engine.tier.new_staging(ckpt_id)
     work = engine.work_root / ckpt_id
     work.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -247,6 +289,7 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
         engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=str(exc))
         raise _Error(exc.code, f"migration failed at dump: {exc}; the job runs on here") from exc
     finally:
+        criu_done.set()
         tunnel.criu_end.close()
     t_criu_done = time.monotonic()
     state.restore_done.wait(_VERDICT_S if state.t_images else 0)
@@ -337,6 +380,8 @@ class _Tunnel:
     pump: socket.socket
     restore_started: bool = False
     verdict: tuple[bool, str] | None = None
+    last_activity: float = field(default_factory=time.monotonic)
+    forwarded: int = 0
     settled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -383,6 +428,7 @@ class TunnelHost:
                     data = b""
                 if not data:
                     break  # lazy-pages exited (or never started and the source went away)
+                t.last_activity = time.monotonic()
                 yield pb.TunnelChunk(data=data)
             if t.restore_started:
                 t.settled.wait(_VERDICT_S)
@@ -406,7 +452,11 @@ class TunnelHost:
             for msg in it:
                 if msg.data:
                     failpoints.delay("slow-tunnel")
+                    if t.forwarded > 8 << 20 and failpoints.armed("stall-tunnel"):
+                        continue  # a black hole, once the job runs here and pages flow
                     t.pump.sendall(msg.data)
+                    t.forwarded += len(msg.data)
+                    t.last_activity = time.monotonic()
             t.pump.shutdown(socket.SHUT_WR)  # the source's CRIU closed its end
         except (grpc.RpcError, OSError, ValueError):
             _shutdown(t.pump)
@@ -440,6 +490,14 @@ class TunnelHost:
 
     def watch(self, t: _Tunnel, server: Any, pid: int, job_id: str) -> None:
         """Waits for lazy-pages in the background; records the verdict and cleans up."""
+        t.last_activity = time.monotonic()
+
+        def give_up(why: str) -> None:
+            log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], why,
+                        extra={"checkpoint_id": t.ckpt_id})
+            _shutdown(t.pump)  # lazy-pages fails, and its supervisor kills the half-restored job
+
+        _watch_stall(f"stall-{t.ckpt_id}", lambda: t.last_activity, t.settled.is_set, give_up)
 
         def run() -> None:
             rc = server.wait()

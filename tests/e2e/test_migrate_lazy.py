@@ -150,6 +150,29 @@ def test_target_killed_while_pages_flow_job_resumes_on_the_source(pair: Pair, jo
         time.sleep(0.1)
 
 
+def test_a_stalled_page_tunnel_never_leaves_the_job_frozen(pair: Pair, jobs_to_kill, tmp_path):
+    # The link turns into a black hole once pages flow (no error, no bytes): both ends give up after
+    # MEMSNAP_TUNNEL_STALL_S; the source resumes its frozen copy, the target kills its half copy.
+    stall = {"MEMSNAP_TUNNEL_STALL_S": "3"}
+    src = token_daemon(tmp_path / "src", pair.token_file, env=stall).start()
+    hole = token_daemon(tmp_path / "hole", pair.token_file, env={**stall, "MEMSNAP_FAILPOINTS": "stall-tunnel"})
+    hole.start()
+    try:
+        job = _counter(src, jobs_to_kill, 64, "lazy-stalled")
+        t0 = time.monotonic()
+        r = _migrate(src, job["id"], "--to", hole.address, "--lazy")
+        assert r.returncode != 0
+        assert "migration failed at pages" in r.stderr and "resumed on this node" in r.stderr, r.stderr
+        assert time.monotonic() - t0 < 60
+        assert "no page traffic" in src.log.read_text() + hole.log.read_text()
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+        with hole.client() as c:
+            wait_for(lambda: not [j for j in c.jobs() if j.running], 10, what="the half copy to die")
+    finally:
+        src.cleanup()
+        hole.cleanup()
+
+
 def test_source_daemon_killed_while_pages_flow_job_runs_on_the_source(pair: Pair, jobs_to_kill, tmp_path):
     # The source dies like kill -9 once the job runs on the target and the pages are still flowing:
     # the target kills its half copy, and the source's restart lets the frozen original run on.
