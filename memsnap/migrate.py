@@ -933,7 +933,9 @@ class Migrator:
             job = self.engine.catalog.get_job(job_id) if job_id else None
             if job is None or job.ended or not jobs.alive(job.pid, job.pid_start):
                 raise FailedPrecondition(f"no job moved from {ckpt_id} runs here; the source keeps its copy")
-            self._committed[ckpt_id] = job_id
+            self._committed[ckpt_id] = job_id  # (a retried commit whose reply was lost is answered too)
+            while len(self._committed) > 256:
+                self._committed.pop(next(iter(self._committed)))
             if rec is not None:
                 meta = {k: v for k, v in rec.meta.items() if k != "move_pending"}
                 self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
