@@ -520,6 +520,11 @@ class TunnelHost:
 
         threading.Thread(target=run, name=f"lazy-watch-{t.ckpt_id}", daemon=True).start()
 
+    def busy(self, ckpt_id: str) -> bool:
+        """Whether a lazy transfer into the job restored from ckpt_id is still going on."""
+        with self._lock:
+            return any(t.ckpt_id == ckpt_id and not t.settled.is_set() for t in self._tunnels.values())
+
     def committed(self, ckpt_id: str) -> None:
         """The source committed a lazy move whose pages all arrived: the small image has served its turn."""
         self._forget_image(ckpt_id)

@@ -885,12 +885,16 @@ class Migrator:
             finally:
                 if tunnel is not None:
                     tunnel.criu_end.close()  # lazy-pages holds its own copy now
+            # Journaled at once: if this daemon dies from here on, its restart kills the copy (the source,
+            # which never heard back, resumes its own).
+            self._journal_pending(req.checkpoint_id, res.job.id)
             paged_ms = self._wait_paged_in(res) if early else 0
             if not jobs.alive(res.pid):
                 raise FailedPrecondition(f"the restored job (pid {res.pid}) exited at once; see its log")
         except BaseException as exc:
             if tunnel is not None:
                 self.tunnels.failed(tunnel, f"the lazy restore failed: {exc}")
+            self._journal_pending(req.checkpoint_id, "")  # (the copy here is dead: nothing to commit)
             if lock is not None:
                 lock.release()
             if added and ifa is not None:
@@ -903,7 +907,7 @@ class Migrator:
             lock.release()
         if ifa is not None:
             net.announce(ifa, added)
-        self._pend(req.checkpoint_id, res.job.id)
+        self._arm_expiry(req.checkpoint_id, res.job.id)
         if tunnel is not None:
             self.tunnels.watch(tunnel, res.lazy_server, res.pid, res.job.id)
         failpoints.hit("before-restore-reply")
@@ -912,11 +916,18 @@ class Migrator:
                                   from_store=res.from_store, paged_in_ms=paged_ms)
 
     # -- the commit step -------------------------------------------------------------------------
-    def _pend(self, ckpt_id: str, job_id: str) -> None:
-        """Journals a restored, not yet committed move; it dies unless the source commits in time."""
+    def _journal_pending(self, ckpt_id: str, job_id: str) -> None:
+        """Journals a restored, not yet committed move ("" clears it)."""
         rec = self.engine.catalog.get_checkpoint(ckpt_id)
-        if rec is not None:
-            self.engine.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "move_pending": job_id})
+        if rec is not None and (job_id or "move_pending" in rec.meta):
+            meta = {k: v for k, v in rec.meta.items() if k != "move_pending"}
+            if job_id:
+                meta["move_pending"] = job_id
+            self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
+
+    def _arm_expiry(self, ckpt_id: str, job_id: str) -> None:
+        """The move dies here unless the source commits within COMMIT_TIMEOUT_S of the reply (or of the
+        last lazy page)."""
         timer = threading.Timer(COMMIT_TIMEOUT_S, self._expire, args=(ckpt_id, job_id))
         timer.daemon = True
         timer.start()
@@ -944,6 +955,9 @@ class Migrator:
         return pb.RestoreResponse(pid=job.pid, job=job_pb(job, True))
 
     def _expire(self, ckpt_id: str, job_id: str) -> None:
+        if self.tunnels.busy(ckpt_id):
+            self._arm_expiry(ckpt_id, job_id)  # a lazy move still brings pages: the source commits after
+            return
         with self._commit_lock:
             rec = self.engine.catalog.get_checkpoint(ckpt_id)
             if rec is None or rec.meta.get("move_pending") != job_id:
@@ -955,6 +969,7 @@ class Migrator:
     def _wait_paged_in(self, res: RestoreResult) -> int:
         """Early resume: waits until lazy-pages has put every page in place; ms the job ran meanwhile."""
         t0 = time.monotonic()
+        failpoints.hit("paging-in")
         rc = res.lazy_server.wait()
         self.engine.reap_lazy()
         if rc != 0:

@@ -276,11 +276,13 @@ def test_paging_in_fails_on_the_target_job_resumes_here(pair, jobs_to_kill, tmp_
         bad.cleanup()
 
 
-def test_target_dies_before_replying_its_restored_copy_is_killed_at_restart(pair, jobs_to_kill, tmp_path):
-    # The target restores the job, then dies (kill -9) before it can reply: the source cannot learn
-    # that the job runs there, so it resumes its own copy and never commits. The target's restart must
-    # then kill its restored copy, or the job would run twice.
-    t = token_daemon(tmp_path / "mute", pair.token_file, env={"MEMSNAP_FAILPOINTS": "before-restore-reply"})
+@pytest.mark.parametrize("when", ["paging-in", "before-restore-reply"])
+def test_target_dies_before_replying_its_restored_copy_is_killed_at_restart(when, pair, jobs_to_kill, tmp_path):
+    # The target restores the job, then dies (kill -9) while its memory is paged in, or after that but
+    # before it can reply: the source cannot learn that the job runs there, so it resumes its own copy
+    # and never commits. The target's restart must then kill its restored copy (which its lazy-pages
+    # finished paging in meanwhile), or the job would run twice.
+    t = token_daemon(tmp_path / "mute", pair.token_file, env={"MEMSNAP_FAILPOINTS": when})
     t.start()
     try:
         job = _counter(pair.a, jobs_to_kill, 32, "twice")
