@@ -112,7 +112,10 @@ class Daemon:
         if self.drain is not None:
             self.drain.start(self.engine.pending_drains())
 
-        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=self._migrator())
+        migrator = self._migrator()
+        if migrator is not None and self.engine.uncertain_moves:
+            threading.Thread(target=migrator.settle_uncertain, name="settle-moves", daemon=True).start()
+        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20)],
                              interceptors=self._interceptors())

@@ -149,6 +149,8 @@ class Engine:
         self._evict_lock = threading.Lock()
         self._lazy: list[tuple[str, Any, Path]] = []
         self._lazy_lock = threading.Lock()
+        # Moves whose commit was in flight when we died (filled by recover; memsnap.migrate settles them).
+        self.uncertain_moves: list[str] = []
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager
@@ -620,6 +622,8 @@ class Engine:
                 if rec.meta.get("moved_to"):
                     # A lazy move the target had confirmed complete: the job runs there now.
                     self.end_held(rec.pid, rec.job, rec.id)
+                elif rec.meta.get("committing_to"):
+                    self.uncertain_moves.append(rec.id)  # the migrator asks the target (still stopped)
                 else:
                     # A lazy dump's CRIU may still hold the tree for a moment after we died; SIGCONT
                     # only helps once it let go.
@@ -639,6 +643,10 @@ class Engine:
                 if jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
                     if rec.meta.get("moved_to"):
                         self.end_held(rec.pid, rec.job, rec.id)
+                    elif rec.meta.get("committing_to"):
+                        # We died while telling the target to keep the job: whether it runs there is
+                        # the target's to say. The migrator asks it; the copy here stays stopped meanwhile.
+                        self.uncertain_moves.append(rec.id)
                     else:
                         self.resume_held(rec.pid, rec.id)
                 continue

@@ -333,7 +333,7 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
     if found is None or found.id != target_job:
         give_back("confirm", f"the restored job {target_job} is not running on the target", "FAILED_PRECONDITION")
     try:
-        mig._commit_on(client, move, ckpt_id)
+        mig._commit_on(client, move, ckpt_id, req.to)
     except MemsnapError:
         engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error="the target could not be told to keep it")
         raise

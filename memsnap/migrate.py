@@ -727,7 +727,7 @@ class Migrator:
         if found is None or found.id != target_job:
             self._rollback(move, "confirm", f"the restored job {target_job} is not running on the target",
                            "FAILED_PRECONDITION")
-        self._commit_on(client, move, rec.id)
+        self._commit_on(client, move, rec.id, req.to)
         phases.mark("confirm")
         # The target runs the job and keeps it: journal that (a crash from here on must not resume the
         # copy here), and only then let the copy here go.
@@ -750,16 +750,61 @@ class Migrator:
         return pb.MigrateResponse(target_pid=target_pid, checkpoint_id=rec.id, phases=phases.pb(),
                                   downtime_ms=int(downtime_ms), bytes_sent=sent, target_job=target_job)
 
-    def _commit_on(self, client: MemsnapClient, move: _Move, ckpt_id: str) -> None:
+    def _commit_on(self, client: MemsnapClient, move: _Move, ckpt_id: str, to: str) -> None:
         """Tells the target to keep the job; if it cannot be told, the job runs on here (and dies there)."""
+        rec = self.engine.catalog.get_checkpoint(ckpt_id)
+        if rec is not None:
+            # A crash from here until moved_to is journaled leaves the question to the target (recovery).
+            self.engine.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "committing_to": to})
         for attempt in range(3):
             try:
                 client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True), timeout=10)
+                failpoints.hit("after-commit")
                 return
             except ClientError as exc:
                 if exc.code not in _TRANSPORT_CODES or attempt == 2:
                     self._rollback(move, "commit", f"{exc.code.name}: {exc.message}", exc.code.name)
                 time.sleep(0.5 * (attempt + 1))
+
+    def settle_uncertain(self) -> None:
+        """After a crash mid-commit: asks each target again whether it keeps the job (the commit is
+        idempotent); it does -> the stopped copy here ends; it does not, or cannot be reached -> it runs on.
+        Runs in the background at start."""
+        ids, self.engine.uncertain_moves = list(self.engine.uncertain_moves), []
+        for ckpt_id in ids:
+            rec = self.engine.catalog.get_checkpoint(ckpt_id)
+            if rec is None:
+                continue
+            to = str(rec.meta.get("committing_to", ""))
+            kept, why = False, "no target recorded"
+            try:
+                with self._target_client(pb.MigrateRequest(to=to))[0] as client:
+                    for attempt in range(5):
+                        try:
+                            client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True),
+                                                    timeout=10)
+                            kept = True
+                            break
+                        except ClientError as exc:
+                            why = f"{exc.code.name}: {exc.message}"
+                            if exc.code not in _TRANSPORT_CODES:
+                                break
+                            time.sleep(1.0 + attempt)
+            except MemsnapError as exc:
+                why = str(exc)
+            meta = {k: v for k, v in rec.meta.items() if k != "committing_to"}
+            if kept:
+                self.engine.catalog.update_checkpoint(ckpt_id, meta={**meta, "moved_to": to})
+                self.engine.end_held(rec.pid, rec.job, ckpt_id)
+                log.info("the interrupted move of %s to %s was committed there; the copy here ended", rec.job,
+                         to, extra={"checkpoint_id": ckpt_id})
+            else:
+                self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
+                self.engine.resume_held(rec.pid, ckpt_id)
+                log.warning("the interrupted move of %s to %s is not kept there (%s); the job runs on here",
+                            rec.job, to, why, extra={"checkpoint_id": ckpt_id})
+            if rec.meta.get("lazy_move"):
+                self.engine.tier.discard_staging(ckpt_id)
 
     @staticmethod
     def _target_job(client: MemsnapClient, ckpt_id: str, tries: int = 3) -> pb.Job | None:

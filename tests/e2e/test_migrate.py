@@ -315,3 +315,27 @@ def test_commit_of_an_unknown_move_is_refused(pair):
         with pytest.raises(ClientError) as err:
             c.restore_received(pb.RestoreReceivedRequest(checkpoint_id="ck-nope", commit=True), timeout=10)
     assert err.value.code.name == "FAILED_PRECONDITION"
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["streamed", "lazy"])
+def test_source_dies_right_after_its_commit_the_job_runs_once(lazy, pair, jobs_to_kill, tmp_path):
+    # The source dies (kill -9) just after the target accepted the commit, before it journaled the move:
+    # its restart must not resume the stopped copy blindly; it asks the target, which keeps the job, so
+    # the copy here ends and the job runs once, on the target.
+    src = token_daemon(tmp_path / "src", pair.token_file, env={"MEMSNAP_FAILPOINTS": "after-commit"}).start()
+    try:
+        job = _counter(src, jobs_to_kill, 32, "committed")
+        r = _migrate(src, job["id"], "--to", pair.b.address, *(["--lazy"] if lazy else []))
+        assert r.returncode != 0
+        assert src.proc is not None and src.proc.wait(10) == 137
+        there = [j for j in json.loads(pair.b.ctl("--json", "jobs", check=True).stdout)
+                 if j["running"] and j["name"] == "committed"]
+        assert len(there) == 1, there
+        jobs_to_kill.append(there[0]["pid"])
+        src.env = {}
+        src.start()
+        wait_for(lambda: not Path(f"/proc/{job['pid']}").exists(), 30, what="the stopped copy here to end")
+        _keeps_ticking_with(job, there[0]["pid"], job["digest"], fresh=5)
+        assert "committed there" in src.log.read_text()
+    finally:
+        src.cleanup()
