@@ -168,6 +168,8 @@ def markdown(data: dict[str, Any]) -> str:
         "all memory in place (ms) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    order = ["pipelined", "pipelined-plain", "serial", "lazy"]
+    modes = {k: modes[k] for k in sorted(modes, key=lambda k: order.index(k) if k in order else len(order))}
     serial = modes.get("serial")
     for mode, m in modes.items():
         p = m["median_phases_ms"]
@@ -190,6 +192,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines += ["", "## Lazy moves: time to resume against size", "",
                   "| job memory | resumed after (ms) | all pages after (ms) | dump (ms) | images (ms) | "
                   "restore (ms) |", "|---:|---:|---:|---:|---:|---:|"]
+        sweep = dict(sorted(sweep.items(), key=lambda kv: int(kv[0])))
         for mib, m in sweep.items():
             p = m["median_phases_ms"]
             lines.append(f"| {mib} MiB | **{m['median_resume_ms']:.0f}** | {m['median_complete_ms']:.0f} | "
