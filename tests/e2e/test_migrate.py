@@ -134,6 +134,23 @@ def test_target_tier_too_small_is_refused_and_the_job_runs_on(pair, make_daemon,
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def migrate_in_background(d: DaemonProc, *args: str) -> subprocess.Popen[str]:
+    """`memsnapctl --json migrate ARGS` on d, not waited for."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": d.socket}
+    return subprocess.Popen([sys.executable, "-m", "memsnap.cli", "--json", "migrate", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_target_then_expect_rollback(victim: DaemonProc, mig: subprocess.Popen[str], step: str) -> None:
+    """kill -9 the target; the move must fail at `step` and resume the job on the source."""
+    assert victim.proc is not None
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    _, err = mig.communicate(timeout=120)
+    assert mig.returncode != 0
+    assert f"migration failed at {step}" in err and "resumed on this node" in err, err
+
+
 def _incoming_bytes(d: DaemonProc) -> int:
     total = 0
     for p in (d.tier / ".incoming").rglob("*"):
@@ -149,17 +166,10 @@ def test_target_killed_mid_transfer_job_resumes_on_the_source(pair, jobs_to_kill
     victim = token_daemon(tmp_path / "victim", pair.token_file).start()
     try:
         job = _counter(a, jobs_to_kill, BIG_MIB, "interrupted")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": a.socket}
-        argv = [sys.executable, "-m", "memsnap.cli", "--json", "migrate", job["id"], "--to", victim.address]
-        mig = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        mig = migrate_in_background(a, job["id"], "--to", victim.address)
         # kill -9 the target while the image streams in.
         wait_for(lambda: _incoming_bytes(victim) > 8 << 20, 60, 0.002, "the image to start arriving")
-        assert victim.proc is not None
-        victim.proc.send_signal(signal.SIGKILL)
-        victim.proc.wait(10)
-        _, err = mig.communicate(timeout=120)
-        assert mig.returncode != 0
-        assert "migration failed at transfer" in err and "resumed on this node" in err, err
+        kill_target_then_expect_rollback(victim, mig, "transfer")
         # The same process goes on, memory intact.
         _keeps_ticking_with(job, job["pid"], job["digest"])
         src_jobs = {j["id"]: j for j in json.loads(a.ctl("--json", "jobs", check=True).stdout)}
@@ -179,9 +189,10 @@ class BlindDaemon(DaemonProc):
                 'mount -t tmpfs tmpfs "$0" && exec "$@"', self.hide, *super().args()]
 
 
-def test_target_that_cannot_restore_leaves_the_job_running_here(pair, jobs_to_kill, tmp_path):
+@pytest.mark.parametrize("lazy", [False, True], ids=["streamed", "lazy"])
+def test_target_that_cannot_restore_leaves_the_job_running_here(lazy, pair, jobs_to_kill, tmp_path):
     # The target cannot see the job's log file (a node without the shared file system): CRIU's
-    # restore fails there after the whole image has arrived, so the source must take the job back.
+    # restore fails there after the image has arrived, so the source must take the job back.
     a = pair.a
     port_daemon = token_daemon(tmp_path / "blind", pair.token_file)
     blind = BlindDaemon(port_daemon.base, extra=port_daemon.extra, hide=str(a.state / "jobs"))
@@ -189,16 +200,29 @@ def test_target_that_cannot_restore_leaves_the_job_running_here(pair, jobs_to_ki
     blind.start()
     try:
         job = _counter(a, jobs_to_kill, 32, "homebound")
-        r = _migrate(a, job["id"], "--to", blind.address)
+        r = _migrate(a, job["id"], "--to", blind.address, *(["--lazy"] if lazy else []))
         assert r.returncode != 0
         assert "migration failed at restore on the target" in r.stderr, r.stderr
         assert "resumed on this node" in r.stderr
         _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
-        # The target kept no half-restored job.
+        # The target kept no half-restored job, and no lazy-pages daemon.
         with blind.client() as c:
             assert not [j for j in c.jobs() if j.running]
+        wait_for(lambda: not lazy_pages_of(blind), 10, what="lazy-pages to be gone on the target")
     finally:
         blind.cleanup()
+
+
+def lazy_pages_of(d: DaemonProc) -> list[int]:
+    """Pids of the criu lazy-pages processes (and their supervisors) working in d's state dir."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "lazy-pages" in cmd and any(str(d.state) in a for a in cmd):
+            out.append(p.pid)
+    return out
 
 
 def test_migrate_via_store(pair, jobs_to_kill, tmp_path):

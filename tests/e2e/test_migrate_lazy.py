@@ -5,10 +5,6 @@ leaves it running on the source, and no half-restored copy survives on the targe
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +12,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.test_migrate import BlindDaemon, Pair, _counter, _keeps_ticking_with, _migrate, two_daemons
+from tests.e2e.test_migrate import (
+    Pair,
+    _counter,
+    _keeps_ticking_with,
+    _migrate,
+    kill_target_then_expect_rollback,
+    lazy_pages_of,
+    migrate_in_background,
+    two_daemons,
+)
 from tests.e2e.test_remote import token_daemon
-from tests.helpers import REPO, DaemonProc, ticks, wait_for
+from tests.helpers import DaemonProc, ticks, wait_for
 
 MIB = 256
 
@@ -26,15 +31,6 @@ MIB = 256
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     yield from two_daemons(tmp_path_factory)
-
-
-def _lazy_pages(d: DaemonProc) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "lazy-pages" in cmd and any(str(d.state) in a for a in cmd):
-            out.append(p)
-    return out
 
 
 def _target_jobs(d: DaemonProc) -> dict[str, dict]:
@@ -70,7 +66,7 @@ def test_lazy_move_resumes_before_the_memory_arrived_and_gets_it_all(pair: Pair,
     # All its memory is resident on the target, the lazy-pages daemon is done, and neither node keeps
     # the half image (the target's lacks the pages; the source's was never complete).
     assert psutil.Process(out["target_pid"]).memory_info().rss >= MIB << 20
-    wait_for(lambda: not _lazy_pages(b), 20, what="lazy-pages to exit on the target")
+    wait_for(lambda: not lazy_pages_of(b), 20, what="lazy-pages to exit on the target")
     for d in (a, b):
         assert not (d.tier / out["checkpoint"]).exists()
         ids = [c["id"] for c in json.loads(d.ctl("--json", "list", check=True).stdout)]
@@ -84,27 +80,6 @@ def test_lazy_move_refuses_tcp_established_without_touching_the_job(pair: Pair, 
     _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
 
 
-def test_target_that_cannot_restore_lazily_leaves_the_job_running_here(pair: Pair, jobs_to_kill, tmp_path):
-    # As in the streamed case: the target cannot see the job's log file, so its restore fails.
-    a = pair.a
-    port_daemon = token_daemon(tmp_path / "blind", pair.token_file)
-    blind = BlindDaemon(port_daemon.base, extra=port_daemon.extra, hide=str(a.state / "jobs"))
-    blind.address = port_daemon.address  # type: ignore[attr-defined]
-    blind.start()
-    try:
-        job = _counter(a, jobs_to_kill, 32, "lazy-homebound")
-        r = _migrate(a, job["id"], "--to", blind.address, "--lazy")
-        assert r.returncode != 0
-        assert "migration failed at restore on the target" in r.stderr, r.stderr
-        assert "resumed on this node" in r.stderr
-        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
-        with blind.client() as c:
-            assert not [j for j in c.jobs() if j.running]
-        wait_for(lambda: not _lazy_pages(blind), 10, what="lazy-pages to be gone on the target")
-    finally:
-        blind.cleanup()
-
-
 def test_target_killed_while_pages_flow_job_resumes_on_the_source(pair: Pair, jobs_to_kill, tmp_path):
     a = pair.a
     # slow-tunnel: the target takes each page chunk slowly, so the move is surely mid-transfer.
@@ -112,10 +87,7 @@ def test_target_killed_while_pages_flow_job_resumes_on_the_source(pair: Pair, jo
     victim.start()
     try:
         job = _counter(a, jobs_to_kill, MIB, "lazy-interrupted")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": a.socket}
-        argv = [sys.executable, "-m", "memsnap.cli", "--json", "migrate", job["id"], "--to", victim.address,
-                "--lazy"]
-        mig = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        mig = migrate_in_background(a, job["id"], "--to", victim.address, "--lazy")
 
         # Wait until the job runs on the target (restored, pages still coming), then kill -9 the target.
         def restored_there() -> list[int]:
@@ -125,12 +97,7 @@ def test_target_killed_while_pages_flow_job_resumes_on_the_source(pair: Pair, jo
         wait_for(lambda: restored_there(), 60, 0.01, "the job to resume on the target")
         half = restored_there()[0]
         jobs_to_kill.append(half)
-        assert victim.proc is not None
-        victim.proc.send_signal(signal.SIGKILL)
-        victim.proc.wait(10)
-        _, err = mig.communicate(timeout=120)
-        assert mig.returncode != 0
-        assert "migration failed at pages" in err and "resumed on this node" in err, err
+        kill_target_then_expect_rollback(victim, mig, "pages")
 
         # The same process goes on here, memory intact; the half-restored copy there was killed by the
         # lazy-pages supervisor, although its daemon was dead.
@@ -185,7 +152,7 @@ def test_source_daemon_killed_while_pages_flow_job_runs_on_the_source(pair: Pair
         r = _migrate(src, job["id"], "--to", slow.address, "--lazy")
         assert r.returncode != 0
         assert src.proc is not None and src.proc.wait(10) == 137
-        wait_for(lambda: not _lazy_pages(slow), 20, what="the target's lazy-pages to give up")
+        wait_for(lambda: not lazy_pages_of(slow), 20, what="the target's lazy-pages to give up")
         with slow.client() as c:
             assert not [j for j in c.jobs() if j.running]
         src.env = {}

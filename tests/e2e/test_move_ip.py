@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyroute2 import NetNS, netns
@@ -224,13 +225,27 @@ class Scene:
         return max(y - x for x, y in zip(stamps, stamps[1:], strict=False))
 
 
+def _run_server(a: NsDaemon, tmp_path: Path, name: str, code: str, jobs_to_kill: list[int]) -> Any:
+    """Runs `code` as a managed job on node A and waits until it listens."""
+    server = tmp_path / f"{name}.py"
+    server.write_text(code)
+    with a.client() as c:
+        job = c.run([sys.executable, str(server)], name=name)
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: "listening" in Path(job.log_path).read_text(), 20, what="the server to listen")
+    return job
+
+
+def _node_args(host: int, token: Path) -> list[str]:
+    return ["--listen", f"{SUBNET}.{host}:7443", "--auth-token-file", str(token)]
+
+
 @pytest.fixture
 def scene(lan, tmp_path, jobs_to_kill, request) -> Iterator[Scene]:
     token = tmp_path / "token"
     token.write_text(secrets.token_hex(32))
-    a = NsDaemon(tmp_path / "node-a", netns=lan.a,
-                 extra=["--listen", f"{SUBNET}.1:7443", "--auth-token-file", str(token)])
-    b_extra = ["--listen", f"{SUBNET}.2:7443", "--auth-token-file", str(token)]
+    a = NsDaemon(tmp_path / "node-a", netns=lan.a, extra=_node_args(1, token))
+    b_extra = _node_args(2, token)
     b: NsDaemon
     if getattr(request, "param", "") == "blind-target":
         # Node B cannot see node A's job logs (no shared file system): restores there fail.
@@ -241,12 +256,7 @@ def scene(lan, tmp_path, jobs_to_kill, request) -> Iterator[Scene]:
     try:
         a.start()
         b.start()
-        server = tmp_path / "server.py"
-        server.write_text(SERVER)
-        with a.client() as c:
-            job = c.run([sys.executable, str(server)], name="streamer")
-        jobs_to_kill.append(int(job.pid))
-        wait_for(lambda: "listening" in Path(job.log_path).read_text(), 20, what="the server to listen")
+        job = _run_server(a, tmp_path, "streamer", SERVER, jobs_to_kill)
         got = tmp_path / "client.out"
         cscript = tmp_path / "client.py"
         cscript.write_text(CLIENT)
@@ -334,19 +344,12 @@ def test_lazy_move_takes_the_service_address_along(lan, tmp_path, jobs_to_kill):
     # the next visitor reaches the same process (its counter goes on) on node B.
     token = tmp_path / "token"
     token.write_text(secrets.token_hex(32))
-    a = NsDaemon(tmp_path / "node-a", netns=lan.a, extra=["--listen", f"{SUBNET}.1:7443", "--auth-token-file",
-                                                           str(token)])
-    b = NsDaemon(tmp_path / "node-b", netns=lan.b, extra=["--listen", f"{SUBNET}.2:7443", "--auth-token-file",
-                                                           str(token)])
+    a = NsDaemon(tmp_path / "node-a", netns=lan.a, extra=_node_args(1, token))
+    b = NsDaemon(tmp_path / "node-b", netns=lan.b, extra=_node_args(2, token))
     try:
         a.start()
         b.start()
-        server = tmp_path / "listener.py"
-        server.write_text(LISTENER)
-        with a.client() as c:
-            job = c.run([sys.executable, str(server)], name="listener")
-        jobs_to_kill.append(int(job.pid))
-        wait_for(lambda: "listening" in Path(job.log_path).read_text(), 20, what="the server to listen")
+        job = _run_server(a, tmp_path, "listener", LISTENER, jobs_to_kill)
         assert _visit(lan) == "visitor 1"
         assert _visit(lan) == "visitor 2"
         r = a.ctl("--json", "migrate", job.id, "--to", f"{SUBNET}.2:7443", "--lazy", "--move-ip",
