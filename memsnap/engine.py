@@ -324,15 +324,11 @@ class Engine:
                                          f"{reason} (log: {exc.log_path})") from exc
             raise
         try:
-            body = {
-                "id": ckpt_id, "pid": pid, "job": rec.job, "name": rec.name, "uid": owner, "argv": argv,
-                "host": self.hostname, "kernel": platform.release(), "criu_version": self.criu.version(),
-                "memsnap_version": __version__, "created_ms": rec.created_ms, "frozen_ms": stats.frozen_ms,
-                "freezing_ms": stats.freezing_ms, "dump_ms": stats.wall_ms, "own_pidns": own_ns,
-                "log_path": job.log_path if job else "", "gpus": gpu_info,
-                "files": ((hooks.file_table() if hooks.file_table else None)
-                          or manifest.describe_files(staging)),
-            }
+            body = self.manifest_body(rec, argv, own_ns, job,
+                                      (hooks.file_table() if hooks.file_table else None)
+                                      or manifest.describe_files(staging),
+                                      frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
+                                      dump_ms=stats.wall_ms, gpus=gpu_info)
             signed = manifest.sign(body, self.key)
             manifest.write(staging, signed)
             failpoints.hit("before-publish")
@@ -371,6 +367,63 @@ class Engine:
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out
+
+    def manifest_body(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
+                      files: dict[str, dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        """The unsigned manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, ...)."""
+        return {"id": rec.id, "pid": rec.pid, "job": rec.job, "name": rec.name, "uid": rec.owner_uid,
+                "argv": argv, "host": self.hostname, "kernel": platform.release(),
+                "criu_version": self.criu.version(), "memsnap_version": __version__, "created_ms": rec.created_ms,
+                "frozen_ms": 0, "freezing_ms": 0, "dump_ms": 0, "own_pidns": own_ns,
+                "log_path": job.log_path if job else "", "gpus": [], "files": files, **fields}
+
+    # -- lazy dumps (the source side of a lazy move, memsnap.lazymove) -----------------------
+    def lazy_dump(self, rec: CheckpointRecord, ps_socket: int,
+                  notify: Callable[[str, Path], bool]) -> CriuError | None:
+        """Dumps rec.pid without its memory, whose pages CRIU then serves over ps_socket until the peer has
+        them all; the tree is left stopped (end_held / resume_held decide). rec is journaled first, with
+        hold set, so recovery resumes the tree if we die. notify gets CRIU's callbacks and the staging
+        dir. Returns CRIU's error, if any; raises (job untouched) when the pid is busy or the tier full."""
+        rec.meta = {**rec.meta, "stop": False, "hold": True, "pid_start": _start_or_zero(rec.pid)}
+        self.catalog.add_checkpoint(rec)
+        staging = self.tier.new_staging(rec.id)
+        work = self.work_root / rec.id
+        work.mkdir(parents=True, exist_ok=True, mode=0o700)
+        opts = DumpOptions(leave_running=False, leave_stopped=True, lazy_pages=True, ps_socket=ps_socket,
+                           shell_job=not jobs.is_session_leader(rec.pid), **self.cfg.extra_dump_opts)
+        try:
+            with self._exclusive(rec.pid):
+                reservation = self._reserve(_RESERVE_SLACK)
+                try:
+                    self.criu.dump(rec.pid, staging, work, opts, notify=lambda script, p: notify(script, staging))
+                except CriuError as exc:
+                    return exc
+                finally:
+                    reservation.release()
+        except Exception as exc:
+            self.end_lazy_dump(rec.id, error=str(exc))
+            raise
+        finally:
+            self.tier.discard_staging(rec.id)  # what the move needed of it has been sent
+        return None
+
+    def end_lazy_dump(self, ckpt_id: str, error: str = "") -> None:
+        """A failed lazy dump stays in the catalog as FAILED, with its logs; a moved one goes."""
+        self.tier.discard_staging(ckpt_id)
+        if error:
+            self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=error)
+            return
+        self.catalog.delete_checkpoint(ckpt_id)
+        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+            shutil.rmtree(self.work_root / ckpt_id, ignore_errors=True)
+
+    def mark_moved(self, ckpt_id: str, to: str, target_job: str = "") -> None:
+        """Journals that the target keeps the job: from here on, recovery ends the held copy here."""
+        cur = self.catalog.get_checkpoint(ckpt_id)
+        if cur is not None:
+            meta = {k: v for k, v in cur.meta.items() if k != "committing_to"}
+            self.catalog.update_checkpoint(ckpt_id, meta={**meta, "moved_to": to,
+                                                          **({"moved_job": target_job} if target_job else {})})
 
     # -- restore --------------------------------------------------------------------
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord:

@@ -29,10 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import re
 import secrets
-import shutil
 import socket
 import threading
 import time
@@ -43,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from memsnap import __version__, failpoints, jobs, manifest, net
-from memsnap.catalog import DUMPING, FAILED, CheckpointRecord, now_ms
+from memsnap import failpoints, jobs, manifest, net
+from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient
-from memsnap.criu import CriuError, DumpOptions, pipe_size_problem
+from memsnap.criu import pipe_size_problem
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, NotFound, PermissionDenied
 from memsnap.remote import transfer_key
 from memsnap.v1 import memsnap_pb2 as pb
@@ -203,9 +201,7 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
     state = _SourceState()
     argv, own_ns = jobs.cmdline(pid), jobs.in_own_pidns(pid)
     rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
-                           job=job.id if job else "", name=job.name if job else "",
-                           meta={"stop": False, "hold": True, "lazy_move": req.to,
-                                 "pid_start": jobs.start_time(pid)})
+                           job=job.id if job else "", name=job.name if job else "", meta={"lazy_move": req.to})
     move.ckpt_id = ckpt_id
 
     def restore_there() -> None:
@@ -226,11 +222,7 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
         if move.moved_ip is not None:
             move.ip_removed_from = net.remove_address(move.moved_ip, req.move_ip_dev_source)
         files = manifest.describe_files(staging)
-        body = {"id": ckpt_id, "pid": pid, "job": rec.job, "name": rec.name, "uid": owner, "argv": argv,
-                "host": engine.hostname, "kernel": platform.release(), "criu_version": engine.criu.version(),
-                "memsnap_version": __version__, "created_ms": rec.created_ms, "frozen_ms": 0,
-                "freezing_ms": 0, "dump_ms": stats_ms, "own_pidns": own_ns,
-                "log_path": job.log_path if job else "", "gpus": [], "files": files, "pages_remote": True}
+        body = engine.manifest_body(rec, argv, own_ns, job, files, dump_ms=stats_ms, pages_remote=True)
         state.image_bytes = sum(int(f["size"]) for f in files.values())
         streamer = ImageStreamer(client, state.image_bytes, pipelined=False)
         streamer.start(staging)
@@ -250,12 +242,9 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
 
     tunnel = SourceTunnel(client, tunnel_id, ckpt_id)
     criu_done = threading.Event()
-    staging = engine.tier.new_staging(ckpt_id)
-    work = engine.work_root / ckpt_id
-    work.mkdir(parents=True, exist_ok=True, mode=0o700)
     t_dump = time.monotonic()
 
-    def notify(script: str, _pid: int) -> bool:
+    def notify(script: str, staging: Path) -> bool:
         if script == "pre-dump":
             state.t_freeze = time.monotonic()
         elif script == "post-dump":
@@ -270,23 +259,10 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
                 return False  # CRIU resumes the tree
         return True
 
-    opts = DumpOptions(leave_running=False, leave_stopped=True, lazy_pages=True, ps_socket=tunnel.criu_end.fileno(),
-                       shell_job=not jobs.is_session_leader(pid), **engine.cfg.extra_dump_opts)
-    dump_error: CriuError | None = None
-    engine.catalog.add_checkpoint(rec)
     try:
-        with engine._exclusive(pid):
-            reservation = engine._reserve(64 << 20)
-            try:
-                engine.criu.dump(pid, staging, work, opts, notify=notify)
-            except CriuError as exc:
-                dump_error = exc
-            finally:
-                reservation.release()
+        dump_error = engine.lazy_dump(rec, tunnel.criu_end.fileno(), notify)
     except MemsnapError as exc:  # busy, or no room for even the small images: the job was not touched
         tunnel.close()
-        engine.tier.discard_staging(ckpt_id)
-        engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=str(exc))
         raise _Error(exc.code, f"migration failed at dump: {exc}; the job runs on here") from exc
     finally:
         criu_done.set()
@@ -296,11 +272,9 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
     tunnel.done.wait(_VERDICT_S)
     verdict = tunnel.verdict or _ask_verdict(client, tunnel_id)
     tunnel.close()
-    engine.tier.discard_staging(ckpt_id)
 
     def give_back(step: str, why: str, code: str) -> None:
-        # Keep the work dir (CRIU's logs) for a failed move.
-        engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"{step}: {why}")
+        engine.end_lazy_dump(ckpt_id, error=f"{step}: {why}")  # (keeps CRIU's logs)
         mig._rollback(move, step, why, code)
 
     if dump_error is not None:
@@ -308,12 +282,12 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
             # Our post-dump callback refused: CRIU let the tree run on by itself.
             mig._restore_network(move)
             engine.resume_held(pid, ckpt_id)
-            engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=state.failure)
+            engine.end_lazy_dump(ckpt_id, error=state.failure)
             raise _Error(state.failure_code, f"migration failed at {state.failed_step}: {state.failure}; "
                          "the job was resumed on this node")
         if not state.t_post_dump:
             mig._restore_network(move)
-            engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=dump_error.reason)
+            engine.end_lazy_dump(ckpt_id, error=dump_error.reason)
             raise FailedPrecondition(f"migration failed at dump: {dump_error.reason} (log: "
                                      f"{dump_error.log_path}); the job was not moved and runs on here")
         give_back("pages", f"CRIU's page server failed: {dump_error.reason} (log: {dump_error.log_path})",
@@ -335,15 +309,13 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
     try:
         mig._commit_on(client, move, ckpt_id, req.to)
     except MemsnapError:
-        engine.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error="the target could not be told to keep it")
+        engine.end_lazy_dump(ckpt_id, error="the target could not be told to keep it")
         raise
     phases.mark("confirm")
     # The target has every page, runs the job and keeps it: journal that, then let the frozen copy go.
-    engine.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "moved_to": req.to, "moved_job": target_job})
+    engine.mark_moved(ckpt_id, req.to, target_job)
     engine.end_held(pid, move.job_id, ckpt_id)
-    engine.catalog.delete_checkpoint(ckpt_id)
-    if not os.environ.get("MEMSNAP_KEEP_LOGS"):
-        shutil.rmtree(work, ignore_errors=True)
+    engine.end_lazy_dump(ckpt_id)
     phases.mark("cleanup")
     resume_ms = (state.t_resumed - (state.t_freeze or t_dump)) * 1000
     sent = state.image_bytes + tunnel.bytes_out

@@ -731,10 +731,7 @@ class Migrator:
         phases.mark("confirm")
         # The target runs the job and keeps it: journal that (a crash from here on must not resume the
         # copy here), and only then let the copy here go.
-        cur = self.engine.catalog.get_checkpoint(rec.id)
-        if cur is not None:
-            self.engine.catalog.update_checkpoint(rec.id, meta={**cur.meta, "moved_to": req.to,
-                                                                "moved_job": target_job})
+        self.engine.mark_moved(rec.id, req.to, target_job)
         self.engine.end_held(move.pid, move.job_id, rec.id)
         if move.lock is not None:
             move.lock.release()
@@ -792,13 +789,13 @@ class Migrator:
                             time.sleep(1.0 + attempt)
             except MemsnapError as exc:
                 why = str(exc)
-            meta = {k: v for k, v in rec.meta.items() if k != "committing_to"}
             if kept:
-                self.engine.catalog.update_checkpoint(ckpt_id, meta={**meta, "moved_to": to})
+                self.engine.mark_moved(ckpt_id, to)
                 self.engine.end_held(rec.pid, rec.job, ckpt_id)
                 log.info("the interrupted move of %s to %s was committed there; the copy here ended", rec.job,
                          to, extra={"checkpoint_id": ckpt_id})
             else:
+                meta = {k: v for k, v in rec.meta.items() if k != "committing_to"}
                 self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
                 self.engine.resume_held(rec.pid, ckpt_id)
                 log.warning("the interrupted move of %s to %s is not kept there (%s); the job runs on here",
