@@ -211,6 +211,8 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
         try:
             state.restored = client.restore_received(rreq, timeout=600)
             state.t_resumed = time.monotonic()
+            log.info("%s resumed on %s as pid %d; its pages follow from here", move.job_id or move.pid, req.to,
+                     state.restored.pid, extra={"checkpoint_id": ckpt_id})
             failpoints.hit("lazy-pages-flowing")
         except ClientError as exc:
             state.failed_step, state.failure_code = "restore on the target", exc.code.name

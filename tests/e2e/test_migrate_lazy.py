@@ -5,6 +5,7 @@ leaves it running on the source, and no half-restored copy survives on the targe
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,13 +90,12 @@ def test_target_killed_while_pages_flow_job_resumes_on_the_source(pair: Pair, jo
         job = _counter(a, jobs_to_kill, MIB, "lazy-interrupted")
         mig = migrate_in_background(a, job["id"], "--to", victim.address, "--lazy")
 
-        # Wait until the job runs on the target (restored, pages still coming), then kill -9 the target.
-        def restored_there() -> list[int]:
-            with victim.client() as c:
-                return [int(j.pid) for j in c.jobs() if j.running]
-
-        wait_for(lambda: restored_there(), 60, 0.01, "the job to resume on the target")
-        half = restored_there()[0]
+        # Wait until the source heard that the job runs on the target (restored, pages still coming), then
+        # kill -9 the target. (The target lists the job a moment before its reply reaches the source: killed
+        # in that moment, the move fails at "restore on the target" instead, equally rolled back.)
+        resumed = re.compile(rf"{job['id']} resumed on \S+ as pid (\d+); its pages follow")
+        wait_for(lambda: resumed.search(a.log.read_text()), 60, 0.01, "the job to resume on the target")
+        half = int(resumed.search(a.log.read_text()).group(1))  # type: ignore[union-attr]
         jobs_to_kill.append(half)
         kill_target_then_expect_rollback(victim, mig, "pages")
 
