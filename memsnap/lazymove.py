@@ -20,18 +20,22 @@ once userfaultfd is gone, missing pages would read as zeros. What the job did on
 failure (output, network traffic) is not undone: that is post-copy's price.
 
 Page bytes travel inside the peers' authenticated gRPC channel (token or mutual TLS), like the images.
-They are not checksummed by memsnap (CRIU's page-server protocol has no checksums; TCP's and TLS's
-integrity apply); the small images and their signed manifest are, as for any move.
+CRIU's page-server protocol has no checksums, so every tunnel message is sealed (see Seal): a keyed
+blake3 tag over its sequence number and content. A flipped bit, a lost, reordered or replayed message,
+or (with a node token) a forged one ends the move, and the job runs on at the source. The small images
+and their signed manifest are checked as for any move.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
 import re
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -39,13 +43,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import blake3
 import grpc
 
 from memsnap import failpoints, jobs, manifest, net
 from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient
 from memsnap.criu import pipe_size_problem
-from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, NotFound, PermissionDenied
+from memsnap.errors import (
+    FailedPrecondition,
+    IntegrityFailure,
+    InvalidArgument,
+    MemsnapError,
+    NotFound,
+    PermissionDenied,
+)
 from memsnap.remote import transfer_key
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -90,6 +102,44 @@ def _watch_stall(name: str, last: Any, done: Any, give_up: Any) -> None:
     threading.Thread(target=run, name=name, daemon=True).start()
 
 
+class Seal:
+    """Seals (source) or checks (target) one direction of a page tunnel, message by message, in order.
+
+    The key comes from the tunnel id and, with a node token, the transfer key that signs manifests (so
+    only a peer holding the token can forge a message; under TLS alone, TLS vouches and the tag catches
+    corruption). The tag covers a per-direction sequence number, so a message lost, reordered or replayed
+    fails the check as surely as a flipped bit.
+    """
+
+    def __init__(self, token: str, tunnel_id: str, direction: str) -> None:
+        material = (transfer_key(token) if token else b"") + bytes.fromhex(tunnel_id)
+        self._key = blake3.blake3(material, derive_key_context=f"memsnap page tunnel v1 {direction}").digest()
+        self._seq = 0
+
+    def _next_tag(self, msg: pb.TunnelChunk) -> bytes:
+        err = msg.error.encode()
+        h = blake3.blake3(struct.pack("<QBBI", self._seq, msg.done, msg.ok, len(err)) + err, key=self._key)
+        h.update(msg.data)
+        self._seq += 1
+        return bytes(h.digest(length=16))
+
+    def seal(self, msg: pb.TunnelChunk) -> pb.TunnelChunk:
+        msg.tag = self._next_tag(msg)
+        return msg
+
+    def check(self, msg: pb.TunnelChunk) -> pb.TunnelChunk:
+        """The message, if its tag is right; IntegrityFailure otherwise."""
+        seq = self._seq
+        if not hmac.compare_digest(self._next_tag(msg), msg.tag):
+            raise IntegrityFailure(f"integrity check failed: page tunnel message {seq} ({len(msg.data)} bytes) "
+                                   "does not match its tag (corrupted, lost or forged on the way; is the node "
+                                   "token the same on both nodes?)")
+        return msg
+
+
+_TO_TARGET, _TO_SOURCE = "to-target", "to-source"
+
+
 class _Error(MemsnapError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -100,8 +150,9 @@ class _Error(MemsnapError):
 class SourceTunnel:
     """The source end: CRIU's page server on one end of a socketpair, a PageTunnel call on the other."""
 
-    def __init__(self, client: MemsnapClient, tunnel_id: str, ckpt_id: str) -> None:
+    def __init__(self, client: MemsnapClient, tunnel_id: str, ckpt_id: str, token: str) -> None:
         self.tunnel_id = tunnel_id
+        self._out, self._in = Seal(token, tunnel_id, _TO_TARGET), Seal(token, tunnel_id, _TO_SOURCE)
         self.criu_end, self._end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.bytes_out = 0
         self.bytes_in = 0
@@ -114,7 +165,7 @@ class SourceTunnel:
         self._reader.start()
 
     def _requests(self, ckpt_id: str) -> Iterator[pb.TunnelChunk]:
-        yield pb.TunnelChunk(tunnel_id=self.tunnel_id, data=ckpt_id.encode())
+        yield self._out.seal(pb.TunnelChunk(tunnel_id=self.tunnel_id, data=ckpt_id.encode()))
         while True:
             try:
                 data = self._end.recv(_CHUNK)
@@ -124,11 +175,15 @@ class SourceTunnel:
                 return  # CRIU closed its end: half-close the call
             self.bytes_out += len(data)
             self.last_activity = time.monotonic()
-            yield pb.TunnelChunk(data=data)
+            msg = self._out.seal(pb.TunnelChunk(data=data))
+            if self.bytes_out > 8 << 20 and failpoints.armed("corrupt-tunnel"):
+                msg.data = bytes([msg.data[0] ^ 1]) + msg.data[1:]  # a bit flips on the way
+            yield msg
 
     def _read(self) -> None:
         try:
             for msg in self._call:
+                self._in.check(msg)
                 if msg.done:
                     self.verdict = (bool(msg.ok), msg.error)
                     break
@@ -141,6 +196,10 @@ class SourceTunnel:
             self.error = f"{code.name}: {exc.details() if hasattr(exc, 'details') else exc}"
         except OSError as exc:
             self.error = f"the page server's socket failed: {exc}"
+        except IntegrityFailure as exc:
+            self.error = str(exc)
+            log.warning("page tunnel %s: %s", self.tunnel_id[:8], exc)
+            self._call.cancel()
         finally:
             if self.verdict is None and not self.error:
                 self.error = "the target ended the page tunnel without a verdict"
@@ -242,7 +301,7 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
         _watch_stall(f"stall-{ckpt_id}", lambda: tunnel.last_activity,
                      lambda: criu_done.is_set() or tunnel.done.is_set(), tunnel.abort)
 
-    tunnel = SourceTunnel(client, tunnel_id, ckpt_id)
+    tunnel = SourceTunnel(client, tunnel_id, ckpt_id, token)
     criu_done = threading.Event()
     t_dump = time.monotonic()
 
@@ -272,7 +331,7 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
     t_criu_done = time.monotonic()
     state.restore_done.wait(_VERDICT_S if state.t_images else 0)
     tunnel.done.wait(_VERDICT_S)
-    verdict = tunnel.verdict or _ask_verdict(client, tunnel_id)
+    verdict = tunnel.verdict or _ask_verdict(client, tunnel_id, token)
     tunnel.close()
 
     def give_back(step: str, why: str, code: str) -> None:
@@ -328,14 +387,18 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
                               downtime_ms=int(resume_ms), bytes_sent=sent, target_job=target_job)
 
 
-def _ask_verdict(client: MemsnapClient, tunnel_id: str) -> tuple[bool, str] | None:
-    """Asks the target, on a fresh call, how the lazy transfer ended (its verdict got lost)."""
+def _ask_verdict(client: MemsnapClient, tunnel_id: str, token: str) -> tuple[bool, str] | None:
+    """Asks the target, on a fresh (freshly sealed) call, how the lazy transfer ended (its verdict got lost)."""
     for attempt in range(3):
+        query = Seal(token, tunnel_id, _TO_TARGET).seal(pb.TunnelChunk(tunnel_id=tunnel_id, done=True))
+        answer = Seal(token, tunnel_id, _TO_SOURCE)
         try:
-            for msg in client.page_tunnel(iter([pb.TunnelChunk(tunnel_id=tunnel_id, done=True)]),
-                                          timeout=_VERDICT_S + 10):
-                if msg.done:
+            for msg in client.page_tunnel(iter([query]), timeout=_VERDICT_S + 10):
+                if answer.check(msg).done:
                     return bool(msg.ok), msg.error
+            return None
+        except IntegrityFailure as exc:
+            log.warning("the target's verdict on the lazy transfer: %s", exc)
             return None
         except grpc.RpcError as exc:
             log.warning("cannot ask the target how the lazy transfer ended: %s", exc)
@@ -352,18 +415,22 @@ class _Tunnel:
     ckpt_id: str
     criu_end: socket.socket
     pump: socket.socket
+    seal_in: Seal  # checks what the source sends
+    seal_out: Seal  # seals what goes back
     restore_started: bool = False
     verdict: tuple[bool, str] | None = None
     last_activity: float = field(default_factory=time.monotonic)
     forwarded: int = 0
+    broken: str = ""  # why the tunnel was cut on our side (a message failed its check)
     settled: threading.Event = field(default_factory=threading.Event)
 
 
 class TunnelHost:
     """The PageTunnel RPC and the lazy half of RestoreReceived, on the target."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, token: str) -> None:
         self.engine = engine
+        self.token = token
         self._lock = threading.Lock()
         self._tunnels: dict[str, _Tunnel] = {}
         self._verdicts: dict[str, tuple[bool, str]] = {}
@@ -380,14 +447,18 @@ class TunnelHost:
             raise InvalidArgument("empty page tunnel") from None
         if not _TUNNEL_ID.match(first.tunnel_id):
             raise InvalidArgument("bad tunnel id")
+        seal_in = Seal(self.token, first.tunnel_id, _TO_TARGET)
+        seal_out = Seal(self.token, first.tunnel_id, _TO_SOURCE)
+        seal_in.check(first)
         if first.done:
-            return iter([self._verdict_for(first.tunnel_id)])
+            return iter([seal_out.seal(self._verdict_for(first.tunnel_id))])
         ckpt_id = first.data.decode(errors="replace")
         with self._lock:
             if first.tunnel_id in self._tunnels or first.tunnel_id in self._verdicts:
                 raise FailedPrecondition("that page tunnel exists already")
             criu_end, pump = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            t = self._tunnels[first.tunnel_id] = _Tunnel(first.tunnel_id, ckpt_id, criu_end, pump)
+            t = self._tunnels[first.tunnel_id] = _Tunnel(first.tunnel_id, ckpt_id, criu_end, pump, seal_in,
+                                                         seal_out)
         feeder = threading.Thread(target=self._feed, args=(t, it), name=f"tunnel-in-{t.tunnel_id[:8]}",
                                   daemon=True)
         feeder.start()
@@ -403,11 +474,11 @@ class TunnelHost:
                 if not data:
                     break  # lazy-pages exited (or never started and the source went away)
                 t.last_activity = time.monotonic()
-                yield pb.TunnelChunk(data=data)
+                yield t.seal_out.seal(pb.TunnelChunk(data=data))
             if t.restore_started:
                 t.settled.wait(_VERDICT_S)
             ok, why = t.verdict or (False, "no lazy restore ran on the target")
-            yield pb.TunnelChunk(done=True, ok=ok, error=why)
+            yield t.seal_out.seal(pb.TunnelChunk(done=True, ok=ok, error=why))
         finally:
             _shutdown(t.pump)
             feeder.join(5)
@@ -424,6 +495,7 @@ class TunnelHost:
     def _feed(self, t: _Tunnel, it: Iterator[pb.TunnelChunk]) -> None:
         try:
             for msg in it:
+                t.seal_in.check(msg)
                 if msg.data:
                     failpoints.delay("slow-tunnel")
                     if t.forwarded > 8 << 20 and failpoints.armed("stall-tunnel"):
@@ -432,6 +504,12 @@ class TunnelHost:
                     t.forwarded += len(msg.data)
                     t.last_activity = time.monotonic()
             t.pump.shutdown(socket.SHUT_WR)  # the source's CRIU closed its end
+        except IntegrityFailure as exc:
+            # Not one more byte reaches lazy-pages: it fails, and its supervisor kills the half-restored job.
+            t.broken = str(exc)
+            log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], exc,
+                        extra={"checkpoint_id": t.ckpt_id})
+            _shutdown(t.pump)
         except (grpc.RpcError, OSError, ValueError):
             _shutdown(t.pump)
         if not t.restore_started:
@@ -475,7 +553,7 @@ class TunnelHost:
 
         def run() -> None:
             rc = server.wait()
-            if rc == 0:
+            if rc == 0 and not t.broken:
                 t.verdict = (True, "")
                 log.info("lazy move complete: every page of %s arrived", job_id,
                          extra={"checkpoint_id": t.ckpt_id})
@@ -483,8 +561,8 @@ class TunnelHost:
                 # The supervisor shell killed the job already; make sure, and say so.
                 jobs.kill_tree(pid)
                 self.engine.catalog.update_job(job_id, ended=True)
-                t.verdict = (False, f"lazy-pages failed on the target (exit {rc}); the half-restored job "
-                                    "there was killed")
+                cause = t.broken or f"lazy-pages failed on the target (exit {rc})"
+                t.verdict = (False, f"{cause}; the half-restored job there was killed")
                 log.warning("lazy move of %s failed: lazy-pages exit %d", job_id, rc,
                             extra={"checkpoint_id": t.ckpt_id})
             self.engine.reap_lazy()

@@ -520,7 +520,6 @@ class Migrator:
     def __init__(self, engine: Engine, cfg: Config) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.tunnels = TunnelHost(engine)
         self._commit_lock = threading.Lock()
         self._committed: dict[str, str] = {}
         self.token = ""
@@ -529,6 +528,7 @@ class Migrator:
                 self.token = read_token(cfg.daemon.auth_token_file)
             except OSError as exc:  # memsnap.remote refuses to listen then; moves out need --token-file
                 log.warning("cannot read daemon.auth_token_file: %s", exc)
+        self.tunnels = TunnelHost(engine, self.token)
 
     # -- source ---------------------------------------------------------------------------------
     def _target_client(self, req: pb.MigrateRequest) -> tuple[MemsnapClient, str]:

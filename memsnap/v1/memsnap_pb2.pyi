@@ -377,18 +377,20 @@ class ReceiveImageResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class TunnelChunk(_message.Message):
-    __slots__ = ("tunnel_id", "data", "done", "ok", "error")
+    __slots__ = ("tunnel_id", "data", "done", "ok", "error", "tag")
     TUNNEL_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     tunnel_id: str
     data: bytes
     done: bool
     ok: bool
     error: str
-    def __init__(self, tunnel_id: _Optional[str] = ..., data: _Optional[bytes] = ..., done: _Optional[bool] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    tag: bytes
+    def __init__(self, tunnel_id: _Optional[str] = ..., data: _Optional[bytes] = ..., done: _Optional[bool] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., tag: _Optional[bytes] = ...) -> None: ...
 
 class RestoreReceivedRequest(_message.Message):
     __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store", "early_resume", "commit")

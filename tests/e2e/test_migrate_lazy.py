@@ -185,3 +185,25 @@ def test_lazy_move_needs_big_pipes_or_says_how(pair: Pair, jobs_to_kill):
         _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
     finally:
         pipe_max.write_text(old)
+
+
+def test_a_page_corrupted_on_the_way_ends_the_move_and_the_job_runs_on_at_the_source(pair: Pair, jobs_to_kill,
+                                                                                      tmp_path):
+    # corrupt-tunnel: the source flips a bit in a page message after sealing it (past the first 8 MiB, so
+    # the job already runs on the target). The target's check fails: not one more byte reaches lazy-pages,
+    # the half-restored copy dies, and the frozen original resumes with its memory intact.
+    src = token_daemon(tmp_path / "flaky", pair.token_file, env={"MEMSNAP_FAILPOINTS": "corrupt-tunnel"}).start()
+    try:
+        job = _counter(src, jobs_to_kill, 64, "lazy-corrupt")
+        r = _migrate(src, job["id"], "--to", pair.b.address, "--lazy")
+        assert r.returncode != 0
+        assert "migration failed at pages" in r.stderr and "resumed on this node" in r.stderr, r.stderr
+        assert "integrity check failed: page tunnel message" in r.stderr, r.stderr
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+        assert _target_jobs(src)[job["id"]]["running"]
+        with pair.b.client() as c:
+            wait_for(lambda: not [j for j in c.jobs() if j.running and j.name == "lazy-corrupt"], 10,
+                     what="the half copy to die")
+        wait_for(lambda: not lazy_pages_of(pair.b), 20, what="lazy-pages to exit on the target")
+    finally:
+        src.cleanup()
