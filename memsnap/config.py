@@ -241,6 +241,10 @@ class DaemonConfig:
     log_level: str = _opt(
         "info", _choice("debug", "info", "warning", "error", "critical"), "minimum log level"
     )
+    move_in_doubt_s: float = _opt(
+        600.0, _float_min(0.0, False, "a number of seconds >= 0"),
+        "how long a job whose outgoing move is in doubt stays stopped here; 0 = until the target answers",
+    )
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ FLAGS = {
     "store_dir": "store.dir", "store_url": "store.url", "s3_endpoint": "store.s3_endpoint",
     "s3_region": "store.s3_region", "state_dir": "state.dir", "drain_bandwidth": "drain.bandwidth",
     "drain_concurrency": "drain.concurrency", "compression_level": "drain.compression_level",
-    "hmac_key_file": "security.hmac_key_file",
+    "hmac_key_file": "security.hmac_key_file", "move_in_doubt_s": "daemon.move_in_doubt_s",
 }
 
 

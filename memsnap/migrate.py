@@ -765,43 +765,60 @@ class Migrator:
 
     def settle_uncertain(self) -> None:
         """After a crash mid-commit: asks each target again whether it keeps the job (the commit is
-        idempotent); it does -> the stopped copy here ends; it does not, or cannot be reached -> it runs on.
-        Runs in the background at start."""
+        idempotent, and answered after a target restart too). Kept there -> the stopped copy here ends;
+        refused -> it runs on here. While the target cannot be reached, the move is in doubt: the copy
+        here stays stopped (the target may run the job) and the question is repeated, for at most
+        daemon.move_in_doubt_s (0 = until it answers); then the copy here resumes, and a warning says the
+        job may run on both nodes. Runs in the background at start, a thread per move."""
         ids, self.engine.uncertain_moves = list(self.engine.uncertain_moves), []
         for ckpt_id in ids:
-            rec = self.engine.catalog.get_checkpoint(ckpt_id)
-            if rec is None:
-                continue
-            to = str(rec.meta.get("committing_to", ""))
-            kept, why = False, "no target recorded"
-            try:
-                with self._target_client(pb.MigrateRequest(to=to))[0] as client:
-                    for attempt in range(5):
-                        try:
-                            client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True),
-                                                    timeout=10)
-                            kept = True
-                            break
-                        except ClientError as exc:
-                            why = f"{exc.code.name}: {exc.message}"
-                            if exc.code not in _TRANSPORT_CODES:
-                                break
-                            time.sleep(1.0 + attempt)
-            except MemsnapError as exc:
-                why = str(exc)
-            if kept:
-                self.engine.mark_moved(ckpt_id, to)
-                self.engine.end_held(rec.pid, rec.job, ckpt_id)
-                log.info("the interrupted move of %s to %s was committed there; the copy here ended", rec.job,
-                         to, extra={"checkpoint_id": ckpt_id})
-            else:
-                meta = {k: v for k, v in rec.meta.items() if k != "committing_to"}
-                self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
-                self.engine.resume_held(rec.pid, ckpt_id)
-                log.warning("the interrupted move of %s to %s is not kept there (%s); the job runs on here",
-                            rec.job, to, why, extra={"checkpoint_id": ckpt_id})
-            if rec.meta.get("lazy_move"):
-                self.engine.tier.discard_staging(ckpt_id)
+            threading.Thread(target=self._settle, args=(ckpt_id,), name=f"settle-{ckpt_id}", daemon=True).start()
+
+    def _settle(self, ckpt_id: str) -> None:
+        rec = self.engine.catalog.get_checkpoint(ckpt_id)
+        if rec is None:
+            return
+        to = str(rec.meta.get("committing_to", ""))
+        limit = self.cfg.daemon.move_in_doubt_s
+        deadline = time.monotonic() + limit if limit > 0 else float("inf")
+        kept, why, attempt = False, "no target recorded", 0
+        try:
+            with self._target_client(pb.MigrateRequest(to=to))[0] as client:
+                while True:
+                    try:
+                        client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True),
+                                                timeout=10)
+                        kept = True
+                        break
+                    except ClientError as exc:
+                        why = f"{exc.code.name}: {exc.message}"
+                        if exc.code not in _TRANSPORT_CODES:
+                            break  # the target answered: it does not keep the job
+                    if time.monotonic() >= deadline:
+                        why = (f"{to} gave no answer for {limit:.0f} s ({why}); if it runs the job, it now runs "
+                               "on both nodes: stop one copy")
+                        break
+                    if attempt == 0:
+                        log.warning("the move of %s to %s is in doubt: the target cannot be reached (%s); the "
+                                    "job stays stopped here and memsnapd keeps asking (daemon.move_in_doubt_s)",
+                                    rec.job, to, why, extra={"checkpoint_id": ckpt_id})
+                    time.sleep(min(30.0, 1.5 ** attempt, max(0.1, deadline - time.monotonic())))
+                    attempt += 1
+        except MemsnapError as exc:
+            why = str(exc)
+        if kept:
+            self.engine.mark_moved(ckpt_id, to)
+            self.engine.end_held(rec.pid, rec.job, ckpt_id)
+            log.info("the interrupted move of %s to %s was committed there; the copy here ended", rec.job,
+                     to, extra={"checkpoint_id": ckpt_id})
+        else:
+            meta = {k: v for k, v in rec.meta.items() if k != "committing_to"}
+            self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
+            self.engine.resume_held(rec.pid, ckpt_id)
+            log.warning("the interrupted move of %s to %s is not kept there (%s); the job runs on here",
+                        rec.job, to, why, extra={"checkpoint_id": ckpt_id})
+        if rec.meta.get("lazy_move"):
+            self.engine.tier.discard_staging(ckpt_id)
 
     @staticmethod
     def _target_job(client: MemsnapClient, ckpt_id: str, tries: int = 3) -> pb.Job | None:
@@ -982,7 +999,7 @@ class Migrator:
             rec = self.engine.catalog.get_checkpoint(ckpt_id)
             job_id = rec.meta.get("move_pending", "") if rec is not None else ""
             if not job_id:
-                job_id = self._committed.get(ckpt_id, "")
+                job_id = self._committed.get(ckpt_id, "") or self._kept_before(ckpt_id)
             job = self.engine.catalog.get_job(job_id) if job_id else None
             if job is None or job.ended or not jobs.alive(job.pid, job.pid_start):
                 raise FailedPrecondition(f"no job moved from {ckpt_id} runs here; the source keeps its copy")
@@ -995,6 +1012,17 @@ class Migrator:
                 if meta.get("pages_remote"):
                     self.tunnels.committed(ckpt_id)
         return pb.RestoreResponse(pid=job.pid, job=job_pb(job, True))
+
+    def _kept_before(self, ckpt_id: str) -> str:
+        """The job a commit kept here before this daemon restarted (the source asks again after a crash).
+
+        A restored move that is not pending any more was either committed (its job runs on) or abandoned
+        (its job was killed and ended), so a live job restored from ckpt_id means the commit happened.
+        """
+        for j in self.engine.catalog.jobs():
+            if j.restored_from == ckpt_id and not j.ended and jobs.alive(j.pid, j.pid_start):
+                return j.id
+        return ""
 
     def _expire(self, ckpt_id: str, job_id: str) -> None:
         if self.tunnels.busy(ckpt_id):
