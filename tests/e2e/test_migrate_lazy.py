@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,7 +152,12 @@ def test_source_daemon_killed_while_pages_flow_job_runs_on_the_source(pair: Pair
         job = _counter(src, jobs_to_kill, 64, "lazy-orphan")
         r = _migrate(src, job["id"], "--to", slow.address, "--lazy")
         assert r.returncode != 0
-        assert src.proc is not None and src.proc.wait(10) == 137
+        assert src.proc is not None
+        try:
+            assert src.proc.wait(10) == 137
+        except subprocess.TimeoutExpired:
+            pytest.fail("the move failed before the failpoint: " + r.stderr + src.log.read_text()[-3000:] +
+                        slow.log.read_text()[-3000:])
         wait_for(lambda: not lazy_pages_of(slow), 20, what="the target's lazy-pages to give up")
         with slow.client() as c:
             assert not [j for j in c.jobs() if j.running]
