@@ -365,6 +365,18 @@ def test_source_dies_right_after_its_commit_the_job_runs_once(lazy, pair, jobs_t
         src.cleanup()
 
 
+@pytest.fixture
+def committing(pair: Pair, tmp_path: Path) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """A source that dies (kill -9) right after the target accepted its commit, and that target."""
+    src = token_daemon(tmp_path / "src", pair.token_file, env={"MEMSNAP_FAILPOINTS": "after-commit"}).start()
+    dst = token_daemon(tmp_path / "dst", pair.token_file).start()
+    try:
+        yield src, dst
+    finally:
+        src.cleanup()
+        dst.cleanup()
+
+
 def _commit_then_both_daemons_die(src: DaemonProc, dst: DaemonProc, jobs_to_kill: list[int], name: str) -> tuple[
         dict, int]:
     """A move whose source dies (kill -9) right after the target accepted the commit, and then the target
@@ -382,46 +394,36 @@ def _commit_then_both_daemons_die(src: DaemonProc, dst: DaemonProc, jobs_to_kill
     return job, there[0]["pid"]
 
 
-def test_a_move_in_doubt_keeps_the_job_stopped_until_the_target_answers(pair, jobs_to_kill, tmp_path):
+def test_a_move_in_doubt_keeps_the_job_stopped_until_the_target_answers(committing, jobs_to_kill):
     # The source restarts while the target that committed is unreachable: the target may run the job,
     # so the copy here must neither resume (two copies) nor end (maybe none). It stays stopped, memsnapd
     # keeps asking, and once the target is back (it remembers the commit across its own restart), the
     # copy here ends: the job ran once throughout.
-    src = token_daemon(tmp_path / "src", pair.token_file, env={"MEMSNAP_FAILPOINTS": "after-commit"}).start()
-    dst = token_daemon(tmp_path / "dst", pair.token_file).start()
-    try:
-        job, there = _commit_then_both_daemons_die(src, dst, jobs_to_kill, "in-doubt")
-        src.env = {}
-        src.start()
-        wait_for(lambda: "is in doubt" in src.log.read_text(), 30, what="the source to call the move in doubt")
-        stopped_at = len(ticks(job["log"], job["pid"]))
-        time.sleep(3)
-        assert Path(f"/proc/{job['pid']}").exists()
-        assert len(ticks(job["log"], job["pid"])) == stopped_at, "the copy here ran while the move was in doubt"
-        _keeps_ticking_with(job, there, job["digest"], fresh=3)
+    src, dst = committing
+    job, there = _commit_then_both_daemons_die(src, dst, jobs_to_kill, "in-doubt")
+    src.env = {}
+    src.start()
+    wait_for(lambda: "is in doubt" in src.log.read_text(), 30, what="the source to call the move in doubt")
+    stopped_at = len(ticks(job["log"], job["pid"]))
+    time.sleep(3)
+    assert Path(f"/proc/{job['pid']}").exists()
+    assert len(ticks(job["log"], job["pid"])) == stopped_at, "the copy here ran while the move was in doubt"
+    _keeps_ticking_with(job, there, job["digest"], fresh=3)
 
-        dst.start()
-        wait_for(lambda: not Path(f"/proc/{job['pid']}").exists(), 60, what="the stopped copy here to end")
-        assert "committed there" in src.log.read_text()
-        _keeps_ticking_with(job, there, job["digest"], fresh=5)
-    finally:
-        src.cleanup()
-        dst.cleanup()
+    dst.start()
+    wait_for(lambda: not Path(f"/proc/{job['pid']}").exists(), 60, what="the stopped copy here to end")
+    assert "committed there" in src.log.read_text()
+    _keeps_ticking_with(job, there, job["digest"], fresh=5)
 
 
-def test_a_move_in_doubt_resumes_here_after_move_in_doubt_s_and_says_so(pair, jobs_to_kill, tmp_path):
+def test_a_move_in_doubt_resumes_here_after_move_in_doubt_s_and_says_so(committing, jobs_to_kill):
     # daemon.move_in_doubt_s bounds the wait for a target that never comes back: the copy here resumes,
     # and the log says the job may now run on both nodes.
-    src = token_daemon(tmp_path / "src", pair.token_file, env={"MEMSNAP_FAILPOINTS": "after-commit"}).start()
-    dst = token_daemon(tmp_path / "dst", pair.token_file).start()
-    try:
-        job, there = _commit_then_both_daemons_die(src, dst, jobs_to_kill, "in-doubt-limit")
-        src.env = {}
-        src.extra += ["--move-in-doubt-s", "2"]
-        src.start()
-        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
-        log = src.log.read_text()
-        assert "is in doubt" in log and "gave no answer for 2 s" in log and "on both nodes" in log, log[-2000:]
-    finally:
-        src.cleanup()
-        dst.cleanup()
+    src, dst = committing
+    job, _ = _commit_then_both_daemons_die(src, dst, jobs_to_kill, "in-doubt-limit")
+    src.env = {}
+    src.extra += ["--move-in-doubt-s", "2"]
+    src.start()
+    _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+    log = src.log.read_text()
+    assert "is in doubt" in log and "gave no answer for 2 s" in log and "on both nodes" in log, log[-2000:]
