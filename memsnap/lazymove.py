@@ -116,25 +116,26 @@ class Seal:
         self._key = blake3.blake3(material, derive_key_context=f"memsnap page tunnel v1 {direction}").digest()
         self._seq = 0
 
-    def _next_tag(self, msg: pb.TunnelChunk) -> bytes:
+    def _next_tag(self, msg: pb.TunnelChunk, data: bytes) -> bytes:
         err = msg.error.encode()
         h = blake3.blake3(struct.pack("<QBBI", self._seq, msg.done, msg.ok, len(err)) + err, key=self._key)
-        h.update(msg.data)
+        h.update(data)
         self._seq += 1
         return bytes(h.digest(length=16))
 
-    def seal(self, msg: pb.TunnelChunk) -> pb.TunnelChunk:
-        msg.tag = self._next_tag(msg)
+    def seal(self, msg: pb.TunnelChunk, data: bytes | None = None) -> pb.TunnelChunk:
+        """Tags msg; pass data when the caller holds msg.data already (each read of it copies)."""
+        msg.tag = self._next_tag(msg, msg.data if data is None else data)
         return msg
 
-    def check(self, msg: pb.TunnelChunk) -> pb.TunnelChunk:
-        """The message, if its tag is right; IntegrityFailure otherwise."""
-        seq = self._seq
-        if not hmac.compare_digest(self._next_tag(msg), msg.tag):
-            raise IntegrityFailure(f"integrity check failed: page tunnel message {seq} ({len(msg.data)} bytes) "
+    def check(self, msg: pb.TunnelChunk) -> bytes:
+        """msg.data, if the message's tag is right; IntegrityFailure otherwise."""
+        seq, data = self._seq, msg.data
+        if not hmac.compare_digest(self._next_tag(msg, data), msg.tag):
+            raise IntegrityFailure(f"integrity check failed: page tunnel message {seq} ({len(data)} bytes) "
                                    "does not match its tag (corrupted, lost or forged on the way; is the node "
                                    "token the same on both nodes?)")
-        return msg
+        return data
 
 
 _TO_TARGET, _TO_SOURCE = "to-target", "to-source"
@@ -154,8 +155,7 @@ class SourceTunnel:
         self.tunnel_id = tunnel_id
         self._out, self._in = Seal(token, tunnel_id, _TO_TARGET), Seal(token, tunnel_id, _TO_SOURCE)
         self.criu_end, self._end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.bytes_out = 0
-        self.bytes_in = 0
+        self.bytes_out = self.bytes_in = self.msgs_out = self.msgs_in = 0
         self.last_activity = time.monotonic()
         self.verdict: tuple[bool, str] | None = None  # (ok, error) from the target's last message
         self.error = ""
@@ -174,8 +174,9 @@ class SourceTunnel:
             if not data:
                 return  # CRIU closed its end: half-close the call
             self.bytes_out += len(data)
+            self.msgs_out += 1
             self.last_activity = time.monotonic()
-            msg = self._out.seal(pb.TunnelChunk(data=data))
+            msg = self._out.seal(pb.TunnelChunk(data=data), data)
             if self.bytes_out > 8 << 20 and failpoints.armed("corrupt-tunnel"):
                 msg.data = bytes([msg.data[0] ^ 1]) + msg.data[1:]  # a bit flips on the way
             yield msg
@@ -183,13 +184,14 @@ class SourceTunnel:
     def _read(self) -> None:
         try:
             for msg in self._call:
-                self._in.check(msg)
+                data = self._in.check(msg)
                 if msg.done:
                     self.verdict = (bool(msg.ok), msg.error)
                     break
-                if msg.data:
-                    self._end.sendall(msg.data)
-                    self.bytes_in += len(msg.data)
+                if data:
+                    self._end.sendall(data)
+                    self.bytes_in += len(data)
+                    self.msgs_in += 1
                     self.last_activity = time.monotonic()
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
@@ -380,9 +382,10 @@ def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: M
     phases.mark("cleanup")
     resume_ms = (state.t_resumed - (state.t_freeze or t_dump)) * 1000
     sent = state.image_bytes + tunnel.bytes_out
-    log.info("moved %s lazily to %s as pid %d: resumed after %.0f ms, all %d bytes after %.0f ms",
-             move.job_id or pid, req.to, target_pid, resume_ms, sent,
-             (t_criu_done - (state.t_freeze or t_dump)) * 1000, extra={"checkpoint_id": ckpt_id})
+    log.info("moved %s lazily to %s as pid %d: resumed after %.0f ms, all %d bytes after %.0f ms (page tunnel: "
+             "%d messages out, %d in carrying %d bytes)", move.job_id or pid, req.to, target_pid, resume_ms, sent,
+             (t_criu_done - (state.t_freeze or t_dump)) * 1000, tunnel.msgs_out, tunnel.msgs_in, tunnel.bytes_in,
+             extra={"checkpoint_id": ckpt_id})
     return pb.MigrateResponse(target_pid=target_pid, checkpoint_id=ckpt_id, phases=phases.pb(),
                               downtime_ms=int(resume_ms), bytes_sent=sent, target_job=target_job)
 
@@ -394,7 +397,8 @@ def _ask_verdict(client: MemsnapClient, tunnel_id: str, token: str) -> tuple[boo
         answer = Seal(token, tunnel_id, _TO_SOURCE)
         try:
             for msg in client.page_tunnel(iter([query]), timeout=_VERDICT_S + 10):
-                if answer.check(msg).done:
+                answer.check(msg)
+                if msg.done:
                     return bool(msg.ok), msg.error
             return None
         except IntegrityFailure as exc:
@@ -474,7 +478,7 @@ class TunnelHost:
                 if not data:
                     break  # lazy-pages exited (or never started and the source went away)
                 t.last_activity = time.monotonic()
-                yield t.seal_out.seal(pb.TunnelChunk(data=data))
+                yield t.seal_out.seal(pb.TunnelChunk(data=data), data)
             if t.restore_started:
                 t.settled.wait(_VERDICT_S)
             ok, why = t.verdict or (False, "no lazy restore ran on the target")
@@ -495,13 +499,13 @@ class TunnelHost:
     def _feed(self, t: _Tunnel, it: Iterator[pb.TunnelChunk]) -> None:
         try:
             for msg in it:
-                t.seal_in.check(msg)
-                if msg.data:
+                data = t.seal_in.check(msg)
+                if data:
                     failpoints.delay("slow-tunnel")
                     if t.forwarded > 8 << 20 and failpoints.armed("stall-tunnel"):
                         continue  # a black hole, once the job runs here and pages flow
-                    t.pump.sendall(msg.data)
-                    t.forwarded += len(msg.data)
+                    t.pump.sendall(data)
+                    t.forwarded += len(data)
                     t.last_activity = time.monotonic()
             t.pump.shutdown(socket.SHUT_WR)  # the source's CRIU closed its end
         except IntegrityFailure as exc:

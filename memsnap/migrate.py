@@ -748,28 +748,51 @@ class Migrator:
                                   downtime_ms=int(downtime_ms), bytes_sent=sent, target_job=target_job)
 
     def _commit_on(self, client: MemsnapClient, move: _Move, ckpt_id: str, to: str) -> None:
-        """Tells the target to keep the job; if it cannot be told, the job runs on here (and dies there)."""
+        """Tells the target to keep the job. Refused: the job runs on here (and dies there). Unanswered:
+        the move is in doubt (see _ask_commit); past daemon.move_in_doubt_s it runs on here too."""
         rec = self.engine.catalog.get_checkpoint(ckpt_id)
         if rec is not None:
             # A crash from here until moved_to is journaled leaves the question to the target (recovery).
             self.engine.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "committing_to": to})
-        for attempt in range(3):
+        kept, why, code = self._ask_commit(client, ckpt_id, to, move.job_id or str(move.pid))
+        if not kept:
+            self._rollback(move, "commit", why, code)
+        failpoints.hit("after-commit")
+
+    def _ask_commit(self, client: MemsnapClient, ckpt_id: str, to: str, job: str) -> tuple[bool, str, str]:
+        """Asks the target to keep the job restored from ckpt_id until it answers; (kept, why, code).
+
+        The commit is idempotent and the target remembers it across its own restart, so asking again is
+        always safe. While the target cannot be reached the move is in doubt: it may have applied the
+        commit and run the job, so the copy here stays stopped and the question is repeated with backoff,
+        for at most daemon.move_in_doubt_s (0 = until it answers).
+        """
+        limit = self.cfg.daemon.move_in_doubt_s
+        deadline = time.monotonic() + limit if limit > 0 else float("inf")
+        attempt = 0
+        while True:
             try:
                 client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True), timeout=10)
-                failpoints.hit("after-commit")
-                return
+                return True, "", "OK"
             except ClientError as exc:
-                if exc.code not in _TRANSPORT_CODES or attempt == 2:
-                    self._rollback(move, "commit", f"{exc.code.name}: {exc.message}", exc.code.name)
-                time.sleep(0.5 * (attempt + 1))
+                why = f"{exc.code.name}: {exc.message}"
+                if exc.code not in _TRANSPORT_CODES:
+                    return False, why, exc.code.name  # the target answered: it does not keep the job
+            if time.monotonic() >= deadline:
+                return False, (f"{to} gave no answer for {limit:.0f} s ({why}); if it runs the job, it now runs "
+                               "on both nodes: stop one copy"), "UNAVAILABLE"
+            if attempt == 2:  # (a blip is retried quietly)
+                log.warning("the move of %s to %s is in doubt: the target cannot be reached (%s); the job stays "
+                            "stopped here and memsnapd keeps asking (daemon.move_in_doubt_s)", job, to, why,
+                            extra={"checkpoint_id": ckpt_id})
+            time.sleep(min(30.0, 0.5 * 1.5 ** attempt, max(0.1, deadline - time.monotonic())))
+            attempt += 1
 
     def settle_uncertain(self) -> None:
-        """After a crash mid-commit: asks each target again whether it keeps the job (the commit is
-        idempotent, and answered after a target restart too). Kept there -> the stopped copy here ends;
-        refused -> it runs on here. While the target cannot be reached, the move is in doubt: the copy
-        here stays stopped (the target may run the job) and the question is repeated, for at most
-        daemon.move_in_doubt_s (0 = until it answers); then the copy here resumes, and a warning says the
-        job may run on both nodes. Runs in the background at start, a thread per move."""
+        """After a crash mid-commit: asks each target again whether it keeps the job (_ask_commit: while
+        it cannot be reached, the copy here stays stopped). Kept there -> the stopped copy here ends;
+        refused, or no answer within daemon.move_in_doubt_s -> it runs on here. Runs in the background at
+        start, a thread per move."""
         ids, self.engine.uncertain_moves = list(self.engine.uncertain_moves), []
         for ckpt_id in ids:
             threading.Thread(target=self._settle, args=(ckpt_id,), name=f"settle-{ckpt_id}", daemon=True).start()
@@ -779,31 +802,10 @@ class Migrator:
         if rec is None:
             return
         to = str(rec.meta.get("committing_to", ""))
-        limit = self.cfg.daemon.move_in_doubt_s
-        deadline = time.monotonic() + limit if limit > 0 else float("inf")
-        kept, why, attempt = False, "no target recorded", 0
+        kept, why = False, "no target recorded"
         try:
             with self._target_client(pb.MigrateRequest(to=to))[0] as client:
-                while True:
-                    try:
-                        client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True),
-                                                timeout=10)
-                        kept = True
-                        break
-                    except ClientError as exc:
-                        why = f"{exc.code.name}: {exc.message}"
-                        if exc.code not in _TRANSPORT_CODES:
-                            break  # the target answered: it does not keep the job
-                    if time.monotonic() >= deadline:
-                        why = (f"{to} gave no answer for {limit:.0f} s ({why}); if it runs the job, it now runs "
-                               "on both nodes: stop one copy")
-                        break
-                    if attempt == 0:
-                        log.warning("the move of %s to %s is in doubt: the target cannot be reached (%s); the "
-                                    "job stays stopped here and memsnapd keeps asking (daemon.move_in_doubt_s)",
-                                    rec.job, to, why, extra={"checkpoint_id": ckpt_id})
-                    time.sleep(min(30.0, 1.5 ** attempt, max(0.1, deadline - time.monotonic())))
-                    attempt += 1
+                kept, why, _ = self._ask_commit(client, ckpt_id, to, rec.job)
         except MemsnapError as exc:
             why = str(exc)
         if kept:
@@ -995,6 +997,7 @@ class Migrator:
         """The source confirmed and lets go of its copy: the job restored from ckpt_id stays (idempotent)."""
         from memsnap.api import job_pb
 
+        failpoints.hit("before-commit")
         with self._commit_lock:
             rec = self.engine.catalog.get_checkpoint(ckpt_id)
             job_id = rec.meta.get("move_pending", "") if rec is not None else ""
@@ -1011,6 +1014,7 @@ class Migrator:
                 self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
                 if meta.get("pages_remote"):
                     self.tunnels.committed(ckpt_id)
+        failpoints.hit("commit-then-die")  # (the reply is lost)
         return pb.RestoreResponse(pid=job.pid, job=job_pb(job, True))
 
     def _kept_before(self, ckpt_id: str) -> str:

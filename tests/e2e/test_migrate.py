@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from memsnap import manifest
@@ -427,3 +428,45 @@ def test_a_move_in_doubt_resumes_here_after_move_in_doubt_s_and_says_so(committi
     _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
     log = src.log.read_text()
     assert "is in doubt" in log and "gave no answer for 2 s" in log and "on both nodes" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("fail,kept", [("before-commit", False), ("commit-then-die", True)],
+                         ids=["commit-lost", "reply-lost"])
+def test_a_target_gone_at_the_commit_leaves_the_move_in_doubt_until_it_answers(fail, kept, pair, jobs_to_kill,
+                                                                                tmp_path):
+    # The target dies (kill -9) as the commit arrives: before applying it, or after (its reply is lost).
+    # The source cannot tell which, so the copy here stays stopped while memsnapd keeps asking; the
+    # target's restart answers (it kills an uncommitted copy at start and remembers a committed one), and
+    # the job runs in exactly one place: never two, never none.
+    dst = token_daemon(tmp_path / "dst", pair.token_file, env={"MEMSNAP_FAILPOINTS": fail}).start()
+    try:
+        job = _counter(pair.a, jobs_to_kill, 32, f"doubt-{fail}")
+        mig = migrate_in_background(pair.a, job["id"], "--to", dst.address)
+        assert dst.proc is not None and dst.proc.wait(120) == 137
+        wait_for(lambda: f"the move of {job['id']} to {dst.address} is in doubt" in pair.a.log.read_text(),  # type: ignore[attr-defined]
+                 30, what="the source to call the move in doubt")
+        others = {t.pid for t in ticks(job["log"])} - {job["pid"]}
+        assert len(others) == 1, others
+        there = others.pop()
+        jobs_to_kill.append(there)
+        stopped_at = len(ticks(job["log"], job["pid"]))
+        _keeps_ticking_with(job, there, job["digest"], fresh=3)  # (only the target's copy runs)
+        assert len(ticks(job["log"], job["pid"])) == stopped_at, "the copy here ran while the move was in doubt"
+        assert mig.poll() is None
+
+        dst.env = {}
+        dst.start()
+        out, err = mig.communicate(timeout=120)
+        if kept:
+            assert mig.returncode == 0, err
+            assert json.loads(out)["target_pid"] == there
+            wait_for(lambda: not Path(f"/proc/{job['pid']}").exists(), 10, what="the copy here to end")
+            _keeps_ticking_with(job, there, job["digest"], fresh=5)
+        else:
+            assert mig.returncode != 0
+            assert "migration failed at commit" in err and "resumed on this node" in err, err
+            wait_for(lambda: not psutil.pid_exists(there) or psutil.Process(there).status() == psutil.STATUS_ZOMBIE,
+                     10, what="the uncommitted copy there to be killed")
+            _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+    finally:
+        dst.cleanup()
