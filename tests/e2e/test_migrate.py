@@ -445,7 +445,7 @@ def test_a_target_gone_at_the_commit_leaves_the_move_in_doubt_until_it_answers(f
         assert dst.proc is not None and dst.proc.wait(120) == 137
         wait_for(lambda: f"the move of {job['id']} to {dst.address} is in doubt" in pair.a.log.read_text(),  # type: ignore[attr-defined]
                  30, what="the source to call the move in doubt")
-        others = {t.pid for t in ticks(job["log"])} - {job["pid"]}
+        others = {t.hostpid for t in ticks(job["log"])} - {job["pid"]}
         assert len(others) == 1, others
         there = others.pop()
         jobs_to_kill.append(there)
