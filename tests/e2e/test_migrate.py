@@ -445,9 +445,12 @@ def test_a_target_gone_at_the_commit_leaves_the_move_in_doubt_until_it_answers(f
         assert dst.proc is not None and dst.proc.wait(120) == 137
         wait_for(lambda: f"the move of {job['id']} to {dst.address} is in doubt" in pair.a.log.read_text(),  # type: ignore[attr-defined]
                  30, what="the source to call the move in doubt")
-        others = {t.hostpid for t in ticks(job["log"])} - {job["pid"]}
-        assert len(others) == 1, others
-        there = others.pop()
+        def others() -> set[int]:
+            return {t.hostpid for t in ticks(job["log"])} - {job["pid"]}
+
+        wait_for(others, 10, what="the target's copy to tick")
+        assert len(others()) == 1, others()
+        there = others().pop()
         jobs_to_kill.append(there)
         stopped_at = len(ticks(job["log"], job["pid"]))
         _keeps_ticking_with(job, there, job["digest"], fresh=3)  # (only the target's copy runs)
