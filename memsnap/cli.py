@@ -132,6 +132,8 @@ def status_cmd(obj: Ctx) -> None:
         f"jobs     {s.jobs_running} running",
         f"ckpts    {s.checkpoints} ({by_state}); drain queue {s.drain_queue_depth} "
         f"({human_bytes(s.drain_queue_bytes)})",
+        *([f"moves    {len(s.moves_in_doubt)} in doubt (stopped here until the target answers): "
+           + ", ".join(s.moves_in_doubt)] if s.moves_in_doubt else []),
     ])
     obj.emit(d, human)
 

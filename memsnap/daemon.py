@@ -79,6 +79,7 @@ class Daemon:
         self._stopped = threading.Event()
         self._servers: list[Any] = []
         self._threads: list[Any] = []
+        self.migrator: Any = None
 
     def _make_drain(self, key: bytes) -> Any:
         try:
@@ -99,6 +100,8 @@ class Daemon:
         extra: dict[str, Any] = {"store": self.drain.describe() if self.drain else "none"}
         if self.drain is not None:
             extra["drain_queue_depth"], extra["drain_queue_bytes"] = self.drain.queue_stats()
+        if self.migrator is not None:
+            extra["moves_in_doubt"] = self.migrator.moves_in_doubt()
         return extra
 
     def start(self) -> None:
@@ -112,7 +115,7 @@ class Daemon:
         if self.drain is not None:
             self.drain.start(self.engine.pending_drains())
 
-        migrator = self._migrator()
+        migrator = self.migrator = self._migrator()
         if migrator is not None and self.engine.uncertain_moves:
             threading.Thread(target=migrator.settle_uncertain, name="settle-moves", daemon=True).start()
         servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
@@ -146,6 +149,8 @@ class Daemon:
             host, _, port = self.cfg.daemon.metrics_listen.rpartition(":")
             self.metrics.bind_tier(lambda: float(self.tier.used_bytes()),
                                    lambda: float(self.tier.capacity_bytes()))
+            if migrator is not None:
+                self.metrics.moves_in_doubt.set_function(lambda: float(len(migrator.moves_in_doubt())))
             if self.drain is not None:
                 self.metrics.bind_drain_queue(lambda: float(self.drain.queue_stats()[0]),
                                               lambda: float(self.drain.queue_stats()[1]))

@@ -75,6 +75,10 @@ class Metrics:
         self.drain_queue_bytes = Gauge(
             "memsnap_drain_queue_bytes", "Bytes waiting to be drained.", registry=r
         )
+        self.moves_in_doubt = Gauge(
+            "memsnap_moves_in_doubt", "Outgoing moves whose commit the target has not answered (the job "
+            "waits stopped here).", registry=r
+        )
         self.drained_bytes = Counter(
             "memsnap_drained_bytes_total", "Bytes written to the store by drains.", registry=r
         )

@@ -522,6 +522,7 @@ class Migrator:
         self.cfg = cfg
         self._commit_lock = threading.Lock()
         self._committed: dict[str, str] = {}
+        self._in_doubt: dict[str, str] = {}  # ckpt id -> "JOB -> HOST:PORT"
         self.token = ""
         if cfg.daemon.auth_token_file:
             try:
@@ -767,6 +768,16 @@ class Migrator:
         commit and run the job, so the copy here stays stopped and the question is repeated with backoff,
         for at most daemon.move_in_doubt_s (0 = until it answers).
         """
+        try:
+            return self._ask_until_answered(client, ckpt_id, to, job)
+        finally:
+            self._in_doubt.pop(ckpt_id, None)
+
+    def moves_in_doubt(self) -> list[str]:
+        """"JOB -> HOST:PORT" for every outgoing move whose commit is unanswered (status, metrics)."""
+        return sorted(self._in_doubt.values())
+
+    def _ask_until_answered(self, client: MemsnapClient, ckpt_id: str, to: str, job: str) -> tuple[bool, str, str]:
         limit = self.cfg.daemon.move_in_doubt_s
         deadline = time.monotonic() + limit if limit > 0 else float("inf")
         attempt = 0
@@ -782,6 +793,7 @@ class Migrator:
                 return False, (f"{to} gave no answer for {limit:.0f} s ({why}); if it runs the job, it now runs "
                                "on both nodes: stop one copy"), "UNAVAILABLE"
             if attempt == 2:  # (a blip is retried quietly)
+                self._in_doubt[ckpt_id] = f"{job} -> {to}"
                 log.warning("the move of %s to %s is in doubt: the target cannot be reached (%s); the job stays "
                             "stopped here and memsnapd keeps asking (daemon.move_in_doubt_s)", job, to, why,
                             extra={"checkpoint_id": ckpt_id})

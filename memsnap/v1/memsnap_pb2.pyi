@@ -36,7 +36,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel")
+    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt")
     class CheckpointsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class StatusResponse(_message.Message):
     DRAIN_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     DRAIN_QUEUE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KERNEL_FIELD_NUMBER: _ClassVar[int]
+    MOVES_IN_DOUBT_FIELD_NUMBER: _ClassVar[int]
     version: str
     criu_version: str
     hostname: str
@@ -72,7 +73,8 @@ class StatusResponse(_message.Message):
     drain_queue_depth: int
     drain_queue_bytes: int
     kernel: str
-    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ...) -> None: ...
+    moves_in_doubt: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "name", "pid", "argv", "owner_uid", "log_path", "started_unix_ms", "running", "restored_from")

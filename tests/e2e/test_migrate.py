@@ -457,10 +457,14 @@ def test_a_target_gone_at_the_commit_leaves_the_move_in_doubt_until_it_answers(f
         _keeps_ticking_with(job, there, job["digest"], fresh=3)  # (only the target's copy runs)
         assert len(ticks(job["log"], job["pid"])) == stopped_at, "the copy here ran while the move was in doubt"
         assert mig.poll() is None
+        status = json.loads(pair.a.ctl("--json", "status", check=True).stdout)
+        assert status["moves_in_doubt"] == [f"{job['id']} -> {dst.address}"], status
+        assert "1 in doubt" in pair.a.ctl("status", check=True).stdout
 
         dst.env = {}
         dst.start()
         out, err = mig.communicate(timeout=120)
+        assert json.loads(pair.a.ctl("--json", "status", check=True).stdout)["moves_in_doubt"] == []
         if kept:
             assert mig.returncode == 0, err
             assert json.loads(out)["target_pid"] == there

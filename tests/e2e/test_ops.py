@@ -65,6 +65,7 @@ def test_metrics_checkpoint_counter_rises(make_daemon, jobs_to_kill):
 
     before = scrape()
     assert "memsnap_tier_capacity_bytes" in before and "memsnap_drain_queue_depth" in before
+    assert "memsnap_moves_in_doubt 0.0" in before
     with d.client() as c:
         job = c.run(counter_argv(8))
         jobs_to_kill.append(int(job.pid))
