@@ -19,7 +19,7 @@ import pytest
 
 from memsnap import manifest
 from tests.e2e.test_remote import token_daemon
-from tests.helpers import REPO, DaemonProc, counter_argv, start_digest, ticks, wait_for
+from tests.helpers import COUNTER, REPO, DaemonProc, counter_argv, kill_job, start_digest, ticks, wait_for
 
 BIG_MIB = 256
 
@@ -49,6 +49,20 @@ def two_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     yield from two_daemons(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def no_copy_outlives_the_test() -> Iterator[None]:
+    """Kills every counter workload started during the test: a test that fails midway may not have
+    learned the pid of a copy restored on some node (jobs outlive their daemons)."""
+    t0 = time.time() - 1
+    yield
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        try:
+            if p.info["create_time"] >= t0 and str(COUNTER) in (p.info["cmdline"] or []):
+                kill_job(p.pid)
+        except psutil.Error:
+            pass
 
 
 def _counter(d: DaemonProc, jobs_to_kill: list[int], mib: int, name: str) -> dict:

@@ -22,6 +22,7 @@ from tests.e2e.test_migrate import (
     kill_target_then_expect_rollback,
     lazy_pages_of,
     migrate_in_background,
+    no_copy_outlives_the_test,  # noqa: F401 (autouse here too)
     two_daemons,
 )
 from tests.e2e.test_remote import token_daemon
