@@ -149,6 +149,9 @@ class Engine:
         self._evict_lock = threading.Lock()
         self._lazy: list[tuple[str, Any, Path]] = []
         self._lazy_lock = threading.Lock()
+        # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
+        # every page already (small jobs), but reap_lazy must not remove the dir under the restore.
+        self._restoring: set[Path] = set()
         # Moves whose commit was in flight when we died (filled by recover; memsnap.migrate settles them).
         self.uncertain_moves: list[str] = []
 
@@ -504,18 +507,33 @@ class Engine:
         t2 = time.monotonic()
         server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket) if lazy else None
         try:
-            new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
-                                                                     shell_job=False, lazy_pages=lazy,
-                                                                     **(restore_opts or {})), notify=notify)
-        except CriuError as exc:
+            try:
+                new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
+                                                                         shell_job=False, lazy_pages=lazy,
+                                                                         **(restore_opts or {})), notify=notify)
+            except CriuError as exc:
+                if server is not None:
+                    _kill_group(server.pid)
+                self.observe("restore", "error", time.monotonic() - t0)
+                raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") \
+                    from exc
             if server is not None:
-                _kill_group(server.pid)
-            self.observe("restore", "error", time.monotonic() - t0)
-            raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") from exc
+                failpoints.delay("slow-restore-bookkeeping", 2.5)  # (the daemon's reaper ticks meanwhile)
+                # The lazy-pages supervisor kills this pid if paging in fails. It writes lazy-pages.rc
+                # before it reads job.pid, and we read the rc after writing job.pid: one of us sees the
+                # other, so a lazy-pages that failed in between cannot leave the job running on zeros.
+                (work / "job.pid").write_text(f"{new_pid}\n")
+                rc = _read_or_empty(work / "lazy-pages.rc")
+                if rc not in ("", "0"):
+                    jobs.kill_tree(new_pid)
+                    self.observe("restore", "error", time.monotonic() - t0)
+                    raise FailedPrecondition(f"paging in {rec.id} failed (lazy-pages exit {rc}, see "
+                                             f"{work}/lazy-pages.log); the restored copy was killed")
+        finally:
+            with self._lazy_lock:
+                self._restoring.discard(work)
         restore_ms = (time.monotonic() - t2) * 1000
         if server is not None:
-            # The lazy-pages supervisor kills this pid if paging in fails.
-            (work / "job.pid").write_text(f"{new_pid}\n")
             if failpoints.armed("kill-lazy-pages"):
                 import psutil
 
@@ -554,6 +572,7 @@ class Engine:
             time.sleep(0.002)
         with self._lazy_lock:
             self._lazy.append((ckpt_id, proc, work))
+            self._restoring.add(work)
         return proc
 
     def lazy_in_use(self, ckpt_id: str) -> bool:
@@ -567,7 +586,7 @@ class Engine:
         with self._lazy_lock:
             alive = []
             for ckpt_id, proc, work in self._lazy:
-                if proc.poll() is None:
+                if proc.poll() is None or work in self._restoring:
                     alive.append((ckpt_id, proc, work))
                 elif not os.environ.get("MEMSNAP_KEEP_LOGS"):
                     shutil.rmtree(work, ignore_errors=True)
@@ -808,3 +827,10 @@ def _start_or_zero(pid: int) -> float:
         return jobs.start_time(pid)
     except jobs.ProcessNotFound:
         return 0.0
+
+
+def _read_or_empty(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
