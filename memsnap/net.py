@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import secrets
 import shutil
 import socket
@@ -201,6 +202,34 @@ class ConnectionLock:
             self.held = False
         except NetError as exc:
             log.error("could not remove network lock %s: %s", self.table, exc)
+
+
+def remove_stale_locks() -> list[str]:
+    """Deletes the lock tables that a memsnapd killed mid-move left behind; returns their names.
+
+    Called at start, when no move of this daemon is in flight: a leftover table would drop the moved
+    address's TCP traffic on this node for good.
+    """
+    binary = shutil.which("nft")
+    if binary is None:
+        return []
+    r = subprocess.run([binary, "list", "tables", "inet"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        log.warning("cannot list nftables tables to look for stale network locks: %s", r.stderr.strip())
+        return []
+    removed = []
+    for line in r.stdout.splitlines():
+        name = line.split()[-1] if line.startswith("table inet ") else ""
+        if _LOCK_TABLE.match(name):
+            try:
+                _nft(f"delete table inet {name}\n", f"remove the stale lock {name}")
+                removed.append(name)
+            except NetError as exc:
+                log.error("%s", exc)
+    return removed
+
+
+_LOCK_TABLE = re.compile(r"^memsnap_lock_[0-9a-f]{8}$")
 
 
 def nft_available() -> bool:

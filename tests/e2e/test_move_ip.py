@@ -367,3 +367,26 @@ def test_lazy_move_takes_the_service_address_along(lan, tmp_path, jobs_to_kill):
         for d in (a, b):
             d.cleanup()
         time.sleep(0.1)
+
+
+def test_a_network_lock_left_by_a_killed_daemon_is_removed_at_start(lan, tmp_path):
+    # A memsnapd killed during a --tcp-established move leaves its nftables lock behind, which would drop
+    # the moved address's TCP traffic on that node for good: the next start removes it, and only it.
+    stale, other = "memsnap_lock_0badc0de", "someone_elses_table"
+
+    def nft(*args: str, script: str = "") -> str:
+        return subprocess.run(["nsenter", f"--net=/run/netns/{lan.a}", "nft", *args], input=script,
+                              capture_output=True, text=True, check=True).stdout
+
+    nft("-f", "-", script=f"table inet {stale} {{\n chain input {{\n  type filter hook input priority -300; "
+                          f"policy accept;\n  ip daddr {SERVICE} meta l4proto tcp drop\n }}\n}}\n"
+                          f"table inet {other} {{\n}}\n")
+    assert stale in nft("list", "tables")
+    d = NsDaemon(tmp_path / "node-a", netns=lan.a)
+    try:
+        d.start()
+        _no_locks_left(lan)
+        assert other in nft("list", "tables")
+        assert f"removed network lock {stale}" in d.log.read_text()
+    finally:
+        d.cleanup()
