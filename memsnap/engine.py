@@ -506,6 +506,7 @@ class Engine:
         work.mkdir(parents=True, mode=0o700)
         t2 = time.monotonic()
         server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket) if lazy else None
+        new_pid = 0
         try:
             try:
                 new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
@@ -529,22 +530,40 @@ class Engine:
                     self.observe("restore", "error", time.monotonic() - t0)
                     raise FailedPrecondition(f"paging in {rec.id} failed (lazy-pages exit {rc}, see "
                                              f"{work}/lazy-pages.log); the restored copy was killed")
+        except BaseException:
+            if new_pid:
+                jobs.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
+            raise
         finally:
             with self._lazy_lock:
                 self._restoring.discard(work)
         restore_ms = (time.monotonic() - t2) * 1000
-        if server is not None:
-            if failpoints.armed("kill-lazy-pages"):
-                import psutil
+        try:
+            job = self._adopt_restored(rec, man, new_pid, server, work, gpu_map)
+        except BaseException:
+            jobs.kill_tree(new_pid)
+            self.observe("restore", "error", time.monotonic() - t0)
+            raise
+        self.observe("restore", "ok", time.monotonic() - t0)
+        log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
+        return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
+                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
 
-                for child in psutil.Process(server.pid).children():
-                    child.kill()  # lazy-pages itself, not its supervisor
+    def _adopt_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
+                        gpu_map: Any) -> JobRecord:
+        """Brings a restored tree's GPU state back and records it as a job (the caller kills it on error)."""
+        if failpoints.armed("record-restored-fails"):
+            raise OSError("failpoint record-restored-fails: the catalog could not be written")
+        if server is not None and failpoints.armed("kill-lazy-pages"):
+            import psutil
+
+            for child in psutil.Process(server.pid).children():
+                child.kill()  # lazy-pages itself, not its supervisor
         if self.gpu is not None and man.get("gpus"):
             try:
                 self.gpu.restore(new_pid, gpu_map)
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
-                jobs.kill_tree(new_pid)
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
         if server is None and not os.environ.get("MEMSNAP_KEEP_LOGS"):
             shutil.rmtree(work, ignore_errors=True)
@@ -554,10 +573,7 @@ class Engine:
                         started_ms=now_ms(), restored_from=rec.id)
         self.catalog.add_job(job)
         self.catalog.update_checkpoint(rec.id, last_used_ms=now_ms())
-        self.observe("restore", "ok", time.monotonic() - t0)
-        log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
-        return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
-                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
+        return job
 
     def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int = -1) -> Any:
         """Starts `criu lazy-pages` on the tier copy (or the source's, over ps_socket); it serves faults

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 
 import psutil
+import pytest
 
 from tests.helpers import counter_argv, start_digest, ticks, wait_for
 
@@ -65,3 +67,24 @@ def test_a_small_lazy_restore_whose_pages_all_arrived_before_criu_returned(make_
     assert all(t.digest == digest for t in ticks(job.log_path, pid))
     with d.client() as c:
         assert [j for j in c.jobs() if j.running and int(j.pid) == pid], "the restored job is not recorded"
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["plain", "lazy"])
+def test_a_restore_that_fails_after_criu_returned_leaves_no_copy_running(lazy, make_daemon, jobs_to_kill):
+    # Anything that fails once CRIU has put the tree back (GPU state, the catalog write: here a failpoint)
+    # fails the restore, and the restored tree is killed: it must not run on, unrecorded.
+    d = make_daemon(env={"MEMSNAP_FAILPOINTS": "record-restored-fails"}).start()
+    with d.client() as c:
+        job = c.run(counter_argv(8, 0.1, "--digest-every", "5"))
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: len(ticks(job.log_path)) >= 2, 30, what="the job to tick")
+    ck = json.loads(d.ctl("--json", "checkpoint", job.id, "--stop", check=True).stdout)
+
+    r = d.ctl("--json", "restore", *(["--lazy"] if lazy else []), ck["id"])
+    assert r.returncode != 0 and "catalog could not be written" in r.stderr, r.stderr
+    time.sleep(1.0)
+    n = len(ticks(job.log_path))
+    time.sleep(1.0)
+    assert len(ticks(job.log_path)) == n, "a restored copy runs on after the restore failed"
+    with d.client() as c:
+        assert not [j for j in c.jobs() if j.running]
