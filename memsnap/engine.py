@@ -7,6 +7,7 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -555,10 +556,7 @@ class Engine:
         if failpoints.armed("record-restored-fails"):
             raise OSError("failpoint record-restored-fails: the catalog could not be written")
         if server is not None and failpoints.armed("kill-lazy-pages"):
-            import psutil
-
-            for child in psutil.Process(server.pid).children():
-                child.kill()  # lazy-pages itself, not its supervisor
+            _signal_lazy_pages(server.pid, signal.SIGKILL)
         if self.gpu is not None and man.get("gpus"):
             try:
                 self.gpu.restore(new_pid, gpu_map)
@@ -850,3 +848,11 @@ def _read_or_empty(path: Path) -> str:
         return path.read_text().strip()
     except FileNotFoundError:
         return ""
+
+
+def _signal_lazy_pages(supervisor_pid: int, sig: int) -> None:
+    """Signals lazy-pages itself, not its supervisor shell (failpoints only)."""
+    import psutil
+
+    for child in psutil.Process(supervisor_pid).children():
+        child.send_signal(sig)

@@ -302,8 +302,9 @@ def test_paging_in_fails_on_the_target_job_resumes_here(pair, jobs_to_kill, tmp_
     # (its missing pages would read as zeros), and the source takes the job back.
     bad = token_daemon(tmp_path / "bad", pair.token_file, env={"MEMSNAP_FAILPOINTS": "kill-lazy-pages"}).start()
     try:
-        # (big enough that lazy-pages is surely still paging in when the failpoint kills it)
-        job = _counter(pair.a, jobs_to_kill, BIG_MIB, "unpaged")
+        # (big enough that lazy-pages is still paging in when the failpoint kills it: at 256 MiB it had
+        # once paged everything in before CRIU's restore call returned)
+        job = _counter(pair.a, jobs_to_kill, 1024, "unpaged")
         r = _migrate(pair.a, job["id"], "--to", bad.address)
         assert r.returncode != 0
         assert "migration failed at restore on the target" in r.stderr and "paging in" in r.stderr, r.stderr
