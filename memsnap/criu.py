@@ -299,6 +299,22 @@ class Criu:
                                 start_new_session=True, env=self._env, pass_fds=fds)
 
 
+def guard_lazy_restore(work_dir: Path, pid: int) -> str:
+    """Hands the restored job's pid to its lazy-pages supervisor; returns lazy-pages' exit code if it has
+    already failed ("" while it runs or after it succeeded), in which case the caller must kill pid.
+
+    The supervisor writes lazy-pages.rc before it reads job.pid, and this writes job.pid before it reads
+    the rc: one of the two sees the other, so a lazy-pages failing in between cannot leave the job running
+    on zero pages.
+    """
+    (work_dir / "job.pid").write_text(f"{pid}\n")
+    try:
+        rc = (work_dir / "lazy-pages.rc").read_text().strip()
+    except FileNotFoundError:
+        return ""
+    return "" if rc == "0" else rc
+
+
 # $1 = work dir, then the lazy-pages command. A failed transfer kills the restored job's pid namespace
 # (its root is the namespace's init), so no copy with missing pages ever runs on.
 _LAZY_SUPERVISOR = """w=$1; shift

@@ -30,7 +30,7 @@ from memsnap.catalog import (
     JobRecord,
     now_ms,
 )
-from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions
+from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions, guard_lazy_restore
 from memsnap.errors import (
     Aborted,
     FailedPrecondition,
@@ -521,12 +521,8 @@ class Engine:
                     from exc
             if server is not None:
                 failpoints.delay("slow-restore-bookkeeping", 2.5)  # (the daemon's reaper ticks meanwhile)
-                # The lazy-pages supervisor kills this pid if paging in fails. It writes lazy-pages.rc
-                # before it reads job.pid, and we read the rc after writing job.pid: one of us sees the
-                # other, so a lazy-pages that failed in between cannot leave the job running on zeros.
-                (work / "job.pid").write_text(f"{new_pid}\n")
-                rc = _read_or_empty(work / "lazy-pages.rc")
-                if rc not in ("", "0"):
+                rc = guard_lazy_restore(work, new_pid)  # from here, its supervisor kills it if paging fails
+                if rc:
                     jobs.kill_tree(new_pid)
                     self.observe("restore", "error", time.monotonic() - t0)
                     raise FailedPrecondition(f"paging in {rec.id} failed (lazy-pages exit {rc}, see "
@@ -842,12 +838,6 @@ def _start_or_zero(pid: int) -> float:
     except jobs.ProcessNotFound:
         return 0.0
 
-
-def _read_or_empty(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        return ""
 
 
 def _signal_lazy_pages(supervisor_pid: int, sig: int) -> None:
