@@ -112,13 +112,12 @@ class Daemon:
             raise SystemExit(f"memsnapd: {exc}") from exc
         fixed = self.engine.recover()
         log.info("memsnapd starting: criu %s, tier %s, recovered %s", version, self.tier.root, fixed)
-        self._remove_stale_locks()
         if self.drain is not None:
             self.drain.start(self.engine.pending_drains())
 
         migrator = self.migrator = self._migrator()
-        if migrator is not None and self.engine.uncertain_moves:
-            threading.Thread(target=migrator.settle_uncertain, name="settle-moves", daemon=True).start()
+        if migrator is not None:
+            migrator.recover()
         servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20)],
@@ -160,15 +159,6 @@ class Daemon:
         self.notifier.ready()
         self._start_background()
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
-
-    @staticmethod
-    def _remove_stale_locks() -> None:
-        try:
-            from memsnap import net
-        except ImportError:  # (pyroute2 missing: no moves with network identity here)
-            return
-        for table in net.remove_stale_locks():
-            log.warning("removed network lock %s, left by a memsnapd that died during a move", table)
 
     def _migrator(self) -> Any:
         try:

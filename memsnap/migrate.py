@@ -800,11 +800,20 @@ class Migrator:
             time.sleep(min(30.0, 0.5 * 1.5 ** attempt, max(0.1, deadline - time.monotonic())))
             attempt += 1
 
+    def recover(self) -> None:
+        """At start, after Engine.recover: no move of this daemon is in flight any more.
+
+        Network locks a killed memsnapd left would drop the moved addresses' TCP traffic for good: they go.
+        Moves whose commit was unanswered when it died are settled in the background (settle_uncertain).
+        """
+        for table in net.remove_stale_locks():
+            log.warning("removed network lock %s, left by a memsnapd that died during a move", table)
+        self.settle_uncertain()
+
     def settle_uncertain(self) -> None:
         """After a crash mid-commit: asks each target again whether it keeps the job (_ask_commit: while
         it cannot be reached, the copy here stays stopped). Kept there -> the stopped copy here ends;
-        refused, or no answer within daemon.move_in_doubt_s -> it runs on here. Runs in the background at
-        start, a thread per move."""
+        refused, or no answer within daemon.move_in_doubt_s -> it runs on here. A thread per move."""
         ids, self.engine.uncertain_moves = list(self.engine.uncertain_moves), []
         for ckpt_id in ids:
             threading.Thread(target=self._settle, args=(ckpt_id,), name=f"settle-{ckpt_id}", daemon=True).start()
