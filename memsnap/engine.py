@@ -7,7 +7,6 @@ import os
 import platform
 import secrets
 import shutil
-import signal
 import socket
 import threading
 import time
@@ -522,8 +521,7 @@ class Engine:
             if server is not None:
                 failpoints.delay("slow-restore-bookkeeping", 2.5)  # (the daemon's reaper ticks meanwhile)
                 rc = guard_lazy_restore(work, new_pid)  # from here, its supervisor kills it if paging fails
-                if rc:
-                    jobs.kill_tree(new_pid)
+                if rc:  # (the tree is killed below)
                     self.observe("restore", "error", time.monotonic() - t0)
                     raise FailedPrecondition(f"paging in {rec.id} failed (lazy-pages exit {rc}, see "
                                              f"{work}/lazy-pages.log); the restored copy was killed")
@@ -552,7 +550,7 @@ class Engine:
         if failpoints.armed("record-restored-fails"):
             raise OSError("failpoint record-restored-fails: the catalog could not be written")
         if server is not None and failpoints.armed("kill-lazy-pages"):
-            _signal_lazy_pages(server.pid, signal.SIGKILL)
+            _kill_lazy_pages(server.pid)
         if self.gpu is not None and man.get("gpus"):
             try:
                 self.gpu.restore(new_pid, gpu_map)
@@ -763,12 +761,16 @@ class Engine:
     def _recover_lazy_target(self, rec: CheckpointRecord) -> None:
         """The target half of a lazy move that was in flight (a committed one has no row left): whether or
         not every page arrived, the source never let go of its copy, so this one goes."""
-        for job in self.catalog.jobs():
-            if job.restored_from == rec.id and not job.ended and jobs.alive(job.pid, job.pid_start):
-                log.warning("killing %s: its lazy move was never committed by the source", job.id)
-                jobs.kill_tree(job.pid)
-                self.catalog.update_job(job.id, ended=True)
+        for job in self.live_jobs_restored_from(rec.id):
+            log.warning("killing %s: its lazy move was never committed by the source", job.id)
+            jobs.kill_tree(job.pid)
+            self.catalog.update_job(job.id, ended=True)
         self.forget_lazy_image(rec.id)
+
+    def live_jobs_restored_from(self, ckpt_id: str) -> list[JobRecord]:
+        """The jobs restored here from ckpt_id that still run."""
+        return [j for j in self.catalog.jobs()
+                if j.restored_from == ckpt_id and not j.ended and jobs.alive(j.pid, j.pid_start)]
 
     def abandon_move(self, rec: CheckpointRecord) -> None:
         """Kills the job restored here for a move that the source did not commit (it resumed its copy)."""
@@ -840,9 +842,9 @@ def _start_or_zero(pid: int) -> float:
 
 
 
-def _signal_lazy_pages(supervisor_pid: int, sig: int) -> None:
-    """Signals lazy-pages itself, not its supervisor shell (failpoints only)."""
+def _kill_lazy_pages(supervisor_pid: int) -> None:
+    """Kills lazy-pages itself, not its supervisor shell (failpoint kill-lazy-pages)."""
     import psutil
 
     for child in psutil.Process(supervisor_pid).children():
-        child.send_signal(sig)
+        child.kill()

@@ -1044,10 +1044,8 @@ class Migrator:
         A restored move that is not pending any more was either committed (its job runs on) or abandoned
         (its job was killed and ended), so a live job restored from ckpt_id means the commit happened.
         """
-        for j in self.engine.catalog.jobs():
-            if j.restored_from == ckpt_id and not j.ended and jobs.alive(j.pid, j.pid_start):
-                return j.id
-        return ""
+        live = self.engine.live_jobs_restored_from(ckpt_id)
+        return live[0].id if live else ""
 
     def _expire(self, ckpt_id: str, job_id: str) -> None:
         if self.tunnels.busy(ckpt_id):
