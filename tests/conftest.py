@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,3 +54,18 @@ def jobs_to_kill() -> Iterator[list[int]]:
     yield pids
     for pid in pids:
         kill_job(pid)
+
+
+@pytest.fixture
+def open_daemon(make_daemon: object, tmp_path: Path) -> Iterator[DaemonProc]:
+    """A real memsnapd whose socket any local user reaches (mode 0666 in a 0755 dir): for attacks run as
+    uid 65534 over the real socket, where only the daemon's own checks stand in the way."""
+    cfg = tmp_path / "open.toml"
+    cfg.write_text('[daemon]\nsocket_mode = "0666"\n')
+    sockdir = Path(tempfile.mkdtemp(prefix="memsnap-open-"))
+    os.chmod(sockdir, 0o755)
+    d = make_daemon("open", extra=["--config", str(cfg)], socket_path=str(sockdir / "d.sock"))  # type: ignore[operator]
+    d.start()
+    yield d
+    d.cleanup()
+    shutil.rmtree(sockdir, ignore_errors=True)

@@ -138,13 +138,29 @@ class DaemonProc:
 
     def ctl(self, *args: str, user: int | None = None, check: bool = False,
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        """Runs memsnapctl against this daemon."""
+        """Runs memsnapctl against this daemon; as uid `user` (gid the same, no groups) when given."""
         env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": self.socket}
         r = subprocess.run([sys.executable, "-m", "memsnap.cli", *args], env=env, capture_output=True,
-                           text=True, timeout=timeout)
+                           text=True, timeout=timeout, **as_user_kwargs(user))
         if check and r.returncode != 0:
             raise AssertionError(f"memsnapctl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
         return r
+
+
+NOBODY = 65534
+
+
+def as_user_kwargs(uid: int | None) -> dict[str, object]:
+    """subprocess keyword arguments that run the child as uid (and gid uid, no supplementary groups)."""
+    if uid is None:
+        return {}
+    return {"user": uid, "group": uid, "extra_groups": [], "cwd": "/"}
+
+
+def run_as(uid: int, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Runs a Python snippet as uid (e.g. an attack as nobody), with this checkout importable."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, **as_user_kwargs(uid))
 
 
 def kill_job(pid: int) -> None:
