@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -907,3 +910,96 @@ def test_engine_recover_hands_journaled_gpu_steps_to_the_hook(tmp_path: Path) ->
         assert rec is not None and "gpu" not in rec.meta and rec.meta["stop"] is False
     engine.recover()
     assert len(hook.entries) == 2  # done once
+
+
+# -- the device run's scripts (scripts/gpu): packing, and a clean skip without a usable GPU --------
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FAKE_SMI = """#!/bin/sh
+# A fake nvidia-smi: DRIVER empty means "no GPU" (exit 9, as nvidia-smi does without a driver).
+[ -n "$FAKE_DRIVER" ] || { echo "NVIDIA-SMI has failed: no devices were found" >&2; exit 9; }
+case "$*" in
+  -L) echo "GPU 0: Fake GPU (UUID: GPU-00112233-4455-6677-8899-aabbccddeeff)" ;;
+  *query-gpu=index*) echo "0, GPU-00112233-4455-6677-8899-aabbccddeeff, Fake GPU, $FAKE_DRIVER, 81920" ;;
+  *query-gpu*) echo "Fake GPU, $FAKE_DRIVER, 81920 MiB" ;;
+  *) echo "fake nvidia-smi, driver $FAKE_DRIVER" ;;
+esac
+"""
+
+
+@pytest.fixture(scope="module")
+def carry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """scripts/gpu/pack.sh's folder, built from PyPI and this node's CRIU (as CI has them)."""
+    dest = tmp_path_factory.mktemp("carry") / "gpu-carry"
+    r = subprocess.run(["bash", str(REPO_ROOT / "scripts/gpu/pack.sh"), str(dest)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dest
+
+
+def test_pack_builds_one_folder_within_64_mib(carry: Path) -> None:
+    total = sum(f.stat().st_size for f in carry.rglob("*") if f.is_file())
+    assert total <= 64 << 20
+    wheels = {w.name.split("-")[0].lower().replace("_", "-") for w in (carry / "wheels").glob("*.whl")}
+    pinned = {ln.split("==")[0] for ln in (REPO_ROOT / "scripts/gpu/wheels.txt").read_text().splitlines()
+              if ln and not ln.startswith("#")}
+    assert wheels == pinned
+    assert all("cp312" in w.name or "abi3" in w.name or "none-any" in w.name for w in (carry / "wheels").iterdir())
+    libs = {f.name for f in (carry / "lib").iterdir()}
+    assert "libprotobuf-c.so.1" in libs and not any(n.startswith(("libc.so", "ld-linux")) for n in libs)
+    version = subprocess.run([str(carry / "bin/criu"), "--version"], capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin"})
+    assert version.returncode == 0 and "Version" in version.stdout
+
+
+@pytest.mark.parametrize("driver", ["", "550.54.15"])
+def test_run_sh_skips_cleanly_without_a_usable_gpu(carry: Path, tmp_path: Path, driver: str) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(FAKE_SMI)
+    (fake / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(out), "FAKE_DRIVER": driver,
+           "MEMSNAP_GPU_CARRY": str(carry), "MEMSNAP_GPU_BUDGET_S": "60"}
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(["bash", str(REPO_ROOT / "scripts/gpu/run.sh")], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    if not driver:
+        assert json.loads((out / "gpu.json").read_text()) == {"skipped": "no NVIDIA GPU on this node"}
+        assert "no NVIDIA GPU here" in r.stdout
+        return
+    junit = (out / "junit.xml").read_text()
+    assert 'failures="0"' in junit and 'errors="0"' in junit and "skipped" in junit
+    assert "needs NVIDIA driver &gt;= 570 (CUDA checkpoint API); found '550.54.15'" in junit
+    assert "criu check" in (out / "node.txt").read_text()
+    assert len(list(out.iterdir())) <= 8
+
+
+def test_gpu_tests_fail_when_a_gpu_is_there_but_torch_cannot_use_it(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(FAKE_SMI)
+    (fake / "nvidia-smi").chmod(0o755)
+    # torch that has no CUDA (this node's CPU build, or a stub where torch is not installed at all)
+    stub = tmp_path / "stub" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("def zeros(*a, **k):\n    raise RuntimeError('Torch not compiled with CUDA')\n")
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "FAKE_DRIVER": "580.65.06",
+           "PYTHONPATH": f"{tmp_path / 'stub'}:{REPO_ROOT}", "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider",
+                        f"--basetemp={tmp_path / 'pt'}", "-k", "host"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "an NVIDIA GPU is present but torch cannot use it" in r.stdout
+    assert "skipped" not in r.stdout.splitlines()[-1]
+
+
+def test_gpu_test_tree_imports_neither_boto3_nor_moto() -> None:
+    code = (
+        "import sys, tests.conftest, tests.gpu.conftest, tests.gpu.test_cuda_roundtrip\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 'moto'))\n"
+        "sys.exit(f'imported {bad}' if bad else 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "PATH": "/nonexistent"})
+    assert r.returncode == 0, r.stdout + r.stderr
