@@ -31,11 +31,27 @@ fi
 log "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n1)"
 log "memory: $(grep -E 'MemTotal|MemAvailable' /proc/meminfo | tr -s ' ' | tr '\n' ' '); /dev/shm: $(df -h /dev/shm | tail -n1)"
 
+# The memory tier is /dev/shm: make sure it is a tmpfs big enough for a 32 GiB image (size is a limit,
+# not an allocation).
+if ! mountpoint -q /dev/shm 2>/dev/null; then
+    mkdir -p /dev/shm && mount -t tmpfs -o size=90% tmpfs /dev/shm 2>&1 | tee -a "$NODE"
+elif [ "$(df -k --output=size /dev/shm | tail -n1)" -lt $(( $(awk '/^MemTotal/ {print $2}' /proc/meminfo) * 9 / 10 )) ]; then
+    mount -o remount,size=90% /dev/shm 2>&1 | tee -a "$NODE"  # only ever grows it
+fi
+log "/dev/shm now: $(df -h /dev/shm | tail -n1)"
+
 # memsnap's deps, into a temp site dir ahead of the image's own packages.
 SITE=$(mktemp -d /tmp/memsnap-site.XXXXXX)
+trap 'rm -rf "$SITE"' EXIT
 if compgen -G "$CARRY/wheels/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-        --target "$SITE" "$CARRY"/wheels/*.whl 2>&1 | tail -n 5 | tee -a "$NODE"
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        log "no pip here: unpacking the wheels as they are"
+        python3 -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+            "$SITE" "$CARRY"/wheels/*.whl 2>&1 | tee -a "$NODE"
+    elif ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+            --target "$SITE" "$CARRY"/wheels/*.whl >>"$NODE" 2>&1; then
+        log "pip refused the wheels (see node.txt; not this Python?): using the image's packages"
+    fi
 else
     log "no wheels in $CARRY/wheels: using the image's packages"
 fi
