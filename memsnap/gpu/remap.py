@@ -28,6 +28,18 @@ def _key(uuid: str) -> bytes:
     return uuid_bytes(uuid)
 
 
+def _named(gpus: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The GPUs whose uuid parses (nvidia-smi may print [N/A]): the others cannot be named in a pair."""
+    out = []
+    for g in gpus:
+        try:
+            _key(str(g.get("uuid")))
+        except ValueError:
+            continue
+        out.append(g)
+    return out
+
+
 def _environ(pid: int, proc_root: str) -> dict[str, str] | None:
     """pid's environment, None when unreadable."""
     try:
@@ -113,11 +125,15 @@ def restore_pairs(
     mapped onto one, a target that is not on this node, and a target of another model.
     """
     wanted = _checked_map(gpu_map)
+    checkpointed = {pid: _named(gpus) for pid, gpus in checkpointed.items()}
+    node_gpus = _named(node_gpus)
+    if not node_gpus and not wanted:
+        return {}  # nvidia-smi told us nothing: restore in place and let the driver judge
     used: dict[bytes, Mapping[str, Any]] = {}
     for gpus in checkpointed.values():
         for g in gpus:
             used.setdefault(_key(str(g["uuid"])), g)
-    node = {_key(str(g["uuid"])): g for g in node_gpus if g.get("uuid")}
+    node = {_key(str(g["uuid"])): g for g in node_gpus}
     names = ", ".join(f"{g['uuid']} ({g.get('name')})" for g in node_gpus) or "none"
     for k, (old, _) in wanted.items():
         if k not in used:

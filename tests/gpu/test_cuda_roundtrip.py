@@ -116,7 +116,7 @@ def driver_round_trip(gib: int, ns: str, tmp: Path, results: Results) -> dict[st
         )
     key = f"driver_only_{ns}_{gib}gib"
     try:
-        ready = wait_for(lambda: lines(log, "ready") or proc.poll() is not None, 300, f"{gib} GiB to be filled")
+        ready = wait_for(lambda: lines(log, "ready") or proc.poll() is not None, 180, f"{gib} GiB to be filled")
         assert proc.poll() is None, f"workload exited: {log.read_text(errors='replace')[-2000:]}"
         pid = wait_for(lambda: _cuda_pid(proc.pid), 30, "the CUDA process")
         try:
@@ -131,7 +131,7 @@ def driver_round_trip(gib: int, ns: str, tmp: Path, results: Results) -> dict[st
             raise AssertionError(f"driver round trip failed ({ns}): {r.stdout[-1000:]}{r.stderr[-2000:]}")
         row = {"gib": gib, "namespace": ns, **json.loads(rows[-1])}
         go.touch()
-        wait_for(lambda: lines(log, "done") or proc.poll() is not None, 300, "the re-sum")
+        wait_for(lambda: lines(log, "done") or proc.poll() is not None, 180, "the re-sum")
         done = lines(log, "done")
         row.update(sum_before=ready[-1][2], sum_after=done[-1][2] if done else None)
         results.put(key, row)
@@ -199,7 +199,7 @@ def reference_loss(tmp_path_factory: pytest.TempPathFactory, results: Results) -
     """The final loss of an uninterrupted run (hex of the float)."""
     ref = subprocess.run(
         [sys.executable, str(TRAIN), "--steps", str(STEPS), "--sleep", "0"], capture_output=True, text=True,
-        timeout=600, env=child_env(), cwd=tmp_path_factory.mktemp("ref"),
+        timeout=300, env=child_env(), cwd=tmp_path_factory.mktemp("ref"),
     )
     finals = [ln.split() for ln in ref.stdout.splitlines() if ln.startswith("final ")]
     assert ref.returncode == 0 and finals, ref.stdout[-2000:] + ref.stderr[-2000:]
@@ -223,12 +223,16 @@ def test_training_resumes_to_the_bit_identical_final_loss(
                                     env=child_env(), cwd=tmp_path, start_new_session=True)
         pid, reap = proc.pid, (lambda: proc.wait(60))
     kill_after.append(pid)
-    wait_for(lambda: any(int(r[2]) >= 100 for r in lines(log, "step")), 300, "step 100")
+    gone = lambda p: not Path(f"/proc/{p}").exists()  # noqa: E731
+    wait_for(lambda: any(int(r[2]) >= 100 for r in lines(log, "step")) or gone(pid), 180, "step 100")
+    assert not gone(pid), f"the training job died: {log.read_text(errors='replace')[-2000:]}"
     new_pid, mark, timings = checkpoint_stop_restore(daemon, pid, log, reap)
     kill_after.append(new_pid)
     assert not lines(log, "final"), "the job finished before it was checkpointed"
     last_step = int(lines(log, "step", 0, mark)[-1][2])
-    got = wait_for(lambda: lines(log, "final", mark), 600, "the restored run to finish")
+    wait_for(lambda: lines(log, "final", mark) or gone(new_pid), 180, "the restored run to finish")
+    got = lines(log, "final", mark)
+    assert got, f"the restored run died before its end: {log.read_text(errors='replace')[-3000:]}"
     resumed = lines(log, "step", mark)
     row = {"how": how, "final_loss_hex": got[-1][2], "final_loss": got[-1][3], "reference_hex": reference_loss,
            "checkpointed_after_step": last_step, "first_step_after_restore": resumed[0][2] if resumed else None,
@@ -254,11 +258,17 @@ def test_checkpoint_and_restore_time_vs_device_memory(
                   "--go-file", str(go))
         pid, log = int(job["pid"]), Path(job["log"])
         kill_after.append(pid)
-        ready = wait_for(lambda: lines(log, "ready"), 300, f"{gib} GiB to be filled")  # noqa: B023
+        wait_for(lambda: lines(log, "ready") or not Path(f"/proc/{pid}").exists(), 180,  # noqa: B023
+                 f"{gib} GiB to be filled")
+        ready = lines(log, "ready")
+        assert ready, f"the {gib} GiB job died: {log.read_text(errors='replace')[-3000:]}"
         new_pid, _, timings = checkpoint_stop_restore(daemon, pid, log)
         kill_after.append(new_pid)
         go.touch()
-        done = wait_for(lambda: lines(log, "done"), 300, "the restored job to re-sum its memory")  # noqa: B023
+        wait_for(lambda: lines(log, "done") or not Path(f"/proc/{new_pid}").exists(), 180,  # noqa: B023
+                 "the restored job to re-sum its memory")
+        done = lines(log, "done")
+        assert done, f"the restored job died: {log.read_text(errors='replace')[-3000:]}"
         rows.append({"gib": gib, "device_bytes": gib * GIB, "same_sum": done[-1][2] == ready[-1][2], **timings})
         results.put("memsnapd_time_vs_device_memory", rows)
         os.kill(new_pid, 9)

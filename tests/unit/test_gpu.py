@@ -730,6 +730,15 @@ def test_full_identity_filled_map() -> None:
     assert remap.restore_pairs(had, {OLD: THIRD}, node) == {2: [(OLD, THIRD), (NEW, NEW)], 3: [(OLD, THIRD)]}
 
 
+def test_unnamed_gpus_and_a_silent_nvidia_smi_restore_in_place() -> None:
+    had = {2: [{"uuid": OLD, "model": "H200"}, {"uuid": "[N/A]", "model": "H200"}]}
+    assert remap.restore_pairs(had, None, []) == {}
+    node = [{"uuid": OLD, "name": "H200"}, {"uuid": "[N/A]", "name": "H200"}, {"uuid": NEW, "name": "H200"}]
+    assert remap.restore_pairs(had, {OLD: NEW}, node) == {2: [(OLD, NEW)]}
+    with pytest.raises(GpuPreflightError, match="is not on this node"):
+        remap.restore_pairs(had, {OLD: NEW}, [])
+
+
 @pytest.mark.parametrize(
     ("gpu_map", "node", "error", "message"),
     [
