@@ -69,6 +69,7 @@ PY
 
 # The carried CRIU (its wrapper adds only its own libraries); `criu check` first, for the record.
 mkdir -p /run 2>/dev/null
+chmod 755 "$CARRY"/bin/* 2>/dev/null  # in case the copy to this machine lost the modes
 if [ -x "$CARRY/bin/criu" ] && "$CARRY/bin/criu" --version >>"$NODE" 2>&1; then
     export MEMSNAP_CRIU="$CARRY/bin/criu" PATH="$CARRY/bin:$PATH"
     log "criu: $("$MEMSNAP_CRIU" --version | head -n1); criu check:"
