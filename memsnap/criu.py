@@ -122,8 +122,9 @@ class Criu:
         # gets an empty plugin dir and its cuda_plugin can never lock/unlock behind our back.
         self._env = dict(os.environ)
         if plugin_dir is not None:
-            plugin_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._env["CRIU_LIBS_DIR"] = str(plugin_dir)
+            from memsnap.gpu.criuenv import criu_env  # checks that the dir is ours and holds no .so
+
+            self._env = criu_env(plugin_dir, self._env)
 
     # -- transport ------------------------------------------------------------
     def _call(

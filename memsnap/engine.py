@@ -80,11 +80,17 @@ class DrainHook(Protocol):
 class GpuHook(Protocol):
     """What the engine needs from memsnap.gpu around CRIU."""
 
-    def suspend(self, root_pid: int, timeout_ms: int) -> Any:
-        """Locks and checkpoints the CUDA processes of a tree; returns a handle with resume()/release()."""
+    def suspend(self, root_pid: int, timeout_ms: int,
+                journal: Callable[[dict[str, Any] | None], None] | None = None) -> Any:
+        """Locks and checkpoints the CUDA processes of a tree; returns a handle with resume()/release().
+        journal(entry) runs before the first lock, journal(None) once all is resumed or released."""
 
-    def restore(self, root_pid: int, gpu_map: dict[str, str] | None) -> None:
-        """Restores and unlocks CUDA state after CRIU restored the tree."""
+    def restore(self, root_pid: int, gpu_map: dict[str, str] | None,
+                checkpointed: list[dict[str, Any]] | None = None) -> None:
+        """Restores and unlocks CUDA state after CRIU restored the tree (checkpointed: the manifest's gpus)."""
+
+    def recover(self, entry: dict[str, Any]) -> dict[int, str]:
+        """Restores and unlocks the pids of a journal entry that a killed daemon left suspended."""
 
     def describe(self, root_pid: int) -> list[dict[str, Any]]:
         """GPU model/uuid/driver/device bytes per CUDA process of the tree."""
@@ -308,7 +314,16 @@ class Engine:
             if self.gpu is not None:
                 gpu_info = self.gpu.describe(pid)
                 if gpu_info:
-                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms)
+                    def journal(entry: dict[str, Any] | None) -> None:  # the GPU step, for recover()
+                        cur = self.catalog.get_checkpoint(ckpt_id)
+                        meta = dict(cur.meta if cur is not None else rec.meta)
+                        for m in (meta, rec.meta):
+                            if entry is None:
+                                m.pop("gpu", None)
+                            else:
+                                m["gpu"] = entry
+                        self.catalog.update_checkpoint(ckpt_id, meta=meta)
+                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=journal)
             if hooks.before_dump is not None:
                 hooks.before_dump(staging)
             stats = self.criu.dump(pid, staging, work, opts, notify=hooks.notify)
@@ -553,7 +568,7 @@ class Engine:
             _kill_lazy_pages(server.pid)
         if self.gpu is not None and man.get("gpus"):
             try:
-                self.gpu.restore(new_pid, gpu_map)
+                self.gpu.restore(new_pid, gpu_map, man.get("gpus"))
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
@@ -753,6 +768,12 @@ class Engine:
                     self.catalog.update_checkpoint(rec.id, state=FAILED,
                                                    last_error="tier copy lost before it became durable")
                 fixed["lost_tier"] += 1
+        # CUDA state a killed daemon left locked or checkpointed (journaled before the GPU step): jobs that
+        # run on by now (SIGCONT above) must get it back, or they hang in their next CUDA call forever.
+        for rec in self.catalog.checkpoints():
+            if rec.meta.get("gpu") and self.gpu is not None and rec.id not in self.uncertain_moves:
+                log.warning("CUDA recovery for %s: %s", rec.id, self.gpu.recover(rec.meta["gpu"]))
+                self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
         for job in self.catalog.jobs():
             if not job.ended and not jobs.alive(job.pid, job.pid_start):
                 self.catalog.update_job(job.id, ended=True)

@@ -7,11 +7,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.helpers import DaemonProc, kill_job
-from tests.s3server import s3_server  # noqa: F401  (fixture)
+
+if TYPE_CHECKING:
+    from tests.s3server import S3Server
 
 
 def _criu_ready() -> None:
@@ -19,6 +22,16 @@ def _criu_ready() -> None:
         pytest.fail("the e2e tests run real CRIU and must run as root (CI does)")
     if not (shutil.which("criu") or os.access("/usr/local/sbin/criu", os.X_OK)):
         pytest.fail("criu is not installed: run scripts/install-criu.sh (CI does)")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A session-wide moto S3 server with one bucket. boto3 and moto are imported only when a test asks
+    for it, so that test trees that never do (tests/gpu, carried to a GPU node) need neither."""
+    from tests.s3server import running_s3_server
+
+    with running_s3_server() as info:
+        yield info
 
 
 @pytest.fixture(scope="session")

@@ -1,30 +1,55 @@
 """CUDA state of checkpointed jobs, through NVIDIA's driver checkpoint API (driver >= 570).
 
 Decision: memsnap drives the CUDA checkpoint API itself and keeps CRIU's CUDA plugin out.
-CRIU 4.x ships plugins/cuda (cuda_plugin.so), which runs `cuda-checkpoint` (recent versions may
-call libcuda) from CRIU's PAUSE_DEVICES / CHECKPOINT_DEVICES / RESUME_DEVICES_LATE hooks.
-We do not use it, because:
+CRIU 4.x ships plugins/cuda (cuda_plugin.so). It never calls libcuda: it execs `cuda-checkpoint`
+from PATH (and disables itself when that is missing or lacks --action) from CRIU's PAUSE_DEVICES,
+CHECKPOINT_DEVICES and RESUME_DEVICES_LATE hooks. We do not use it, because:
   * the lock timeout and the guarantee that a job is never left locked must be ours: we lock
     every CUDA process with a timeout, then checkpoint them, and restore + unlock everything
-    done so far when any step fails, before CRIU even starts; the plugin ties its lock to
-    CRIU's --timeout and, by its own README, may leave GPU state locked after a fatal error;
-  * GPU UUID remapping on restore (driver >= 580) is a per-request option (--gpu-map);
+    done so far when any step fails, before CRIU even starts; the pids are journaled in the
+    catalog first, so a daemon killed in between is undone at restart (recovery.recover_pids);
+    the plugin ties its lock to CRIU's --timeout and keeps its pid list in CRIU's memory only;
+  * GPU UUID remapping on restore (driver >= 580) needs the full list of checkpointed GPUs
+    (remap.py); the plugin's RESUME_DEVICES_LATE restores with no device map at all;
   * preflight (driver version, MIG, MPS, declared UVM/IPC use, NVML-only or forked holders of
     /dev/nvidia*) refuses with one line that says what to do, before anything is touched,
     instead of a failure deep in a CRIU log;
-  * the manifest records the CUDA processes, their GPUs, device bytes and ns pids;
+  * the manifest records the CUDA processes, every GPU each one enumerates, device bytes and ns pids;
   * the CRIU we ship (scripts/install-criu.sh builds `make criu` only) needs neither the plugin
     nor `cuda-checkpoint` on PATH.
-Dump: hook.describe -> hook.suspend (preflight, lock, checkpoint: device memory is now plain
-host memory of the process and its /dev/nvidia* references are gone) -> plain CRIU dump ->
+Dump: hook.describe -> hook.suspend (preflight, journal, lock, checkpoint: device memory is now
+plain host memory of the process and its /dev/nvidia* references are gone) -> plain CRIU dump ->
 release() when the dump ended the tree, else resume(). Restore: plain CRIU restore, not
 leave-stopped (the CUDA restore thread must run) -> hook.restore finds the tree's CHECKPOINTED
-processes -> restore (with remap pairs) then unlock.
-The plugin must stay out: at restore it would restore + unlock those processes itself (without
-our remap), and a dump with it records it in the image inventory, so a restore without it is
-refused. CRIU loads every *.so in its libdir (default /usr/lib/criu): run `criu swrk` with
-CRIU_LIBS_DIR set to an empty directory (criuenv.criu_env()), or `--libdir EMPTY_DIR` on the
-command line, or a `libdir` line in an RPC config_file.
+processes -> checks the GPU map against this node -> restore (with complete pairs) then unlock.
+Why the plugin must stay out (as read in CRIU 4.1's plugins/cuda/cuda_plugin.c): at dump, its
+PAUSE_DEVICES leaves a process it finds already CHECKPOINTED alone but adds itself to the image
+inventory; a restore of such an image then requires the plugin (and `cuda-checkpoint`), and its
+RESUME_DEVICES_LATE restores + unlocks every process with a restore thread itself, without our
+GPU map, before memsnap gets to it. CRIU loads every *.so in its libdir (default /usr/lib/criu):
+memsnap.criu runs `criu swrk` with CRIU_LIBS_DIR set to an empty directory that
+criuenv.plugin_free_libdir creates and checks (ours, writable by nobody else, no .so in it).
+
+PID namespaces and /proc (the `memsnapctl run` case). Decision: jobs keep the host's /proc for
+now; tests/gpu proves or disproves this on a GPU node, and says which way it fell.
+  * The caller side is consistent: memsnapd calls cuCheckpointProcess*(pid) with host pids, from
+    the host pid namespace, with the host /proc. NVIDIA's own CRIU integration works this way for
+    containers (NVIDIA in checkpoint-restore/criu#2416: CRIU and cuda-checkpoint run outside the
+    container, they need not enter its namespaces), and cuda-checkpoint "uses /proc to establish an
+    IPC channel with the CUDA process" (NVIDIA in NVIDIA/cuda-checkpoint#41): the caller's /proc,
+    addressed by the caller's pid, which is what we give it.
+  * The target side is the open risk: libcuda inside a job calls getpid() and then looks at
+    /proc/<that pid> (strace in NVIDIA/cuda-checkpoint#10: getpid() = N, stat("/proc/N/ns/pid")).
+    In a run job getpid() is the namespace pid (1 for the job's init) while /proc is the host's, so
+    /proc/1 is the host's init. A container has its own /proc, so NVIDIA's tested setup never meets
+    this. No NVIDIA document says what the driver uses it for, so "not needed" cannot be proved
+    from documentation alone.
+  * So tests/gpu checks it on the device: the bit-identical training run as a `memsnapctl run` job
+    (own pid namespace, host /proc) and as an adopted pid (host namespace), and a driver-only
+    lock/checkpoint/restore/unlock of a process under `unshare --pid --fork` with the host /proc
+    and with `--mount-proc`. If only the host-/proc variants fail, run jobs must get their own
+    /proc: `unshare --pid --mount --mount-proc` in memsnap.jobs, and a CRIU adapter that dumps and
+    restores that mount namespace. Results: bench/results/gpu.json and README.
 Note: cuDriverGetVersion returns the CUDA API version (12080 on r570, 13000 on r580), not the
 display driver version; detect.gpu_info() reports the driver branch (580) for preflight.
 """
@@ -38,6 +63,8 @@ from memsnap.gpu.driver import DriverApi, load_driver
 from memsnap.gpu.errors import GpuError, GpuPreflightError, GpuUnavailable
 from memsnap.gpu.hook import NvidiaGpuHook, load_hook
 from memsnap.gpu.preflight import GpuFacts, check, facts_from_info
+from memsnap.gpu.recovery import recover_pids, settle
+from memsnap.gpu.remap import restore_pairs, visible_gpus
 
 __all__ = [
     "CudaCheckpointCli",
@@ -63,4 +90,8 @@ __all__ = [
     "load_hook",
     "map_ns_pids",
     "plugin_free_libdir",
+    "recover_pids",
+    "restore_pairs",
+    "settle",
+    "visible_gpus",
 ]

@@ -11,12 +11,21 @@ GpuPairs = Sequence[tuple[str, str]]
 
 
 class ProcessState(enum.IntEnum):
-    """CUprocessState: RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING."""
+    """CUprocessState: RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
+
+    CUDA 13.4 adds CHECKPOINTING and RESTORING: another caller's checkpoint or restore is under way.
+    They are transient (IN_PROGRESS): wait for them to end, never treat them as failures.
+    """
 
     RUNNING = 0
     LOCKED = 1
     CHECKPOINTED = 2
     FAILED = 3
+    CHECKPOINTING = 4
+    RESTORING = 5
+
+
+IN_PROGRESS = frozenset({ProcessState.CHECKPOINTING, ProcessState.RESTORING})
 
 
 class GpuDriver(Protocol):

@@ -12,10 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
-from memsnap.errors import InvalidArgument
-from memsnap.gpu.base import GpuDriver, ProcessState
-from memsnap.gpu.bindings import uuid_bytes
+from memsnap.gpu.base import GpuDriver, GpuPairs, ProcessState
 from memsnap.gpu.errors import GpuError
+from memsnap.gpu.recovery import journal_entry, settle
+
+# journal(entry) before the first lock, journal(None) once every pid is back to RUNNING or released.
+Journal = Callable[[dict[str, Any] | None], None]
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +35,14 @@ class GpuSuspension:
     """
 
     def __init__(
-        self, driver: GpuDriver, pids: Sequence[int], device_bytes: Mapping[int, int] | None = None
+        self,
+        driver: GpuDriver,
+        pids: Sequence[int],
+        device_bytes: Mapping[int, int] | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self._driver = driver
+        self._journal = journal
         self.pids = tuple(pids)
         self.device_bytes = {p: device_bytes[p] for p in self.pids if device_bytes and p in device_bytes}
         # None: unknown (an operation on it failed); absent: never touched.
@@ -63,7 +70,7 @@ class GpuSuspension:
         """Restore and/or unlock pid, from whatever state it is known (or queried) to be in."""
         state = self._states.get(pid)
         if state is None:
-            state = self._driver.get_state(pid)
+            state = settle(self._driver, pid)
             self._states[pid] = state
         if state is ProcessState.CHECKPOINTED:
             self._step("restore", pid, lambda: self._driver.restore(pid), ProcessState.LOCKED)
@@ -91,10 +98,18 @@ class GpuSuspension:
                 errors.append(exc)
         if errors:
             raise _joined("resume", errors)
+        self._settled()
 
     def release(self) -> None:
         """The CRIU dump killed the processes: their CUDA state lives in the image, nothing to resume."""
         self.released = True
+        self._settled()
+
+    def _settled(self) -> None:
+        """Clear the journal: nothing is left for crash recovery to undo."""
+        if self._journal is not None:
+            journal, self._journal = self._journal, None
+            journal(None)
 
     def record(self) -> dict[str, Any]:
         """What the manifest keeps: pids, device bytes per pid and the time spent per driver call."""
@@ -126,15 +141,19 @@ class GpuCheckpointer:
     def __init__(self, driver: GpuDriver) -> None:
         self.driver = driver
 
-    def probe(self, pids: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(pids with CUDA state, pids without it): a CUDA restore thread is the tell."""
+    def probe(self, pids: Sequence[int]) -> tuple[list[int], dict[int, str]]:
+        """(pids with CUDA state, {pid: why not} for the others): a CUDA restore thread is the tell.
+
+        The reason is the driver's own answer (its CUresult name and text), never a guess: a pid may
+        lack a restore thread because it is an NVML user, or for a reason only the driver knows.
+        """
         cuda: list[int] = []
-        other: list[int] = []
+        other: dict[int, str] = {}
         for pid in pids:
             try:
                 self.driver.restore_thread_id(pid)
-            except GpuError:
-                other.append(pid)
+            except GpuError as exc:
+                other[pid] = f"{exc.name}: {exc.detail}" if exc.name else exc.detail
             else:
                 cuda.append(pid)
         return cuda, other
@@ -144,19 +163,30 @@ class GpuCheckpointer:
         out: list[int] = []
         for pid in pids:
             try:
-                if self.driver.get_state(pid) is ProcessState.CHECKPOINTED:
+                if settle(self.driver, pid) is ProcessState.CHECKPOINTED:
                     out.append(pid)
             except GpuError:
                 continue
         return out
 
     def suspend(
-        self, pids: Sequence[int], timeout_ms: int, device_bytes: Mapping[int, int] | None = None
+        self,
+        pids: Sequence[int],
+        timeout_ms: int,
+        device_bytes: Mapping[int, int] | None = None,
+        journal: Journal | None = None,
+        starts: Mapping[int, float] | None = None,
     ) -> GpuSuspension:
-        """Lock then checkpoint every pid; on any failure roll back what was done and re-raise."""
+        """Lock then checkpoint every pid; on any failure roll back what was done and re-raise.
+
+        journal (if given) records the pids before the first lock, so that a daemon killed mid-way
+        leaves a trace recovery.recover_pids() can undo; it is cleared once all is resumed or released.
+        """
         if timeout_ms <= 0:
             raise ValueError("timeout_ms must be > 0: a lock without a timeout can hang the job forever")
-        sus = GpuSuspension(self.driver, list(dict.fromkeys(pids)), device_bytes)
+        sus = GpuSuspension(self.driver, list(dict.fromkeys(pids)), device_bytes, journal)
+        if journal is not None:
+            journal(journal_entry(sus.pids, dict(starts or {})))
         try:
             for pid in sus.pids:
                 sus._lock(pid, timeout_ms)
@@ -170,21 +200,16 @@ class GpuCheckpointer:
             raise
         return sus
 
-    def restore(self, pids: Sequence[int], gpu_map: Mapping[str, str] | None = None) -> dict[str, float]:
-        """After CRIU restored the tree: restore every pid (remapped by gpu_map old->new UUID), then unlock.
+    def restore(self, pids: Sequence[int], pairs: Mapping[int, GpuPairs] | None = None) -> dict[str, float]:
+        """After CRIU restored the tree: restore every pid (onto pairs[pid], see memsnap.gpu.remap), then unlock.
 
-        Stops at the first failed restore and unlocks nothing then: the job is unusable, kill its tree.
+        pairs must already be complete and validated (remap.restore_pairs): the driver wants every
+        checkpointed GPU of a process listed once a list is given. Stops at the first failed restore
+        and unlocks nothing then: the job is unusable, kill its tree.
         """
-        pairs = sorted((old, new) for old, new in (gpu_map or {}).items() if old != new)
-        for old, new in pairs:
-            try:
-                uuid_bytes(old)
-                uuid_bytes(new)
-            except ValueError as exc:
-                raise InvalidArgument(f"bad GPU map entry {old!r} -> {new!r}: {exc}") from None
         t0 = time.monotonic()
         for pid in pids:
-            self.driver.restore(pid, pairs)
+            self.driver.restore(pid, list((pairs or {}).get(pid, ())))
         t1 = time.monotonic()
         errors: list[GpuError] = []
         for pid in pids:

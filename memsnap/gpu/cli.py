@@ -70,22 +70,19 @@ class CudaCheckpointCli:
         self._action("checkpoint", pid, [], self._op_timeout_s)
 
     def restore(self, pid: int, gpu_pairs: GpuPairs = ()) -> None:
-        """--action restore; the utility cannot remap GPUs, so a remap request is an error."""
-        if gpu_pairs:
-            raise GpuError(
-                "cuda-checkpoint restore",
-                "GPU UUID remapping needs the CUDA driver API (libcuda.so.1 from driver >= 580) "
-                "and the cuda-checkpoint fallback is in use: make libcuda loadable by memsnapd",
-                pid=pid,
-            )
-        self._action("restore", pid, [], self._op_timeout_s)
+        """--action restore, with --device-map OLD=NEW,... (r580+) when GPUs are remapped.
+
+        As with the driver API the map must list every checkpointed GPU (memsnap.gpu.remap fills it).
+        """
+        extra = ["--device-map", ",".join(f"{old}={new}" for old, new in gpu_pairs)] if gpu_pairs else []
+        self._action("restore", pid, extra, self._op_timeout_s)
 
     def unlock(self, pid: int) -> None:
         """--action unlock."""
         self._action("unlock", pid, [], self._op_timeout_s)
 
     def get_state(self, pid: int) -> ProcessState:
-        """--get-state, which prints running, locked, checkpointed or failed."""
+        """--get-state: running, locked, checkpointed or failed (checkpointing, restoring from 13.4)."""
         out = self._run("get-state", pid, ["--get-state", "--pid", str(pid)], _QUERY_TIMEOUT_S)
         word = out.split()[0].lower() if out.split() else ""
         if word not in _STATES:

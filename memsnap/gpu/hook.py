@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from memsnap.gpu import detect, preflight
+from memsnap import jobs
+from memsnap.gpu import detect, preflight, remap
 from memsnap.gpu.base import GpuDriver
-from memsnap.gpu.checkpointer import GpuCheckpointer, GpuSuspension
+from memsnap.gpu.checkpointer import GpuCheckpointer, GpuSuspension, Journal
 from memsnap.gpu.driver import load_driver
-from memsnap.gpu.errors import GpuUnavailable
+from memsnap.gpu.errors import GpuError, GpuUnavailable
+from memsnap.gpu.recovery import recover_pids
 from memsnap.gpu.runner import Runner, run_subprocess
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,10 @@ class NvidiaGpuHook:
         driver_loader: Callable[[], GpuDriver | None] = load_driver,
         runner: Runner = run_subprocess,
         proc_root: str = detect.PROC,
+        alive: Callable[[int, float], bool] = jobs.alive,
     ) -> None:
         self._loader = driver_loader
+        self._alive = alive
         self._runner = runner
         self._proc = proc_root
         self._lock = threading.Lock()
@@ -72,7 +76,8 @@ class NvidiaGpuHook:
     def describe(self, root_pid: int) -> list[dict[str, Any]]:
         """Per CUDA process of the tree: pid, ns pid, device files, GPUs (uuid, model, bytes), driver."""
         procs, info = self._scan(root_pid, fresh=True)
-        models = {g["uuid"]: g["name"] for g in info.get("gpus", [])}
+        node_gpus = info.get("gpus", [])
+        models = {g["uuid"]: g["name"] for g in node_gpus}
         out: list[dict[str, Any]] = []
         for p in procs:
             apps = [a for a in info.get("processes", []) if a["pid"] == p.pid]
@@ -87,14 +92,20 @@ class NvidiaGpuHook:
                     "devices": list(p.devices),
                     "uses_uvm_fd": p.uses_uvm,
                     "gpus": gpus,
+                    # Every GPU its driver enumerates: what a remapping restore must list (memsnap.gpu.remap).
+                    "visible_gpus": remap.visible_gpus(p.pid, node_gpus, self._proc),
                     "device_bytes": sum(g["bytes"] or 0 for g in gpus),
                     "driver_version": info.get("driver_version"),
                 }
             )
         return out
 
-    def suspend(self, root_pid: int, timeout_ms: int) -> GpuSuspension:
-        """Preflight, then lock + checkpoint every process of the tree that holds CUDA state."""
+    def suspend(self, root_pid: int, timeout_ms: int, journal: Journal | None = None) -> GpuSuspension:
+        """Preflight, then lock + checkpoint every process of the tree that holds CUDA state.
+
+        journal gets the pids before the first lock (and None once they are settled): the engine keeps
+        it in the catalog so that recover() can unlock them if the daemon dies in between.
+        """
         procs, info = self._scan(root_pid, fresh=False)
         pids = [p.pid for p in procs]
         uuids = {a["gpu_uuid"] for a in info.get("processes", [])}
@@ -108,25 +119,67 @@ class NvidiaGpuHook:
         ckpt = self.checkpointer()
         cuda, other = ckpt.probe(pids)
         version = ckpt.driver.driver_version() or None
-        preflight.check(dataclasses.replace(facts, cuda_api_version=version, untracked_pids=tuple(other)))
-        return ckpt.suspend(cuda, timeout_ms, detect.device_bytes(info))
+        preflight.check(
+            dataclasses.replace(
+                facts,
+                cuda_api_version=version,
+                untracked_pids=tuple(other),
+                untracked_reasons=tuple(other.values()),
+            )
+        )
+        starts: dict[int, float] = {}
+        for pid in cuda:
+            try:
+                starts[pid] = jobs.start_time(pid)
+            except Exception:  # gone already: the lock will say so
+                starts[pid] = 0.0
+        return ckpt.suspend(cuda, timeout_ms, detect.device_bytes(info), journal=journal, starts=starts)
 
-    def restore(self, root_pid: int, gpu_map: dict[str, str] | None) -> None:
-        """After CRIU restored the tree: restore (remapped by gpu_map) and unlock its checkpointed CUDA pids."""
-        remap = any(old != new for old, new in (gpu_map or {}).items())
-        info = detect.gpu_info(None, self._runner, self._proc) if remap else {}
-        # Only what would make the driver fail: the tree is already restored, MIG/MPS were checked at dump.
-        facts = preflight.GpuFacts(info.get("driver_branch"), remap_requested=remap)
+    def restore(
+        self, root_pid: int, gpu_map: dict[str, str] | None, checkpointed: list[dict[str, Any]] | None = None
+    ) -> None:
+        """After CRIU restored the tree: restore (remapped by gpu_map) and unlock its checkpointed CUDA pids.
+
+        checkpointed is the manifest's "gpus" (describe() at dump time): the GPUs each process had,
+        so that a remap lists every one of them and a missing GPU is refused before the driver is called.
+        """
         ckpt = self.checkpointer()
-        version = ckpt.driver.driver_version() or None
-        if remap or version is not None:
-            preflight.check(dataclasses.replace(facts, cuda_api_version=version))
         cuda = ckpt.checkpointed(detect.descendants(root_pid, self._proc))
         if not cuda:
             log.warning("restored tree %d has no checkpointed CUDA process; nothing to restore", root_pid)
             return
-        seconds = ckpt.restore(cuda, gpu_map)
+        had = remap.checkpointed_gpus(checkpointed or [])
+        if not had and gpu_map:  # a manifest without GPU records: the map is all we know
+            had = {0: [{"uuid": old} for old in gpu_map]}
+        info = detect.gpu_info(None, self._runner, self._proc) if (had or gpu_map) else {}
+        by_ns = remap.restore_pairs(had, gpu_map, info.get("gpus", [])) if had else {}
+        version = ckpt.driver.driver_version() or None
+        if by_ns or version is not None:
+            # Only what would make the driver fail: the tree is already restored, MIG/MPS were checked at dump.
+            facts = preflight.GpuFacts(info.get("driver_branch"), remap_requested=bool(by_ns))
+            preflight.check(dataclasses.replace(facts, cuda_api_version=version))
+        pairs: dict[int, list[tuple[str, str]]] = {}
+        if by_ns:
+            host_of = detect.map_ns_pids(root_pid, by_ns, self._proc)
+            every = sorted({p for ps in by_ns.values() for p in ps})
+            pairs = {pid: every for pid in cuda}
+            pairs.update({host_of[ns]: ps for ns, ps in by_ns.items() if ns in host_of})
+        seconds = ckpt.restore(cuda, pairs)
         log.info("CUDA state of pids %s restored in %.3f s", cuda, sum(seconds.values()))
+
+    def recover(self, entry: dict[str, Any]) -> dict[int, str]:
+        """Restore + unlock the journaled pids (GpuCheckpointer.suspend) a killed daemon left suspended."""
+        pids = [int(p) for p in entry.get("pids", [])]
+        starts = {str(k): float(v) for k, v in (entry.get("starts") or {}).items()}
+        live = [p for p in pids if self._alive(p, starts.get(str(p), 0.0))]
+        if not live:
+            return {p: "gone" for p in pids}
+        try:
+            driver = self.checkpointer().driver
+        except GpuError as exc:
+            log.error("cannot recover the CUDA state of pids %s: %s", live, exc)
+            return {p: f"error: {exc}" for p in live}
+        return recover_pids(driver, pids, lambda p: p in live)
 
 
 def load_hook(proc_root: str = detect.PROC) -> NvidiaGpuHook | None:

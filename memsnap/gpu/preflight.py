@@ -10,7 +10,9 @@ from memsnap.gpu.errors import GpuPreflightError
 
 MIN_CHECKPOINT_DRIVER = 570  # cuCheckpointProcess* and `cuda-checkpoint --action`
 MIN_REMAP_DRIVER = 580  # CUcheckpointRestoreArgs.gpuPairs (CUDA 13.0)
-MIN_IPC_DRIVER = 610  # CUDA IPC memory
+# CUDA IPC memory: NVIDIA is quoted as supporting it from 610 only for processes started under
+# `cuda-checkpoint --launch-job`, which memsnap does not do; until that is confirmed, IPC is refused.
+MIN_IPC_DRIVER = 610
 MIN_CHECKPOINT_CUDA_API = 12080  # cuDriverGetVersion of r570
 MIN_REMAP_CUDA_API = 13000  # cuDriverGetVersion of r580
 
@@ -21,7 +23,8 @@ class GpuFacts:
 
     cuda_api_version is cuDriverGetVersion's value (12080, 13000): a CUDA version, not the driver's.
     uvm_managed and ipc_memory are declared by the job: they cannot be observed from outside.
-    untracked_pids hold /dev/nvidia* without CUDA state (NVML users), which CRIU cannot dump.
+    untracked_pids hold /dev/nvidia* without CUDA state (NVML users), which CRIU cannot dump;
+    untracked_reasons (same order) is what the driver answered for each (its CUresult name and text).
     """
 
     driver_branch: int | None
@@ -32,6 +35,7 @@ class GpuFacts:
     ipc_memory: bool = False
     remap_requested: bool = False
     untracked_pids: tuple[int, ...] = ()
+    untracked_reasons: tuple[str, ...] = ()
 
 
 def _driver_problem(f: GpuFacts) -> str | None:
@@ -71,11 +75,13 @@ def _feature_problem(f: GpuFacts) -> str | None:
             "the job uses CUDA managed (UVM) memory, which CUDA checkpoint does not support: "
             "allocate with cudaMalloc instead of cudaMallocManaged, or checkpoint at the application level"
         )
-    if f.ipc_memory and (f.driver_branch is None or f.driver_branch < MIN_IPC_DRIVER):
+    if f.ipc_memory:
         found = "an unknown driver" if f.driver_branch is None else f"driver {f.driver_branch}"
         return (
-            f"the job shares GPU memory over CUDA IPC, which needs NVIDIA driver >= {MIN_IPC_DRIVER} "
-            f"({found} here): upgrade the driver or stop sharing CUDA memory between processes"
+            f"the job shares GPU memory over CUDA IPC, which memsnap cannot checkpoint ({found} here; "
+            f"NVIDIA supports it from driver {MIN_IPC_DRIVER} only for jobs started under "
+            "`cuda-checkpoint --launch-job`, which memsnap does not do yet): stop sharing CUDA memory "
+            "between processes"
         )
     return None
 
@@ -100,11 +106,12 @@ def check(facts: GpuFacts) -> None:
     """None when the job can be checkpointed or restored; GpuPreflightError saying what to do otherwise."""
     problem = _driver_problem(facts) or _feature_problem(facts) or _remap_problem(facts)
     if problem is None and facts.untracked_pids:
-        pids = ", ".join(str(p) for p in facts.untracked_pids)
+        why = list(facts.untracked_reasons) + [""] * len(facts.untracked_pids)
+        pids = ", ".join(f"{p} ({w})" if w else str(p) for p, w in zip(facts.untracked_pids, why, strict=False))
         problem = (
-            f"pid {pids} holds /dev/nvidia* without CUDA state (an NVML user, or a child forked from a "
-            "CUDA process without exec), which CRIU cannot dump: let it exit, keep it out of the job's "
-            "tree, or start such children with the 'spawn' method"
+            f"pid {pids} holds /dev/nvidia* but the driver has no CUDA state for it (an NVML user, or a "
+            "child forked from a CUDA process without exec), which CRIU cannot dump: let it exit, keep it "
+            "out of the job's tree, or start such children with the 'spawn' method"
         )
     if problem is not None:
         raise GpuPreflightError(problem)
