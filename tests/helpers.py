@@ -140,8 +140,10 @@ class DaemonProc:
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
         """Runs memsnapctl against this daemon; as uid `user` (gid the same, no groups) when given."""
         env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": self.socket}
-        r = subprocess.run([sys.executable, "-m", "memsnap.cli", *args], env=env, capture_output=True,
-                           text=True, timeout=timeout, **as_user_kwargs(user))
+        argv = [sys.executable, "-m", "memsnap.cli", *args]
+        if user is not None:
+            argv = [*_as_user_argv(user, "sys.argv[0] = 'memsnapctl'; memsnap.cli.main()"), *args]
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
             raise AssertionError(f"memsnapctl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
         return r
@@ -149,18 +151,33 @@ class DaemonProc:
 
 NOBODY = 65534
 
+# The interpreter may live where other uids cannot read it (pyenv under a 0700 /root here), so a snippet
+# "as uid N" starts as root, imports what it needs, then drops to uid N (gid N, no groups) before it does
+# anything else: every connection and file access it makes is the unprivileged uid's.
+_DROP = """
+import importlib, os, pkgutil, sys
+import grpc, google.protobuf, click, json, memsnap  # noqa: F401  (imported while still root)
+for _pkg in (grpc, memsnap):  # lazy imports would fail once the interpreter is out of reach
+    for _m in pkgutil.walk_packages(_pkg.__path__, _pkg.__name__ + "."):
+        try:
+            importlib.import_module(_m.name)
+        except Exception:
+            pass
+_uid = int(sys.argv.pop(1))
+os.setgroups([]); os.setgid(_uid); os.setuid(_uid)
+os.chdir("/")
+"""
 
-def as_user_kwargs(uid: int | None) -> dict[str, object]:
-    """subprocess keyword arguments that run the child as uid (and gid uid, no supplementary groups)."""
-    if uid is None:
-        return {}
-    return {"user": uid, "group": uid, "extra_groups": [], "cwd": "/"}
+
+def _as_user_argv(uid: int, code: str) -> list[str]:
+    return [sys.executable, "-c", _DROP + code, str(uid)]
 
 
-def run_as(uid: int, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_as(uid: int, code: str, *args: str, timeout: float = 120,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Runs a Python snippet as uid (e.g. an attack as nobody), with this checkout importable."""
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, **as_user_kwargs(uid))
+    return subprocess.run([*_as_user_argv(uid, code), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
 def kill_job(pid: int) -> None:
