@@ -77,14 +77,15 @@ def cluster_toml(port: int, token_file: Path | None, more: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def token_daemon(base: Path, token_file: Path | None, more: str = "", **kw: object) -> DaemonProc:
+def token_daemon(base: Path, token_file: Path | None, more: str = "", extra: tuple[str, ...] = (),
+                 **kw: object) -> DaemonProc:
     """A daemon that also listens on loopback TCP, a node of the test cluster whose node token is in
-    token_file; `more` adds [daemon] lines (e.g. admin_token_file = ...)."""
+    token_file; `more` adds [daemon] lines (e.g. admin_token_file = ...), `extra` memsnapd flags."""
     port = next(_next_port)
     base.mkdir(parents=True, exist_ok=True)
     cfg = base / "memsnap.toml"
     cfg.write_text(cluster_toml(port, token_file, more))
-    d = DaemonProc(base, extra=["--config", str(cfg)], **kw)  # type: ignore[arg-type]
+    d = DaemonProc(base, extra=["--config", str(cfg), *extra], **kw)  # type: ignore[arg-type]
     d.address = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
     return d
 
