@@ -846,6 +846,19 @@ class Migrator:
                 kept, why, _ = self._ask_commit(client, ckpt_id, to, rec.job)
         except MemsnapError as exc:
             why = str(exc)
+            if to and self.cfg.peer(to) is None:
+                # Moved with root's own credential to an address that is not a peer: that credential was
+                # not kept, so nothing can ask it again. It is in doubt as if unreachable: the copy here stays
+                # stopped for daemon.move_in_doubt_s (0 = until an operator resumes or ends it).
+                self._in_doubt[ckpt_id] = f"{rec.job} -> {to}"
+                limit = self.cfg.daemon.move_in_doubt_s
+                log.warning("the interrupted move of %s to %s is in doubt: %s is not a configured peer, so it "
+                            "cannot be asked; the job stays stopped here%s", rec.job, to, to,
+                            f" for {limit:.0f} s" if limit > 0 else "", extra={"checkpoint_id": ckpt_id})
+                if limit <= 0:
+                    return
+                time.sleep(limit)
+                self._in_doubt.pop(ckpt_id, None)
         if kept:
             self.engine.mark_moved(ckpt_id, to)
             self.engine.end_held(rec.pid, rec.job, ckpt_id)
