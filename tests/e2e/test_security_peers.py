@@ -404,3 +404,42 @@ def test_receive_image_without_a_node_token_refuses_an_unsigned_manifest(make_da
         assert "token" in (e.value.details() or "")
         assert "ck-unsigned-1" not in [ck.id for ck in c.list()]
     assert not (d.tier / "ck-unsigned-1").exists()
+
+
+def test_a_move_between_peers_under_mutual_tls(tmp_path, jobs_to_kill):
+    # Each node has its own certificate; each lists the other as a peer (by name, address and certificate
+    # identity) and both share the node token that their credentials and transfer keys derive from.
+    from tests.e2e.test_migrate import _counter, _keeps_ticking_with
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = _make_ca(pki, "cluster-ca")
+    certs = {name: _make_cert(pki, name, ca) for name in ("node-a", "node-b")}
+    token = secret_file(tmp_path / "node.token")
+    ports = {"node-a": free_port(), "node-b": free_port()}
+    nodes = {}
+    for name, (key, crt) in certs.items():
+        other = "node-b" if name == "node-a" else "node-a"
+        cfg = tmp_path / f"{name}.toml"
+        cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:{ports[name]}"\nnode_name = "{name}"\n'
+                       f'auth_token_file = "{token}"\ntls_cert = "{crt}"\ntls_key = "{key}"\ntls_ca = "{ca[1]}"\n'
+                       f'[[peers]]\nname = "{other}"\naddress = "127.0.0.1:{ports[other]}"\n'
+                       f'identity = "{other}"\n')
+        nodes[name] = DaemonProc(tmp_path / name, extra=["--config", str(cfg)])
+    a, b = nodes["node-a"], nodes["node-b"]
+    try:
+        a.start()
+        b.start()
+        job = _counter(a, jobs_to_kill, 16, "tls-mover")
+        r = a.ctl("--json", "migrate", job["id"], "--to", "node-b", timeout=180)
+        assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
+        out = json.loads(r.stdout)
+        jobs_to_kill.append(out["target_pid"])
+        _keeps_ticking_with(job, out["target_pid"], job["digest"], fresh=5)
+        # Node A's certificate is a peer's on node B: it moved the job, and it cannot run one there.
+        with MemsnapClient(Target(address=f"127.0.0.1:{ports['node-b']}", tls_ca=str(ca[1]),
+                                  tls_cert=str(certs["node-a"][1]), tls_key=str(certs["node-a"][0]))) as c:
+            assert _code(lambda: c.run(["id", "-u"])) == "PERMISSION_DENIED"
+    finally:
+        a.cleanup()
+        b.cleanup()
