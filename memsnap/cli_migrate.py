@@ -13,9 +13,11 @@ def register(cli: click.Group) -> None:
 
     @cli.command("migrate")
     @click.argument("target")
-    @click.option("--to", "to", required=True, metavar="HOST:PORT", help="the target node's memsnapd (TCP)")
+    @click.option("--to", "to", required=True, metavar="PEER|HOST:PORT",
+                  help="the target: a configured peer of this node, by name or address")
     @click.option("--token-file", "to_token_file", default="",
-                  help="bearer token for the target (default: this node's own node token)")
+                  help="a credential the target accepts (default: the peer's, from this node's config; "
+                       "root only, for an address that is not a configured peer)")
     @click.option("--via-store", is_flag=True, help="the target fetches the durable copy from shared storage")
     @click.option("--lazy", is_flag=True, help="post-copy: resume on the target at once, pages follow")
     @click.option("--plain-restore", is_flag=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import ipaddress
 import math
 import os
 import re
@@ -153,18 +154,73 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
+# gRPC reads these words before a colon as an address scheme (a Unix or vsock socket, a resolver), not
+# as a host name: an address that starts with one is never a TCP address.
+GRPC_SCHEMES = frozenset({"unix", "unix-abstract", "vsock", "ipv4", "ipv6", "dns", "xds", "google-c2p"})
+_HOSTNAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def ip_host_port(value: str) -> tuple[str, int]:
+    """HOST:PORT where HOST is an IPv4/IPv6 literal or a DNS host name (never a gRPC scheme such as
+    unix: or unix-abstract:); raise ValueError otherwise."""
+    host, port = parse_host_port(value)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME_RE.fullmatch(host) or host.lower() in GRPC_SCHEMES or "%" in host:
+            raise ValueError(f"not an IP address or host name: {host!r}") from None
+    return host, port
+
+
 def _listen(value: object) -> str:
-    """Empty (off) or HOST:PORT."""
+    """Empty (off) or HOST:PORT with an IP address or a host name (TCP only)."""
     if isinstance(value, str):
         if not value.strip():
             return ""
         try:
-            parse_host_port(value.strip())
+            ip_host_port(value.strip())
         except ValueError:
             pass
         else:
             return value.strip()
-    raise _Bad('"" (off) or HOST:PORT such as "127.0.0.1:9464"')
+    raise _Bad('"" (off) or HOST:PORT with an IP address or host name, such as "127.0.0.1:9464" or "[::]:7443" '
+               "(TCP only: unix: and other schemes are refused)")
+
+
+def _address(value: object) -> str:
+    """HOST:PORT with an IP address or a host name."""
+    if isinstance(value, str):
+        try:
+            ip_host_port(value.strip())
+        except ValueError:
+            pass
+        else:
+            return value.strip()
+    raise _Bad('HOST:PORT with an IP address or host name, such as "10.0.0.2:7443"')
+
+
+def _name(value: object) -> str:
+    """A node name: letters, digits, '.', '_' and '-'."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}", value.strip()):
+        return value.strip()
+    raise _Bad("a node name (letters, digits, '.', '_', '-')")
+
+
+def _name_or_empty(value: object) -> str:
+    """Empty, or a node name."""
+    if isinstance(value, str) and not value.strip():
+        return ""
+    return _name(value)
+
+
+def _names(value: object) -> tuple[str, ...]:
+    """A list of certificate names (SAN or CN), each a non-empty string."""
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]  # a command-line flag: comma-separated
+    if isinstance(value, list | tuple) and all(isinstance(v, str) and v.strip() for v in value):
+        return tuple(v.strip() for v in value)
+    raise _Bad('a list of certificate names such as ["admin.example.org"]')
 
 
 _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?", re.IGNORECASE)
@@ -231,8 +287,14 @@ class DaemonConfig:
     socket: str = _opt("/run/memsnap/memsnapd.sock", _path, "gRPC unix socket path")
     socket_mode: int = _opt(0o660, _mode, "permissions of the unix socket")
     socket_group: str = _opt("", _string, "group allowed to use the socket; empty = root's group")
-    listen: str = _opt("", _listen, "HOST:PORT for gRPC over TCP; empty = off")
-    auth_token_file: str = _opt("", _string, "file holding the bearer token required over TCP")
+    listen: str = _opt("", _listen, "HOST:PORT (IP address or host name) for gRPC over TCP; empty = off")
+    node_name: str = _opt("", _name_or_empty, "this node's name in its peers' [[peers]] lists; empty = the host name")
+    auth_token_file: str = _opt(
+        "", _string, "the node token (cluster secret, mode 0600): peer credentials derive from it; never sent")
+    admin_token_file: str = _opt(
+        "", _string, "bearer token that makes a TCP caller an administrator (root); empty = no admin over TCP")
+    admin_identities: tuple[str, ...] = _opt(
+        (), _names, "client certificate names (SAN or CN) that are administrators over mutual TLS")
     tls_cert: str = _opt("", _string, "server certificate (PEM) for TCP")
     tls_key: str = _opt("", _string, "server private key (PEM) for TCP")
     tls_ca: str = _opt("", _string, "CA bundle for client certificates (mutual TLS)")
@@ -299,6 +361,22 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class PeerConfig:
+    """[[peers]]: a daemon this node trusts to move jobs to and from it (never an administrator)."""
+
+    name: str = _opt("", _name, "the peer's daemon.node_name")
+    address: str = _opt("", _address, "HOST:PORT where the peer's daemon listens")
+    token_file: str = _opt(
+        "", _string, "a token shared with this peer only (mode 0600); empty = derived from the node token")
+    identity: str = _opt("", _string, "the name (SAN or CN) in the peer's certificate; empty = name")
+
+    @property
+    def cert_identity(self) -> str:
+        """The certificate name this peer authenticates with under mutual TLS."""
+        return self.identity or self.name
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole effective memsnapd configuration."""
 
@@ -308,6 +386,22 @@ class Config:
     drain: DrainConfig = field(default_factory=DrainConfig)
     state: StateConfig = field(default_factory=StateConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    peers: tuple[PeerConfig, ...] = ()
+
+    def peer(self, to: str) -> PeerConfig | None:
+        """The configured peer named `to`, or whose address is `to` (host compared case-insensitively)."""
+        for p in self.peers:
+            if p.name == to:
+                return p
+        try:
+            want = parse_host_port(to)
+        except ValueError:
+            return None
+        for p in self.peers:
+            host, port = parse_host_port(p.address)
+            if (host.lower(), port) == (want[0].lower(), want[1]):
+                return p
+        return None
 
     @property
     def hmac_key_path(self) -> str:
@@ -357,6 +451,7 @@ def load_config(path: str | None = None, overrides: Mapping[str, object] | None 
     """Load path (None = the default, which may be absent), apply dotted-key overrides, validate."""
     source, data = _read_file(path)
     raw: dict[str, dict[str, tuple[object, str]]] = {name: {} for name in SECTIONS}
+    peers = _build_peers(source, data.pop("peers", []))
     for section, table in data.items():
         if section not in SECTIONS:
             raise ConfigError(f"{source}: {section}: unknown section")
@@ -372,9 +467,29 @@ def load_config(path: str | None = None, overrides: Mapping[str, object] | None 
             raise ConfigError(f"{OVERRIDE_SOURCE}: {dotted}: unknown key")
         raw[section][key] = (value, OVERRIDE_SOURCE)
     sections = {name: _build(name, SECTIONS[name], raw[name]) for name in SECTIONS}
-    config = Config(**sections)
+    config = Config(**sections, peers=peers)
     _check(config, raw)
     return config
+
+
+def _build_peers(source: str, tables: object) -> tuple[PeerConfig, ...]:
+    """[[peers]] tables: each needs a name and an address, both unique."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"{source}: peers: expected [[peers]] tables")
+    peers: list[PeerConfig] = []
+    for i, table in enumerate(tables):
+        where = f"peers[{i}]"
+        peer = _build(where, PeerConfig, {k: (v, source) for k, v in table.items()})
+        for key in ("name", "address"):
+            if not getattr(peer, key):
+                raise ConfigError(f"{source}: {where}.{key}: required")
+        for other in peers:
+            if other.name == peer.name:
+                raise ConfigError(f"{source}: {where}.name: {peer.name!r} is listed twice")
+            if parse_host_port(other.address) == parse_host_port(peer.address):
+                raise ConfigError(f"{source}: {where}.address: {peer.address!r} is listed twice")
+        peers.append(peer)
+    return tuple(peers)
 
 
 def _build(name: str, cls: type[Any], values: dict[str, tuple[object, str]]) -> Any:
@@ -405,6 +520,8 @@ def _check(config: Config, raw: dict[str, dict[str, tuple[object, str]]]) -> Non
         fail("daemon", "tls_key" if d.tls_cert else "tls_cert", "tls_cert and tls_key go together")
     if d.tls_ca and not d.tls_cert:
         fail("daemon", "tls_ca", "mutual TLS needs tls_cert and tls_key too")
+    if d.admin_identities and not d.tls_ca:
+        fail("daemon", "admin_identities", "certificate names need mutual TLS (tls_cert, tls_key and tls_ca)")
     if config.drain.retry_max_s < config.drain.retry_initial_s:
         fail("drain", "retry_max_s", "must be at least drain.retry_initial_s")
     if config.tier.kind == "numa" and config.tier.numa_node < 0:
@@ -437,6 +554,8 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return _toml_string(str(value))
 
 
@@ -455,5 +574,9 @@ def _render(config: Config) -> str:
             else:
                 text = _toml_value(value)
             lines.append(f"{f.name} = {text}  # {f.metadata['doc']}")
+    for peer in config.peers:
+        lines += ["", "[[peers]]"]
+        lines += [f"{f.name} = {_toml_value(getattr(peer, f.name))}  # {f.metadata['doc']}"
+                  for f in dataclasses.fields(peer)]
     lines.append(f"# hmac key in use: {config.hmac_key_path}")
     return "\n".join(lines) + "\n"

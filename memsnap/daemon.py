@@ -41,6 +41,7 @@ FLAGS = {
     "s3_region": "store.s3_region", "state_dir": "state.dir", "drain_bandwidth": "drain.bandwidth",
     "drain_concurrency": "drain.concurrency", "compression_level": "drain.compression_level",
     "hmac_key_file": "security.hmac_key_file", "move_in_doubt_s": "daemon.move_in_doubt_s",
+    "node_name": "daemon.node_name", "admin_token_file": "daemon.admin_token_file",
 }
 
 
@@ -168,11 +169,11 @@ class Daemon:
         return Migrator(self.engine, self.cfg)
 
     def _interceptors(self) -> list[Any]:
-        """TCP authentication (memsnap.remote); it also refuses the reserved auth header on any socket."""
+        """TCP authentication and roles (memsnap.remote); it also refuses the reserved auth header on any socket."""
         from memsnap.remote import RemoteConfigError, interceptors
 
         try:
-            return interceptors(self.cfg.daemon)
+            return interceptors(self.cfg)
         except RemoteConfigError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
 
@@ -182,7 +183,7 @@ class Daemon:
         from memsnap.remote import RemoteConfigError, add_tcp_port
 
         try:
-            add_tcp_port(server, self.cfg.daemon)
+            add_tcp_port(server, self.cfg)
         except RemoteConfigError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
 

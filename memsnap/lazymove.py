@@ -22,7 +22,7 @@ failure (output, network traffic) is not undone: that is post-copy's price.
 Page bytes travel inside the peers' authenticated gRPC channel (token or mutual TLS), like the images.
 CRIU's page-server protocol has no checksums, so every tunnel message is sealed (see Seal): a keyed
 blake3 tag over its sequence number and content. A flipped bit, a lost, reordered or replayed message,
-or (with a node token) a forged one ends the move, and the job runs on at the source. The small images
+or a forged one ends the move, and the job runs on at the source. The small images
 and their signed manifest are checked as for any move.
 """
 
@@ -58,7 +58,7 @@ from memsnap.errors import (
     NotFound,
     PermissionDenied,
 )
-from memsnap.remote import transfer_key
+from memsnap.remote import call_token, transfer_key
 from memsnap.v1 import memsnap_pb2 as pb
 
 if TYPE_CHECKING:
@@ -105,10 +105,10 @@ def _watch_stall(name: str, last: Any, done: Any, give_up: Any) -> None:
 class Seal:
     """Seals (source) or checks (target) one direction of a page tunnel, message by message, in order.
 
-    The key comes from the tunnel id and, with a node token, the transfer key that signs manifests (so
-    only a peer holding the token can forge a message; under TLS alone, TLS vouches and the tag catches
-    corruption). The tag covers a per-direction sequence number, so a message lost, reordered or replayed
-    fails the check as surely as a flipped bit.
+    The key comes from the tunnel id and the transfer key of the move's credential, the one that signs the
+    manifest (so only the peer holding that credential can forge a message). The tag covers a
+    per-direction sequence number, so a message lost, reordered or replayed fails the check as surely as
+    a flipped bit.
     """
 
     def __init__(self, token: str, tunnel_id: str, direction: str) -> None:
@@ -432,9 +432,8 @@ class _Tunnel:
 class TunnelHost:
     """The PageTunnel RPC and the lazy half of RestoreReceived, on the target."""
 
-    def __init__(self, engine: Engine, token: str) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.token = token
         self._lock = threading.Lock()
         self._tunnels: dict[str, _Tunnel] = {}
         self._verdicts: dict[str, tuple[bool, str]] = {}
@@ -451,8 +450,13 @@ class TunnelHost:
             raise InvalidArgument("empty page tunnel") from None
         if not _TUNNEL_ID.match(first.tunnel_id):
             raise InvalidArgument("bad tunnel id")
-        seal_in = Seal(self.token, first.tunnel_id, _TO_TARGET)
-        seal_out = Seal(self.token, first.tunnel_id, _TO_SOURCE)
+        # Keyed by the credential this call authenticated with: the one the source sealed with.
+        token = call_token()
+        if not token:
+            raise FailedPrecondition("page tunnels are opened only by a peer that authenticated with a token "
+                                     "over TCP (daemon.auth_token_file or peers.token_file on both nodes)")
+        seal_in = Seal(token, first.tunnel_id, _TO_TARGET)
+        seal_out = Seal(token, first.tunnel_id, _TO_SOURCE)
         seal_in.check(first)
         if first.done:
             return iter([seal_out.seal(self._verdict_for(first.tunnel_id))])

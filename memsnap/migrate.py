@@ -7,12 +7,15 @@ file streams to the target as soon as CRIU has closed it (pages-*.img while it g
 goes last -> the target verifies and restores -> once the target says the job runs, the stopped copy
 here is killed. Any failure before that resumes the job here and names the step that failed.
 
-Trust: the manifest that crosses the wire is signed with a key derived from the shared node token
-(remote.transfer_key), and every chunk and file carries a blake3 checksum. The target checks both,
-then re-signs the manifest with its own node key: node HMAC keys never leave their node. With mutual
-TLS and no token, the authenticated TLS channel vouches for the manifest instead. A move via shared
-storage (--via-store) reads the copy the drain wrote, signed with the source's node key, so both nodes
-must share security.hmac_key_file for that path.
+Trust: the source sends only to a configured peer ([[peers]]), with that peer's credential: the token
+shared with it (peers.token_file) or one derived from the node token for it (remote.peer_credential);
+the node token itself never leaves. Only root may name another address, with a credential of its own
+(to_token). The manifest that crosses the wire is signed with a key derived from that credential
+(remote.transfer_key), and every chunk and file carries a blake3 checksum. The target checks both, with
+the key of the credential the call authenticated with (a move without one is refused), then re-signs
+the manifest with its own node key: node HMAC keys never leave their node. A move via shared storage
+(--via-store) reads the copy the drain wrote, signed with the source's node key, so both nodes must
+share security.hmac_key_file for that path.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from memsnap.errors import (
     TierExhausted,
 )
 from memsnap.lazymove import TunnelHost, lazy_preflight, move_lazily
-from memsnap.remote import read_token, transfer_key
+from memsnap.remote import RemoteConfigError, call_token, load_credentials, transfer_key
 from memsnap.tier import INCOMING
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -523,25 +526,39 @@ class Migrator:
         self._commit_lock = threading.Lock()
         self._committed: dict[str, str] = {}
         self._in_doubt: dict[str, str] = {}  # ckpt id -> "JOB -> HOST:PORT"
-        self.token = ""
-        if cfg.daemon.auth_token_file:
-            try:
-                self.token = read_token(cfg.daemon.auth_token_file)
-            except OSError as exc:  # memsnap.remote refuses to listen then; moves out need --token-file
-                log.warning("cannot read daemon.auth_token_file: %s", exc)
-        self.tunnels = TunnelHost(engine, self.token)
+        try:
+            self.creds = load_credentials(cfg)
+        except RemoteConfigError as exc:
+            raise SystemExit(f"memsnapd: {exc}") from exc
+        self.tunnels = TunnelHost(engine)
 
     # -- source ---------------------------------------------------------------------------------
-    def _target_client(self, req: pb.MigrateRequest) -> tuple[MemsnapClient, str]:
+    def _target_client(self, req: pb.MigrateRequest, caller: Caller) -> tuple[MemsnapClient, str]:
+        """A client for the move's target and the credential it carries (which also keys the transfer).
+
+        The target must be a configured peer (by name or address), and gets that peer's credential.
+        Root alone may name another address, with a credential of its own (to_token): this node's own
+        secrets never go to an address that a caller chose."""
         d = self.cfg.daemon
+        peer = self.cfg.peer(req.to)
+        address = peer.address if peer is not None else req.to
         try:
-            parse_host_port(req.to)
+            parse_host_port(address)
         except ValueError as exc:
-            raise InvalidArgument(f"--to {req.to!r} is not HOST:PORT") from exc
-        token = req.to_token or self.token
+            raise InvalidArgument(f"--to {req.to[:200]!r} is neither a configured peer nor HOST:PORT") from exc
+        if peer is None and not (caller.is_root and req.to_token):
+            hint = ("add it to [[peers]] in memsnap.toml, or (root) pass a credential that it accepts with "
+                    "--token-file" if caller.is_root else "ask the administrator to add it to [[peers]]")
+            raise PermissionDenied(f"{req.to[:200]} is not a configured peer of this node: jobs move only to "
+                                   f"peers; {hint}")
+        token = req.to_token or (self.creds.outbound(peer) if peer is not None else "")
+        if not token:
+            raise FailedPrecondition(
+                f"no credential for peer {req.to[:200]}: a move needs a secret shared with the target to sign "
+                "the image; set daemon.auth_token_file (the same node token on both nodes) or peers.token_file")
         # Node certificates serve as client certificates between daemons (mutual TLS clusters).
         tls = {"tls_ca": d.tls_ca, "tls_cert": d.tls_cert, "tls_key": d.tls_key} if d.tls_ca else {}
-        return MemsnapClient(Target(address=req.to, token=token, **tls)), token
+        return MemsnapClient(Target(address=address, token=token, **tls)), token
 
     def migrate(self, caller: Caller, req: pb.MigrateRequest,
                 context: grpc.ServicerContext) -> pb.MigrateResponse:
@@ -582,7 +599,7 @@ class Migrator:
                                      "connections during the move")
         # A lazy move puts only the small images into the target's tier; the memory goes to the job.
         estimate = 0 if req.lazy else int(jobs.tree_rss(pid) * (1 + self.cfg.tier.reserve_margin))
-        client, token = self._target_client(req)
+        client, token = self._target_client(req, caller)
         with client:
             try:
                 st = client.status(timeout=10)
@@ -825,10 +842,23 @@ class Migrator:
         to = str(rec.meta.get("committing_to", ""))
         kept, why = False, "no target recorded"
         try:
-            with self._target_client(pb.MigrateRequest(to=to))[0] as client:
+            with self._target_client(pb.MigrateRequest(to=to), ROOT)[0] as client:
                 kept, why, _ = self._ask_commit(client, ckpt_id, to, rec.job)
         except MemsnapError as exc:
             why = str(exc)
+            if to and self.cfg.peer(to) is None:
+                # Moved with root's own credential to an address that is not a peer: that credential was
+                # not kept, so nothing can ask it again. It is in doubt as if unreachable: the copy here stays
+                # stopped for daemon.move_in_doubt_s (0 = until an operator resumes or ends it).
+                self._in_doubt[ckpt_id] = f"{rec.job} -> {to}"
+                limit = self.cfg.daemon.move_in_doubt_s
+                log.warning("the interrupted move of %s to %s is in doubt: %s is not a configured peer, so it "
+                            "cannot be asked; the job stays stopped here%s", rec.job, to, to,
+                            f" for {limit:.0f} s" if limit > 0 else "", extra={"checkpoint_id": ckpt_id})
+                if limit <= 0:
+                    return
+                time.sleep(limit)
+                self._in_doubt.pop(ckpt_id, None)
         if kept:
             self.engine.mark_moved(ckpt_id, to)
             self.engine.end_held(rec.pid, rec.job, ckpt_id)
@@ -910,7 +940,13 @@ class Migrator:
         """Peer side: receives and verifies an image into the tier."""
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may send images")
-        key = transfer_key(self.token) if self.token else None
+        token = call_token()
+        if not token:
+            raise FailedPrecondition(
+                "images are received only from a peer that authenticated with a token over TCP: the manifest "
+                "must be signed with a key from a secret shared with the source (daemon.auth_token_file or "
+                "peers.token_file on both nodes)")
+        key = transfer_key(token)
         with bulk_transfer():
             ckpt_id, total = ImageReceiver(self.engine, key).receive(chunks)
         log.info("received image %s: %d bytes", ckpt_id, total, extra={"checkpoint_id": ckpt_id})

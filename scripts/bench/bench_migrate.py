@@ -24,7 +24,6 @@ import platform
 import re
 import secrets
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from memsnap.criu import Criu  # noqa: E402
 from memsnap.migrate import CHUNK_BYTES  # noqa: E402
+from tests.e2e.test_remote import token_daemon  # noqa: E402
 from tests.helpers import DaemonProc, counter_argv, kill_job, ticks, wait_for  # noqa: E402
 
 MODES = {"pipelined": {}, "pipelined-plain": {}, "serial": {"MEMSNAP_MIGRATE_SERIAL": "1"}, "lazy": {}}
@@ -45,21 +45,12 @@ MODE_ARGS = {"lazy": ["--lazy"], "pipelined-plain": ["--plain-restore"]}
 STREAMED = re.compile(r"streamed (\d+) of \d+ bytes while CRIU was still dumping")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def daemon(base: Path, token: Path, env: dict[str, str]) -> tuple[DaemonProc, str]:
-    port = free_port()
-    # The drain is throttled to a trickle so that it does not compete with the move for the two cores.
-    d = DaemonProc(
-        base,
-        env=env,
-        extra=["--listen", f"127.0.0.1:{port}", "--auth-token-file", str(token), "--drain-bandwidth", "1K"],
-    )
-    return d.start(), f"127.0.0.1:{port}"
+    # A node of the tests' loopback cluster (node token in `token`, every cluster port a peer): jobs move
+    # only to configured peers. The drain is throttled to a trickle so that it does not compete with the
+    # move for the two cores.
+    d = token_daemon(base, token, env=env, extra=("--drain-bandwidth", "1K"))
+    return d.start(), str(d.address)  # type: ignore[attr-defined]
 
 
 def one_move(a: DaemonProc, b: DaemonProc, to: str, mib: int, mode: str = "pipelined") -> dict[str, Any]:

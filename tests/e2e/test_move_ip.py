@@ -237,7 +237,12 @@ def _run_server(a: NsDaemon, tmp_path: Path, name: str, code: str, jobs_to_kill:
 
 
 def _node_args(host: int, token: Path) -> list[str]:
-    return ["--listen", f"{SUBNET}.{host}:7443", "--auth-token-file", str(token)]
+    """Node `host` of the LAN: listens there, and node A and node B are its peers (jobs move only to peers)."""
+    os.chmod(token, 0o600)
+    cfg = token.parent / f"node-{host}.toml"
+    cfg.write_text(f'[daemon]\nnode_name = "node-{host}"\n' + "".join(
+        f'[[peers]]\nname = "node-{h}"\naddress = "{SUBNET}.{h}:7443"\n' for h in (1, 2)))
+    return ["--config", str(cfg), "--listen", f"{SUBNET}.{host}:7443", "--auth-token-file", str(token)]
 
 
 @pytest.fixture

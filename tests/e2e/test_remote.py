@@ -1,9 +1,12 @@
-"""The API over TCP is always authenticated: a shared node token and/or mutual TLS; no header can fake it."""
+"""The API over TCP is always authenticated: peers by a credential derived from the node token (or
+their own token, or certificate), administrators by an admin credential; no header can fake it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import secrets
 import socket
 import subprocess
@@ -15,6 +18,7 @@ import grpc
 import pytest
 
 from memsnap.client import ClientError, MemsnapClient, Target
+from memsnap.remote import peer_credential
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 from tests.helpers import REPO, DaemonProc
@@ -29,24 +33,86 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def token_daemon(base: Path, token_file: Path, **kw: object) -> DaemonProc:
-    """A daemon that also listens on loopback TCP, authenticated by the token in token_file."""
-    port = free_port()
-    d = DaemonProc(base, extra=["--listen", f"127.0.0.1:{port}", "--auth-token-file", str(token_file)],
-                   **kw)  # type: ignore[arg-type]
+def _port_pool(n: int = 48) -> list[int]:
+    """n loopback ports below the ephemeral range (so no outgoing connection takes one), free right now."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = random.randrange(10000, max(10001, low - 4 * n))
+    pool: list[int] = []
+    for port in range(first, low):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        pool.append(port)
+        if len(pool) == n:
+            return pool
+    raise AssertionError("no free loopback ports for the test cluster")
+
+
+# Every test daemon that listens on TCP is a node of one loopback cluster: it takes the next port of this
+# pool, is named after it, and lists every port of the pool as a peer (jobs move only to peers).
+CLUSTER_PORTS = _port_pool()
+_next_port = itertools.cycle(CLUSTER_PORTS)
+
+
+def node_name(port: int) -> str:
+    """The node name of the cluster daemon on a port."""
+    return f"n{port}"
+
+
+def cluster_toml(port: int, token_file: Path | None, more: str = "") -> str:
+    """memsnap.toml of the cluster daemon on port: its node token, and every cluster port as a peer."""
+    if token_file:
+        os.chmod(token_file, 0o600)
+    lines = ["[daemon]", f'listen = "127.0.0.1:{port}"', f'node_name = "{node_name(port)}"']
+    if token_file:
+        lines.append(f'auth_token_file = "{token_file}"')
+    lines.append(more)
+    for p in CLUSTER_PORTS:
+        lines += ["[[peers]]", f'name = "{node_name(p)}"', f'address = "127.0.0.1:{p}"']
+    return "\n".join(lines) + "\n"
+
+
+def token_daemon(base: Path, token_file: Path | None, more: str = "", extra: tuple[str, ...] = (),
+                 **kw: object) -> DaemonProc:
+    """A daemon that also listens on loopback TCP, a node of the test cluster whose node token is in
+    token_file; `more` adds [daemon] lines (e.g. admin_token_file = ...), `extra` memsnapd flags."""
+    port = next(_next_port)
+    base.mkdir(parents=True, exist_ok=True)
+    cfg = base / "memsnap.toml"
+    cfg.write_text(cluster_toml(port, token_file, more))
+    d = DaemonProc(base, extra=["--config", str(cfg), *extra], **kw)  # type: ignore[arg-type]
     d.address = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
     return d
 
 
+def peer_token_for(d: DaemonProc, token_file: Path) -> str:
+    """The credential a peer sends to the cluster daemon d: derived from the node token for d's name."""
+    port = int(d.address.rsplit(":", 1)[1])  # type: ignore[attr-defined]
+    return peer_credential(token_file.read_text().strip().encode(), node_name(port))
+
+
+def secret_file(path: Path, text: str = "") -> Path:
+    """A 0600 token file."""
+    path.write_text((text or secrets.token_hex(32)) + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc, str]]:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc, str, str]]:
+    """A cluster daemon with an admin token: (daemon, the peer credential for it, the admin token)."""
     if os.geteuid() != 0:
         pytest.fail("the e2e tests run real CRIU and must run as root (CI does)")
     base = tmp_path_factory.mktemp("remote")
-    token = secrets.token_hex(32)
-    (base / "token").write_text(token + "\n")
-    d = token_daemon(base / "d", base / "token").start()
-    yield d, token
+    token = secret_file(base / "token")
+    admin = secret_file(base / "admin")
+    d = token_daemon(base / "d", token, f'admin_token_file = "{admin}"').start()
+    yield d, peer_token_for(d, token), admin.read_text().strip()
     d.cleanup()
 
 
@@ -59,20 +125,25 @@ def _status_code(target: Target) -> str:
         return exc.code.name
 
 
-def test_tcp_status_needs_the_node_token(node, tmp_path):
-    d, token = node
+def test_tcp_status_needs_a_peer_or_admin_credential(node, tmp_path):
+    d, peer, admin = node
     addr = d.address
+    node_token = (d.base.parent / "token").read_text().strip()
     assert _status_code(Target(address=addr)) == "UNAUTHENTICATED"
     assert _status_code(Target(address=addr, token="0" * 64)) == "UNAUTHENTICATED"
-    assert _status_code(Target(address=addr, token=token[:-1])) == "UNAUTHENTICATED"
-    assert _status_code(Target(address=addr, token=token)) == "OK"
-    # An authenticated peer acts as root: it may list everything.
-    with MemsnapClient(Target(address=addr, token=token)) as c:
+    assert _status_code(Target(address=addr, token=peer[:-1])) == "UNAUTHENTICATED"
+    # The node token itself is never a credential: it never leaves its node.
+    assert _status_code(Target(address=addr, token=node_token)) == "UNAUTHENTICATED"
+    # Nor is the credential derived for another peer.
+    assert _status_code(Target(address=addr, token=peer_credential(node_token.encode(), "n1"))) == "UNAUTHENTICATED"
+    assert _status_code(Target(address=addr, token=peer)) == "OK"
+    assert _status_code(Target(address=addr, token=admin)) == "OK"
+    # An administrator acts as root: it may list everything.
+    with MemsnapClient(Target(address=addr, token=admin)) as c:
         assert c.status().version and isinstance(c.jobs(), list)
 
     # memsnapctl --address/--token-file.
-    tf = tmp_path / "t"
-    tf.write_text(token)
+    tf = secret_file(tmp_path / "t", admin)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     ctl = [sys.executable, "-m", "memsnap.cli", "--address", addr]
     r = subprocess.run([*ctl, "--token-file", str(tf), "--json", "status"], capture_output=True, text=True,
@@ -92,7 +163,7 @@ def _raw_status(channel: grpc.Channel, metadata: list[tuple[str, str]]) -> str:
 
 
 def test_forged_authenticated_header_is_refused(node):
-    d, token = node
+    d, token, _ = node
     with grpc.insecure_channel(d.address) as ch:
         assert _raw_status(ch, [FORGED]) == "UNAUTHENTICATED"
         # Even with the right token, a request that claims authentication itself is refused.
@@ -141,10 +212,12 @@ def _make_cert(d: Path, name: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
              "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
     _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey", str(ca[0]), "-CAcreateserial",
              "-out", str(crt), "-days", "2", "-extfile", str(ext))
+    os.chmod(key, 0o600)
     return key, crt
 
 
 def test_mutual_tls_without_token(tmp_path):
+    # The client certificate is named in daemon.admin_identities: it is an administrator.
     pki = tmp_path / "pki"
     pki.mkdir()
     ca = _make_ca(pki, "memsnap-ca")
@@ -153,8 +226,11 @@ def test_mutual_tls_without_token(tmp_path):
     rogue = _make_ca(pki, "rogue-ca")
     rogue_key, rogue_crt = _make_cert(pki, "rogue", rogue)
     port = free_port()
-    d = DaemonProc(tmp_path / "tls", extra=["--listen", f"127.0.0.1:{port}", "--tls-cert", str(node_crt),
-                                           "--tls-key", str(node_key), "--tls-ca", str(ca[1])])
+    cfg = tmp_path / "tls.toml"
+    cfg.write_text('[daemon]\nadmin_identities = ["client"]\n')
+    d = DaemonProc(tmp_path / "tls", extra=["--config", str(cfg), "--listen", f"127.0.0.1:{port}",
+                                           "--tls-cert", str(node_crt), "--tls-key", str(node_key),
+                                           "--tls-ca", str(ca[1])])
     try:
         d.start()
         addr = f"127.0.0.1:{port}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
@@ -91,10 +92,23 @@ def test_bad_override_names_the_key() -> None:
         ("[drain]\nretry_initial_s = 10.0\nretry_max_s = 5.0\n", "drain.retry_max_s"),
         ('[daemon]\ntls_cert = "/c.pem"\n', "daemon.tls_key"),
         ('[tier]\nkind = "numa"\n', "tier.numa_node"),
+        ('[daemon]\nlisten = "unix-abstract:7"\n', "daemon.listen"),
+        ('[daemon]\nlisten = "unix:9"\n', "daemon.listen"),
+        ('[daemon]\nlisten = ":7443"\n', "daemon.listen"),
+        ('[daemon]\nnode_name = "a b"\n', "daemon.node_name"),
+        ('[daemon]\nadmin_identities = "admin"\n', "daemon.admin_identities"),  # needs mutual TLS
+        ('[daemon]\nadmin_identities = [1]\n', "daemon.admin_identities"),
+        ('[[peers]]\naddress = "10.0.0.2:7443"\n', "peers[0].name"),
+        ('[[peers]]\nname = "b"\n', "peers[0].address"),
+        ('[[peers]]\nname = "b"\naddress = "unix-abstract:7"\n', "peers[0].address"),
+        ('[[peers]]\nname = "b"\naddress = "b:1"\nbogus = 1\n', "peers[0].bogus"),
+        ('[[peers]]\nname = "b"\naddress = "b:1"\n[[peers]]\nname = "b"\naddress = "c:1"\n', "peers[1].name"),
+        ('[[peers]]\nname = "b"\naddress = "b:1"\n[[peers]]\nname = "c"\naddress = "b:1"\n',
+         "peers[1].address"),
     ],
 )
 def test_bad_values_are_rejected_by_key(tmp_path: Path, text: str, key: str) -> None:
-    with pytest.raises(ConfigError, match=rf": {key.replace('.', '[.]')}: "):
+    with pytest.raises(ConfigError, match=rf": {re.escape(key)}: "):
         load_config(write(tmp_path, text), {})
 
 
@@ -152,6 +166,49 @@ def test_to_toml_round_trips(tmp_path: Path) -> None:
     assert 'socket_mode = "0600"' in text
 
 
+PEERS = """
+[daemon]
+listen = "[::]:7443"
+node_name = "node1"
+tls_cert = "/c.pem"
+tls_key = "/k.pem"
+tls_ca = "/ca.pem"
+admin_identities = ["admin.example.org", "ops"]
+
+[[peers]]
+name = "node2"
+address = "10.0.0.2:7443"
+
+[[peers]]
+name = "node3"
+address = "Node3.example.org:7443"
+token_file = "/etc/memsnap/node3.token"
+identity = "spiffe://cluster/node3"
+"""
+
+
+def test_peers_and_roles_are_parsed(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, PEERS), {})
+    assert cfg.daemon.node_name == "node1"
+    assert cfg.daemon.admin_identities == ("admin.example.org", "ops")
+    assert [p.name for p in cfg.peers] == ["node2", "node3"]
+    node2, node3 = cfg.peers
+    assert node2.token_file == "" and node2.cert_identity == "node2"
+    assert node3.cert_identity == "spiffe://cluster/node3"
+    # A peer is found by its name or its address (the host case-insensitively), nothing else.
+    assert cfg.peer("node2") is node2 and cfg.peer("10.0.0.2:7443") is node2
+    assert cfg.peer("node3.example.org:7443") is node3
+    assert cfg.peer("10.0.0.2:7444") is None and cfg.peer("10.0.0.9:7443") is None and cfg.peer("") is None
+    assert load_config(None, {"daemon.admin_token_file": "/a", "daemon.node_name": "n"}).daemon.node_name == "n"
+
+
+def test_peers_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, PEERS), {})
+    text = cfg.to_toml()
+    assert load_config(write(tmp_path, text), {}) == cfg
+    assert text.count("\n[[peers]]\n") == 2
+
+
 def test_default_to_toml_round_trips(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, Config().to_toml()), {}) == Config()
 
@@ -162,6 +219,11 @@ def test_example_config_loads_and_shows_every_key() -> None:
     for name, section_type in config_module.SECTIONS.items():
         expected = {f.name for f in dataclasses.fields(section_type)}
         assert set(shown[name]) == expected, name
+    # [[peers]] is shown commented out (the default is none), with every key.
+    text = EXAMPLE.read_text()
+    assert "# [[peers]]" in text
+    for f in dataclasses.fields(config_module.PeerConfig):
+        assert f"# {f.name} = " in text, f.name
 
 
 def test_config_is_frozen() -> None:
