@@ -133,6 +133,7 @@ class Criu:
         pass_fds: tuple[int, ...] = (),
         notify: NotifyCallback | None = None,
         log_path: str = "",
+        umask: int = -1,
     ) -> rpc.Resp:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -144,6 +145,7 @@ class Criu:
                 stderr=subprocess.PIPE,
                 close_fds=True,
                 env=self._env,
+                umask=umask,
             )
         except OSError as exc:
             parent.close()
@@ -246,7 +248,9 @@ class Criu:
                 o.config_file = str(conf)
                 fds += (opts.ps_socket,)
             t0 = time.monotonic()
-            resp = self._call("dump", rpc.Req(type=rpc.DUMP, opts=o), fds, notify, log_path)
+            # Images are never readable by others, not even between CRIU's open() and any later chmod:
+            # criu swrk is a child process, so its own umask decides the mode its files are created with.
+            resp = self._call("dump", rpc.Req(type=rpc.DUMP, opts=o), fds, notify, log_path, umask=0o077)
             wall_ms = (time.monotonic() - t0) * 1000
         finally:
             os.close(img_fd)
