@@ -229,7 +229,7 @@ class Criu:
     ) -> DumpStats:
         """Dumps the tree rooted at pid into images_dir; the log goes to work_dir/dump.log."""
         log_path = str(work_dir / "dump.log")
-        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
+        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY | os.O_NOFOLLOW)  # CRIU works from this fd
         wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
         try:
             o = _common_opts(img_fd, wd_fd, "dump.log", opts, notify)
@@ -268,7 +268,7 @@ class Criu:
     ) -> int:
         """Restores the image detached and returns the host pid of its root."""
         log_path = str(work_dir / "restore.log")
-        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
+        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY | os.O_NOFOLLOW)  # CRIU works from this fd
         wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
         try:
             o = _common_opts(img_fd, wd_fd, "restore.log", opts, notify)

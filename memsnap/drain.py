@@ -174,7 +174,9 @@ class DrainService:
                                            next_attempt_ms=now_ms() + int(delay * 1000))
             if self.metrics is not None:
                 self.metrics.storage_errors.labels(op="put").inc()
-            clog.warning("drain attempt %d failed, retrying in %.1fs: %s", attempts, delay, reason)
+            # Tampering (a symlink where the store or tier had a directory) is an error, not a hiccup.
+            level = logging.ERROR if isinstance(exc, (StoreTampered, safefs.UnsafePath)) else logging.WARNING
+            clog.log(level, "drain attempt %d failed, retrying in %.1fs: %s", attempts, delay, reason)
             self.enqueue(ckpt_id, delay)
             return
         if self.catalog.get_checkpoint(ckpt_id) is None:
