@@ -100,12 +100,16 @@ def load_or_create_key(path: Path) -> bytes:
         return key
     parent = safefs.ensure_root(path.parent, "HMAC key directory", owner) if not path.parent.is_dir() \
         else path.parent
-    key = secrets.token_bytes(32)
+    new = secrets.token_bytes(32)
     dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     with safefs.opened(dfd):
         # A fresh, unguessable temp name: a stale or planted 'hmac.tmp' (any mode, or a symlink) plays no part.
-        safefs.write_atomic(dfd, path.name, key, 0o600)
-    return key
+        if key is not None:  # too short to be one of ours: replace it
+            safefs.write_atomic(dfd, path.name, new, 0o600)
+        elif not safefs.write_new(dfd, path.name, new, 0o600):
+            # Another process created it first: use that one, so that everyone signs with the same key.
+            return load_or_create_key(path)
+    return new
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

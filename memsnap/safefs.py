@@ -218,6 +218,31 @@ def write_atomic(dirfd: int, name: str, data: bytes, mode: int = 0o600) -> None:
     fsync_dir(dirfd)
 
 
+def write_new(dirfd: int, name: str, data: bytes, mode: int = 0o600) -> bool:
+    """Creates name in dirfd holding data, complete and fsynced, unless name exists (then False): written to a
+    fresh O_EXCL temp file, then linkat'ed, which never replaces anything."""
+    tmp = temp_name(name)
+    fd = create_file(dirfd, tmp, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        try:
+            os.link(tmp, check_name(name), src_dir_fd=dirfd, dst_dir_fd=dirfd, follow_symlinks=False)
+        except FileExistsError:
+            return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dirfd)
+    fsync_dir(dirfd)
+    return True
+
+
 def fsync_dir(dirfd: int) -> None:
     """fsyncs a directory fd; filesystems that cannot (EINVAL/ENOTSUP, some FUSE) are let be."""
     try:

@@ -252,3 +252,13 @@ def test_store_root_must_be_private(tmp_path: Path) -> None:
     root.chmod(0o777)
     with pytest.raises(StoreUnavailable, match="chmod 700"):
         PosixStore(root, create=True)
+
+
+def test_write_new_never_replaces(tmp_path: Path, victim: Path) -> None:
+    (tmp_path / "link").symlink_to(victim / "precious")
+    with safefs.opened(safefs.open_root(tmp_path)) as fd:
+        assert safefs.write_new(fd, "key", b"first")
+        assert not safefs.write_new(fd, "key", b"second")
+        assert not safefs.write_new(fd, "link", b"second")
+    assert (tmp_path / "key").read_bytes() == b"first" and _mode(tmp_path / "key") == 0o600
+    assert _intact(victim) and sorted(os.listdir(tmp_path)) == ["key", "link", "victim"]
