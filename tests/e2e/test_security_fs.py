@@ -133,6 +133,15 @@ def test_symlinked_index_entry_is_refused(make_daemon, jobs_to_kill, victim):
     assert ck["state"] == "durable"
     assert _snapshot(victim) == before
     assert "store index entry for 'trainer' refused" in d.log.read_text()
+    # Another node sharing the store and key never looks up the name through the link either.
+    (victim / ck["id"]).write_text("")  # what the link would have led to
+    before = _snapshot(victim)
+    other = make_daemon("other", extra=["--store-dir", str(d.store), "--hmac-key-file",
+                                        str(d.state / "hmac.key")]).start()
+    r = other.ctl("restore", "trainer")
+    assert r.returncode != 0 and "symbolic link" in r.stderr
+    assert _running_jobs(other) == set()
+    assert _snapshot(victim) == before
 
 
 # -- issue 13 item 3: a tier someone else owns, or a symlinked tier path, is refused at start ---------------
