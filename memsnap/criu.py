@@ -134,6 +134,7 @@ class Criu:
         pass_fds: tuple[int, ...] = (),
         notify: NotifyCallback | None = None,
         log_path: str = "",
+        umask: int = -1,
     ) -> rpc.Resp:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -145,6 +146,7 @@ class Criu:
                 stderr=subprocess.PIPE,
                 close_fds=True,
                 env=self._env,
+                umask=umask,
             )
         except OSError as exc:
             parent.close()
@@ -228,7 +230,7 @@ class Criu:
     ) -> DumpStats:
         """Dumps the tree rooted at pid into images_dir; the log goes to work_dir/dump.log."""
         log_path = str(work_dir / "dump.log")
-        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
+        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY | os.O_NOFOLLOW)  # CRIU works from this fd
         wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
         try:
             o = _common_opts(img_fd, wd_fd, "dump.log", opts, notify)
@@ -247,7 +249,9 @@ class Criu:
                 o.config_file = str(conf)
                 fds += (opts.ps_socket,)
             t0 = time.monotonic()
-            resp = self._call("dump", rpc.Req(type=rpc.DUMP, opts=o), fds, notify, log_path)
+            # Images are never readable by others, not even between CRIU's open() and any later chmod:
+            # criu swrk is a child process, so its own umask decides the mode its files are created with.
+            resp = self._call("dump", rpc.Req(type=rpc.DUMP, opts=o), fds, notify, log_path, umask=0o077)
             wall_ms = (time.monotonic() - t0) * 1000
         finally:
             os.close(img_fd)
@@ -265,7 +269,7 @@ class Criu:
     ) -> int:
         """Restores the image detached and returns the host pid of its root."""
         log_path = str(work_dir / "restore.log")
-        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
+        img_fd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY | os.O_NOFOLLOW)  # CRIU works from this fd
         wd_fd = os.open(work_dir, os.O_DIRECTORY | os.O_RDONLY)
         try:
             o = _common_opts(img_fd, wd_fd, "restore.log", opts, notify)

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from memsnap import manifest
+from memsnap import manifest, safefs
 from memsnap.api import MemsnapServicer
 from memsnap.catalog import Catalog
 from memsnap.config import Config, ConfigError, load_config
@@ -26,6 +26,7 @@ from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
 from memsnap.peercred import PeerCredRelay
 from memsnap.sdnotify import Heartbeat, Notifier
+from memsnap.store import StoreError
 from memsnap.tier import MemoryTier
 from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc
 
@@ -60,15 +61,18 @@ class Daemon:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        state = Path(cfg.state.dir)
-        state.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(state, 0o700)
-        self.metrics = Metrics()
-        self.catalog = Catalog(state)
-        self.tier = MemoryTier(cfg.tier.dir, cfg.tier.capacity or 0, cfg.tier.kind)
-        self.criu = Criu(plugin_dir=state / "criu-plugins")
-        key = manifest.load_or_create_key(Path(cfg.hmac_key_path))
-        self.drain = self._make_drain(key)
+        # State, tier and store roots: real root-owned directories that no one else can write (created here
+        # when missing), else memsnapd refuses to start with one line saying why and how to fix it.
+        try:
+            state = safefs.ensure_root(cfg.state.dir, "state dir")
+            self.metrics = Metrics()
+            self.catalog = Catalog(state)
+            self.tier = MemoryTier(cfg.tier.dir, cfg.tier.capacity or 0, cfg.tier.kind)
+            self.criu = Criu(plugin_dir=state / "criu-plugins")
+            key = manifest.load_or_create_key(Path(cfg.hmac_key_path))
+            self.drain = self._make_drain(key)
+        except (safefs.UnsafePath, StoreError) as exc:
+            raise SystemExit(f"memsnapd: {exc}") from exc
         self.engine = Engine(
             EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin),
             self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from memsnap import manifest
+from memsnap import manifest, safefs
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.store import (
@@ -40,6 +40,7 @@ from memsnap.store import (
     copy_encode,
     open_store,
 )
+from memsnap.store.posix import StoreTampered
 from memsnap.tier import MemoryTier
 
 log = logging.getLogger("memsnap.drain")
@@ -173,7 +174,9 @@ class DrainService:
                                            next_attempt_ms=now_ms() + int(delay * 1000))
             if self.metrics is not None:
                 self.metrics.storage_errors.labels(op="put").inc()
-            clog.warning("drain attempt %d failed, retrying in %.1fs: %s", attempts, delay, reason)
+            # Tampering (a symlink where the store or tier had a directory) is an error, not a hiccup.
+            level = logging.ERROR if isinstance(exc, (StoreTampered, safefs.UnsafePath)) else logging.WARNING
+            clog.log(level, "drain attempt %d failed, retrying in %.1fs: %s", attempts, delay, reason)
             self.enqueue(ckpt_id, delay)
             return
         if self.catalog.get_checkpoint(ckpt_id) is None:
@@ -195,7 +198,13 @@ class DrainService:
 
     def _drain(self, rec: CheckpointRecord) -> int:
         src = self.tier.path(rec.id)
-        tier_manifest = manifest.verify_dir_signature_only(src, self.key)
+        # Bound to this record: a tier copy of another checkpoint put in its place is never made durable as it.
+        tier_manifest = manifest.verify_dir_signature_only(src, self.key,
+                                                           bound_to=(rec.id, rec.job, rec.owner_uid))
+        with safefs.opened(os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as sfd:
+            return self._drain_files(rec, sfd, tier_manifest)
+
+    def _drain_files(self, rec: CheckpointRecord, sfd: int, tier_manifest: dict[str, Any]) -> int:
         files: dict[str, dict[str, Any]] = tier_manifest["files"]
         done = 0
         last_report = time.monotonic()
@@ -214,7 +223,7 @@ class DrainService:
         for name in sorted(files, key=lambda n: (files[n]["size"], n)):
             meta = files[name]
             key = f"{rec.id}/{name}" + (".zst" if self.codec.compressed else "")
-            with open(src / name, "rb") as f, self.store.open_writer(key) as w:
+            with os.fdopen(safefs.open_file(sfd, name), "rb") as f, self.store.open_writer(key) as w:
                 # Overlap the store's I/O with hashing and compressing: done in turn, the CPU work
                 # left the link idle ~20% of the time (drain of 1 GiB to a 1 Gbit/s store).
                 sink: Any = _Pipelined(w) if int(meta["size"]) >= _PIPELINE_MIN else w
@@ -247,8 +256,12 @@ class DrainService:
                 raise StoreUnavailable(f"stored {s['key']} has the wrong size after upload")
         # A by-name index lets another node find this checkpoint (Slurm requeue elsewhere, --via-store).
         if rec.name and _SAFE_NAME.match(rec.name):
-            with self.store.open_writer(f"{INDEX}/{rec.name}/{rec.id}") as w:
-                w.commit()
+            try:
+                with self.store.open_writer(f"{INDEX}/{rec.name}/{rec.id}") as w:
+                    w.commit()
+            except StoreTampered as exc:
+                # The copy is durable; only the hint is refused (never written through a planted symlink).
+                log.error("store index entry for %r refused: %s", rec.name, exc, extra={"checkpoint_id": rec.id})
         return sum(int(s["stored_bytes"]) for s in stored_files.values()) + len(data)
 
     # -- fetch and delete ---------------------------------------------------------------------
@@ -262,22 +275,35 @@ class DrainService:
             raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
         except StoreUnavailable as exc:
             raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
-        except ValueError as exc:
-            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable") from exc
+        except (ValueError, StoreError) as exc:
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable: {exc}") \
+                from exc
         try:
             manifest.verify_signature(stored, self.key)
+            manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
         except manifest.IntegrityError as exc:
             raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
         files = stored["files"]
         storage = stored.get("storage", {}).get("files", {})
         if set(storage) != set(files):
             raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
+        with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
+            self._fetch_files(rec, stored, dfd)
+        tier_body = {k: v for k, v in stored.items() if k != "storage"}
+        manifest.write(dest, manifest.sign(tier_body, self.key))
+        if self.metrics is not None:
+            self.metrics.observe_phase("fetch", time.monotonic() - t0)
+        release_memory()
+
+    def _fetch_files(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
+        files = stored["files"]
+        storage = stored.get("storage", {}).get("files", {})
         for name, meta in files.items():
             s = storage[name]
-            if "/" in name or name.startswith(".") or s.get("key") != f"{rec.id}/{name}" + (
-                    ".zst" if s.get("codec") == "zstd" else ""):
+            if "/" in name or name.startswith(".") or not name or name == MANIFEST_NAME or \
+                    s.get("key") != f"{rec.id}/{name}" + (".zst" if s.get("codec") == "zstd" else ""):
                 raise IntegrityFailure(f"integrity check failed: bad entry {name!r} in stored manifest")
-            fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = safefs.create_file(dfd, name, 0o600)
             try:
                 with self.store.open_reader(s["key"]) as src, os.fdopen(fd, "wb") as out:
                     # Read ahead in a helper thread, so the store's I/O overlaps decompressing and hashing.
@@ -294,11 +320,6 @@ class DrainService:
             if (res.raw_bytes, res.raw_blake3) != (meta["size"], meta["blake3"]) or \
                     res.stored_blake3 != s["stored_blake3"]:
                 raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
-        tier_body = {k: v for k, v in stored.items() if k != "storage"}
-        manifest.write(dest, manifest.sign(tier_body, self.key))
-        if self.metrics is not None:
-            self.metrics.observe_phase("fetch", time.monotonic() - t0)
-        release_memory()
 
     def find_stored(self, name: str) -> list[dict[str, Any]]:
         """Signed store manifests of the checkpoints indexed under name, newest first (unverified ones skipped)."""
@@ -327,6 +348,11 @@ class DrainService:
             self.store.delete_prefix(rec.id + "/")
         except StoreUnavailable as exc:
             raise Unavailable(f"cannot delete {rec.id} from the store: {exc}; try again later") from exc
+        except StoreTampered as exc:
+            log.error("store tampering: %s", exc, extra={"checkpoint_id": rec.id})
+            raise IntegrityFailure(f"the store copy of {rec.id} was tampered with, nothing was deleted through "
+                                   f"it: {exc}; check the store, remove the entry by hand, then delete again") \
+                from exc
 
 
 def _libc() -> Any:

@@ -153,6 +153,8 @@ class Engine:
         self._busy: set[int] = set()
         self._busy_lock = threading.Lock()
         self._evict_lock = threading.Lock()
+        self._ckpt_locks: dict[str, threading.RLock] = {}
+        self._ckpt_locks_lock = threading.Lock()
         self._lazy: list[tuple[str, Any, Path]] = []
         self._lazy_lock = threading.Lock()
         # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
@@ -269,22 +271,46 @@ class Engine:
         return rec
 
     def _reserve(self, nbytes: int) -> Any:
-        """Reserves tier room, evicting durable tier copies least-recently-used first if needed."""
+        """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
+
+        A checkpoint whose lock someone holds (a fetch, restore, delete) is skipped, never waited for: the
+        caller may hold another checkpoint's lock, and waiting could deadlock.
+        """
         with self._evict_lock:
+            skipped: set[str] = set()
             while True:
                 try:
                     return self.tier.reserve(nbytes)
                 except TierFull as exc:
-                    victim = self._lru_evictable()
+                    victim = self._lru_evictable(skipped)
                     if victim is None:
                         raise TierExhausted(str(exc)) from exc
-                    log.info("evicting durable tier copy to make room", extra={"checkpoint_id": victim.id})
-                    self._evict(victim)
+                    lock = self._lock_for(victim.id)
+                    if not lock.acquire(blocking=False):
+                        skipped.add(victim.id)
+                        continue
+                    try:
+                        cur = self.catalog.get_checkpoint(victim.id)
+                        if cur is not None and cur.in_tier:
+                            log.info("evicting durable tier copy to make room", extra={"checkpoint_id": victim.id})
+                            self._evict(cur)
+                    finally:
+                        lock.release()
 
-    def _lru_evictable(self) -> CheckpointRecord | None:
+    def _lru_evictable(self, skip: set[str] | None = None) -> CheckpointRecord | None:
         durable = [r for r in self.catalog.checkpoints(states=(DURABLE,))
-                   if r.in_tier and r.in_store and not self.lazy_in_use(r.id)]
+                   if r.in_tier and r.in_store and r.id not in (skip or ()) and not self.lazy_in_use(r.id)]
         return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
+
+    def _lock_for(self, ckpt_id: str) -> threading.RLock:
+        with self._ckpt_locks_lock:
+            return self._ckpt_locks.setdefault(ckpt_id, threading.RLock())
+
+    @contextmanager
+    def _ckpt_lock(self, ckpt_id: str) -> Iterator[None]:
+        """Serialises fetch, publish, evict and delete of one checkpoint's tier and store copies."""
+        with self._lock_for(ckpt_id):
+            yield
 
     def _checkpoint_reserved(self, pid: int, job: JobRecord | None, owner: int, stop: bool,
                              tcp_established: bool, name: str,
@@ -499,14 +525,17 @@ class Engine:
             why = f": {rec.last_error}" if rec.last_error else ""
             raise FailedPrecondition(f"checkpoint {rec.id} is {rec.state} and cannot be restored{why}")
         t0 = time.monotonic()
-        images, fetch_ms, from_store = self._local_copy(rec)
-        t1 = time.monotonic()
-        try:
-            # A copy fetched from the store was hashed while it streamed in; a tier copy is hashed now.
-            man = manifest.verify_dir(images, self.key, trusted=rec.meta.get("fingerprint"))
-        except manifest.IntegrityError as exc:
-            self.observe("restore", "integrity", time.monotonic() - t0)
-            raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
+        with self._ckpt_lock(rec.id):
+            images, fetch_ms, from_store = self._local_copy(rec)
+            t1 = time.monotonic()
+            try:
+                # A copy fetched from the store was hashed while it streamed in; a tier copy is hashed now.
+                # The signed manifest must be this record's: (checkpoint id, job, owner uid).
+                man = manifest.verify_dir(images, self.key, trusted=rec.meta.get("fingerprint"),
+                                          bound_to=(rec.id, rec.job, rec.owner_uid))
+            except manifest.IntegrityError as exc:
+                self.observe("restore", "integrity", time.monotonic() - t0)
+                raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
         verify_ms = (time.monotonic() - t1) * 1000
         if man.get("pages_remote") and lazy_ps_socket < 0:
             raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
@@ -616,7 +645,10 @@ class Engine:
             self._lazy = alive
 
     def _local_copy(self, rec: CheckpointRecord) -> tuple[Path, float, bool]:
-        """The tier copy, fetched from the store first when it was evicted."""
+        """The tier copy, fetched from the store first when it was evicted (caller holds _ckpt_lock)."""
+        cur = self.catalog.get_checkpoint(rec.id)  # another restore may have fetched it while we waited
+        if cur is not None:
+            rec.in_tier, rec.in_store, rec.meta = cur.in_tier, cur.in_store, cur.meta
         if rec.in_tier and self.tier.has(rec.id):
             return self.tier.path(rec.id), 0.0, False
         if not rec.in_store or self.drain is None:
@@ -624,12 +656,13 @@ class Engine:
         t0 = time.monotonic()
         reservation = self._reserve(rec.size_bytes + _RESERVE_SLACK)
         try:
-            staging = self.tier.new_staging(rec.id)
+            staging = self.tier.new_staging(rec.id, unique=True)  # never shared with another fetch
             try:
                 self.drain.fetch(rec, staging)
+                self.tier.remove(rec.id)  # a stray copy left by a crash (the catalog says not in tier)
                 self.tier.publish(staging, rec.id)
             except BaseException:
-                self.tier.discard_staging(rec.id)
+                self.tier.discard(staging)
                 raise
         finally:
             reservation.release()
@@ -650,10 +683,11 @@ class Engine:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
         if self.lazy_in_use(ckpt_id):
             raise FailedPrecondition(f"a lazy restore is still paging from {ckpt_id}; try again when it is done")
-        if rec.in_store and self.drain is not None:
-            self.drain.delete(rec)
-        self.tier.remove(ckpt_id)
-        self.catalog.delete_checkpoint(ckpt_id)
+        with self._ckpt_lock(ckpt_id):
+            if rec.in_store and self.drain is not None:
+                self.drain.delete(rec)
+            self.tier.remove(ckpt_id)
+            self.catalog.delete_checkpoint(ckpt_id)
 
     def evict(self, caller: Caller, ckpt_id: str) -> CheckpointRecord:
         """Drops the tier copy of a durable checkpoint; staged-only ones are never evicted."""
@@ -663,12 +697,14 @@ class Engine:
                                      "would lose it; wait for the drain ('memsnapctl watch')")
         if self.lazy_in_use(ckpt_id):
             raise FailedPrecondition(f"a lazy restore is still paging from {ckpt_id}; try again when it is done")
-        self._evict(rec)
+        with self._ckpt_lock(ckpt_id):
+            self._evict(rec)
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out
 
     def _evict(self, rec: CheckpointRecord) -> None:
+        """Drops a tier copy; the caller holds _ckpt_lock(rec.id)."""
         # Journal first: a crash after this leaves a stray dir that recovery removes.
         self.catalog.update_checkpoint(rec.id, in_tier=False)
         self.tier.remove(rec.id)

@@ -7,13 +7,17 @@ import hmac
 import json
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
 import blake3
 
+from memsnap import safefs
+
 MANIFEST = "manifest.json"
 FORMAT = 1
+KNOWN_FORMATS = {1}
 _CHUNK = 8 << 20
 # CRIU itself leaves these in the images dir on restore; they are never read back.
 _CRIU_WRITES_ON_RESTORE = {"stats-restore"}
@@ -24,47 +28,88 @@ class IntegrityError(Exception):
 
 
 def file_blake3(path: Path) -> str:
-    """Hex blake3 of a file, hashed with several threads for big page images."""
+    """Hex blake3 of a regular file (never through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with safefs.opened(fd):
+        return fd_blake3(fd)
+
+
+def fd_blake3(fd: int) -> str:
+    """Hex blake3 of an open file, hashed with several threads for big page images."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size >= _CHUNK:
-            # mmap-free whole-file update keeps the multithreaded path effective.
-            h.update_mmap(path)
-            return h.hexdigest()
-        h.update(f.read())
+    size = os.fstat(fd).st_size
+    if size >= _CHUNK:
+        # The /proc/self/fd link names exactly this open file; the multithreaded mmap path stays effective.
+        h.update_mmap(safefs.fd_path(fd))
+        return h.hexdigest()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, _CHUNK):
+        h.update(chunk)
     return h.hexdigest()
 
 
+def _open_images(images_dir: Path) -> int:
+    """A dirfd of an images dir (its last component must be a real directory)."""
+    try:
+        return os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise IntegrityError(f"integrity check failed: cannot open {images_dir}: {exc.strerror}") from exc
+
+
+def _image_files(dfd: int, where: Path) -> dict[str, os.stat_result]:
+    """name -> lstat of the image files of a dirfd (manifest excluded); anything but a regular file refused."""
+    try:
+        found = safefs.regular_files(dfd)
+    except safefs.UnsafePath as exc:
+        raise IntegrityError(f"integrity check failed: {where}: {exc}") from exc
+    subdirs = [n for n, s in safefs.entries(dfd) if stat.S_ISDIR(s.st_mode)]
+    if subdirs:
+        raise IntegrityError(f"integrity check failed: {where} holds directory {subdirs[0]!r}")
+    return {n: s for n, s in found if n != MANIFEST}
+
+
 def describe_files(images_dir: Path) -> dict[str, dict[str, Any]]:
-    """Name -> {size, blake3} for every image file (the manifest itself excluded)."""
+    """Name -> {size, blake3} for every image file (the manifest itself excluded), each opened with
+    O_NOFOLLOW from the dir's fd; a symlink, fifo or device in the dir is refused (IntegrityError)."""
     out: dict[str, dict[str, Any]] = {}
-    for p in sorted(images_dir.iterdir()):
-        if p.name == MANIFEST or not p.is_file():
-            continue
-        out[p.name] = {"size": p.stat().st_size, "blake3": file_blake3(p)}
+    with safefs.opened(_open_images(images_dir)) as dfd:
+        for name in sorted(_image_files(dfd, images_dir)):
+            with safefs.opened(_open_member(dfd, name, images_dir)) as fd:
+                out[name] = {"size": os.fstat(fd).st_size, "blake3": fd_blake3(fd)}
     return out
 
 
+def _open_member(dfd: int, name: str, where: Path, flags: int = os.O_RDONLY) -> int:
+    try:
+        return safefs.open_file(dfd, name, flags)
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"integrity check failed: {name} is missing") from exc
+    except safefs.UnsafePath as exc:
+        raise IntegrityError(f"integrity check failed: {where}: {exc}") from exc
+
+
 def load_or_create_key(path: Path) -> bytes:
-    """The node's HMAC key: created at first start with mode 0600."""
-    try:
-        key = path.read_bytes()
-        if len(key) >= 32:
-            return key
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = secrets.token_bytes(32)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    return key
+    """The node's HMAC key, created at first start: O_EXCL|O_NOFOLLOW, mode 0600 from the first byte.
+
+    A key file that is a symlink, not root's, or readable/writable by group/others is refused
+    (safefs.UnsafePath, one line saying how to fix it).
+    """
+    owner = os.geteuid()
+    key = safefs.read_private(path, "HMAC key", owner)
+    if key is not None and len(key) >= 32:
+        return key
+    parent = safefs.ensure_root(path.parent, "HMAC key directory", owner) if not path.parent.is_dir() \
+        else path.parent
+    new = secrets.token_bytes(32)
+    dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    with safefs.opened(dfd):
+        # A fresh, unguessable temp name: a stale or planted 'hmac.tmp' (any mode, or a symlink) plays no part.
+        if key is not None:  # too short to be one of ours: replace it
+            safefs.write_atomic(dfd, path.name, new, 0o600)
+        elif not safefs.write_new(dfd, path.name, new, 0o600):
+            # Another process created it first: use that one, so that everyone signs with the same key.
+            return load_or_create_key(path)
+    return new
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
@@ -91,41 +136,37 @@ def verify_signature(manifest: dict[str, Any], key: bytes) -> None:
 
 
 def write(images_dir: Path, manifest: dict[str, Any]) -> None:
-    """Makes every image file 0600 and fsyncs it, then writes manifest.json (fsync is cheap on tmpfs)."""
-    for p in images_dir.iterdir():
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
+    """Makes every image file 0600 and fsyncs it (via fds opened with O_NOFOLLOW), then writes manifest.json
+    atomically relative to the dir's fd (fsync is cheap on tmpfs)."""
+    with safefs.opened(_open_images(images_dir)) as dfd:
+        for name in _image_files(dfd, images_dir):
+            with safefs.opened(_open_member(dfd, name, images_dir)) as fd:
                 os.fchmod(fd, 0o600)
                 os.fsync(fd)
-            finally:
-                os.close(fd)
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    fd = os.open(images_dir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dfd = os.open(images_dir, os.O_DIRECTORY | os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        safefs.write_atomic(dfd, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode(), 0o600)
 
 
-def read(images_dir: Path) -> dict[str, Any]:
-    """Parses manifest.json, or raises IntegrityError."""
+def _read_at(dfd: int, images_dir: Path) -> dict[str, Any]:
     try:
-        raw = (images_dir / MANIFEST).read_bytes()
-        data = json.loads(raw)
+        fd = safefs.open_file(dfd, MANIFEST)
     except FileNotFoundError as exc:
         raise IntegrityError(f"integrity check failed: {images_dir} has no manifest") from exc
+    except OSError as exc:
+        raise IntegrityError(f"integrity check failed: unreadable manifest in {images_dir}: {exc}") from exc
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = json.loads(f.read())
     except (OSError, ValueError) as exc:
         raise IntegrityError(f"integrity check failed: unreadable manifest in {images_dir}: {exc}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
         raise IntegrityError("integrity check failed: manifest has no file list")
     return data
+
+
+def read(images_dir: Path) -> dict[str, Any]:
+    """Parses manifest.json (a real regular file, opened with O_NOFOLLOW), or raises IntegrityError."""
+    with safefs.opened(_open_images(images_dir)) as dfd:
+        return _read_at(dfd, images_dir)
 
 
 def fingerprint(images_dir: Path) -> dict[str, list[int]]:
@@ -134,50 +175,71 @@ def fingerprint(images_dir: Path) -> dict[str, list[int]]:
     ctime cannot be set from userspace and moves on every write or chmod, so a matching fingerprint
     means the bytes are the ones whose hash we computed ourselves (git's index uses the same idea).
     """
-    out: dict[str, list[int]] = {}
-    for p in images_dir.iterdir():
-        if p.is_file() and p.name != MANIFEST:
-            st = p.stat()
-            out[p.name] = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    return out
+    with safefs.opened(_open_images(images_dir)) as dfd:
+        return {name: [*_fp(s)] for name, s in _image_files(dfd, images_dir).items()}
 
 
-def verify_dir(images_dir: Path, key: bytes, trusted: dict[str, list[int]] | None = None) -> dict[str, Any]:
-    """Checks signature, file set, sizes and checksums; returns the manifest.
+def check_binding(manifest: dict[str, Any], ckpt_id: str, job: str, uid: int) -> None:
+    """Raises IntegrityError unless a (verified) manifest is the one of checkpoint ckpt_id of job, owned by uid.
+
+    The signature proves this node (or its cluster) wrote the manifest, not for which checkpoint: without
+    this, a copy of checkpoint B's signed image put in A's place would restore B when A was asked for.
+    Every manifest since format 1 carries id, job and uid in its signed body, so old ones are bound too;
+    one that lacks them, or has an unknown format, is refused.
+    """
+    if manifest.get("format") not in KNOWN_FORMATS:
+        raise IntegrityError(f"integrity check failed: manifest format {manifest.get('format')!r} is not one "
+                             f"this memsnap knows ({sorted(KNOWN_FORMATS)})")
+    got = (manifest.get("id"), manifest.get("job"), manifest.get("uid"))
+    if got != (ckpt_id, job, uid):
+        raise IntegrityError(f"integrity check failed: the signed manifest belongs to checkpoint {got[0]!r} "
+                             f"(job {got[1]!r}, uid {got[2]!r}), not to {ckpt_id} (job {job!r}, uid {uid}): "
+                             "the image was swapped")
+
+
+def verify_dir(images_dir: Path, key: bytes, trusted: dict[str, list[int]] | None = None,
+               bound_to: tuple[str, str, int] | None = None) -> dict[str, Any]:
+    """Checks signature, binding to (checkpoint id, job, uid) when given, file set, sizes and checksums;
+    returns the manifest. Every file is opened with O_NOFOLLOW from the dir's fd; a symlink, fifo or
+    device in the dir fails the check.
 
     Files whose fingerprint equals `trusted` (recorded right after we hashed them) are not re-hashed.
     """
-    manifest = read(images_dir)
-    verify_signature(manifest, key)
-    files: dict[str, Any] = manifest["files"]
-    present = {p.name for p in images_dir.iterdir() if p.is_file() and p.name != MANIFEST}
-    extra = present - set(files) - _CRIU_WRITES_ON_RESTORE
-    if extra:
-        raise IntegrityError(f"integrity check failed: unexpected files {sorted(extra)[:3]}")
-    for name, meta in files.items():
-        if "/" in name or name.startswith("."):
-            raise IntegrityError(f"integrity check failed: bad file name {name!r} in manifest")
-        p = images_dir / name
-        try:
-            size = p.stat().st_size
-        except FileNotFoundError as exc:
-            raise IntegrityError(f"integrity check failed: {name} is missing") from exc
-        if size != meta.get("size"):
-            raise IntegrityError(f"integrity check failed: {name} has {size} bytes, manifest says {meta.get('size')}")
-        if trusted is not None and trusted.get(name) == [*_fp(p)]:
-            continue
-        if file_blake3(p) != meta.get("blake3"):
-            raise IntegrityError(f"integrity check failed: checksum mismatch in {name}")
+    with safefs.opened(_open_images(images_dir)) as dfd:
+        manifest = _read_at(dfd, images_dir)
+        verify_signature(manifest, key)
+        if bound_to is not None:
+            check_binding(manifest, *bound_to)
+        files: dict[str, Any] = manifest["files"]
+        present = set(_image_files(dfd, images_dir))
+        extra = present - set(files) - _CRIU_WRITES_ON_RESTORE
+        if extra:
+            raise IntegrityError(f"integrity check failed: unexpected files {sorted(extra)[:3]}")
+        for name, meta in files.items():
+            if "/" in name or name.startswith(".") or not name or name == MANIFEST:
+                raise IntegrityError(f"integrity check failed: bad file name {name!r} in manifest")
+            with safefs.opened(_open_member(dfd, name, images_dir)) as fd:
+                st = os.fstat(fd)
+                if st.st_size != meta.get("size"):
+                    raise IntegrityError(f"integrity check failed: {name} has {st.st_size} bytes, manifest "
+                                         f"says {meta.get('size')}")
+                if trusted is not None and trusted.get(name) == [*_fp(st)]:
+                    continue
+                if fd_blake3(fd) != meta.get("blake3"):
+                    raise IntegrityError(f"integrity check failed: checksum mismatch in {name}")
     return manifest
 
 
-def verify_dir_signature_only(images_dir: Path, key: bytes) -> dict[str, Any]:
-    """The signed manifest of a tier copy; file hashes are checked by whoever streams the files."""
+def verify_dir_signature_only(images_dir: Path, key: bytes,
+                              bound_to: tuple[str, str, int] | None = None) -> dict[str, Any]:
+    """The signed manifest of a tier copy (bound to (id, job, uid) when given); file hashes are checked by
+    whoever streams the files."""
     m = read(images_dir)
     verify_signature(m, key)
+    if bound_to is not None:
+        check_binding(m, *bound_to)
     return m
 
 
-def _fp(p: Path) -> tuple[int, int, int, int]:
-    st = p.stat()
+def _fp(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

@@ -449,6 +449,9 @@ class ImageReceiver:
             except manifest.IntegrityError as exc:
                 raise IntegrityFailure(f"{exc} (transfer manifest: is the node token the same on both "
                                        "nodes?)") from exc
+        if m.get("id") != d.name:  # bound to the checkpoint it was announced as (restore checks id/job/uid)
+            raise IntegrityFailure(f"integrity check failed: the transfer manifest is for checkpoint "
+                                   f"{str(m.get('id'))[:80]!r}, not {d.name}")
         listed: dict[str, Any] = m["files"]
         for name, meta in listed.items():
             f = files.get(name)

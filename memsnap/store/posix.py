@@ -6,8 +6,6 @@ import contextlib
 import errno
 import io
 import os
-import secrets
-import shutil
 import stat as st
 import threading
 import time
@@ -15,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from memsnap import safefs
 from memsnap.store.base import (
     TEMP_PREFIX,
     Bytes,
@@ -35,27 +34,29 @@ _UNAVAILABLE = {
 }  # fmt: skip
 
 
-def _fsync_dir(path: Path) -> None:
-    """fsyncs a directory; filesystems that cannot (EINVAL/ENOTSUP, some FUSE) are let be."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
+class StoreTampered(StoreError):
+    """A store entry is a symlink or not a real file/directory: someone changed the store behind our back."""
 
 
 class PosixStore:
-    """Objects are files under root; writes go to '.tmp-<rand>-<name>' and are renamed into place."""
+    """Objects are files under root; writes go to '.tmp-<rand>-<name>' and are renamed into place.
+
+    The root is a real directory owned by the daemon's uid with no group/other write (checked at creation and
+    on every open); below it every directory is opened from its parent's fd with O_NOFOLLOW (memsnap.safefs),
+    so a store writer who swaps a directory for a symlink gets a refusal (StoreTampered), never a write,
+    read or delete outside the store.
+    """
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = False, check_timeout_s: float = 10.0):
         self.root = Path(root).absolute()
         self.check_timeout_s = check_timeout_s
         if create:
-            with self._translate("create store root"):
-                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                safefs.ensure_root(self.root, "store root")
+            except safefs.UnsafePath as e:
+                raise StoreUnavailable(str(e)) from e
+            except OSError as e:
+                raise StoreUnavailable(f"cannot create store root {self.root}: {e.strerror or e}") from e
         try:
             self._dev: int | None = os.stat(self.root).st_dev
         except OSError:
@@ -75,6 +76,8 @@ class PosixStore:
         """Maps OSError to the Store error types."""
         try:
             yield
+        except safefs.UnsafePath as e:
+            raise StoreTampered(f"{what} in {self.root}: {e}") from e
         except OSError as e:
             msg = f"{what} in {self.root}: {e.strerror or e}"
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -87,37 +90,47 @@ class PosixStore:
                 raise StoreUnavailable(f"{msg}: check the mount and permissions of {self.root}") from e
             raise StoreError(msg) from e
 
-    def _path(self, key: str) -> Path:
-        return self.root / validate_key(key)
+    def _root_fd(self) -> int:
+        """A dirfd of the root: a missing root is StoreUnavailable, a swapped or loosened one StoreTampered."""
+        try:
+            return safefs.open_root(self.root)
+        except FileNotFoundError:
+            raise self._root_missing() from None
+        except safefs.UnsafePath as e:
+            raise StoreTampered(f"store root {self.root}: {e}") from e
 
-    def _ensure_dir(self, path: Path) -> None:
-        """Creates path (0700) below root, fsyncing each parent that gained an entry."""
-        if not self.root.is_dir():
-            raise self._root_missing()
-        cur = self.root
-        for part in path.relative_to(self.root).parts:
-            parent, cur = cur, cur / part
-            try:
-                os.mkdir(cur, 0o700)
-            except FileExistsError:
-                continue
-            os.chmod(cur, 0o700)
-            _fsync_dir(parent)
+    def _dir_fd(self, rel: str, create: bool = False) -> int:
+        """A dirfd of rel below the root, walked with O_NOFOLLOW (created 0700 via fds when asked)."""
+        root = self._root_fd()
+        with safefs.opened(root):
+            return safefs.open_path(root, rel, create=create)
 
     def open_writer(self, key: str) -> StoreWriter:
-        """A writer into a temp file that commit() renames to key."""
-        final = self._path(key)
+        """A writer into a temp file (in the key's directory, by dirfd) that commit() renames to key."""
+        parent, _, name = validate_key(key).rpartition("/")
         with self._translate(f"open {key} for writing"):
-            self._ensure_dir(final.parent)
-            return _PosixWriter(self, key, final)
+            dfd = self._dir_fd(parent, create=True)
+            try:
+                return _PosixWriter(self, key, dfd, name)
+            except BaseException:
+                os.close(dfd)
+                raise
+
+    def _open_object(self, key: str) -> int:
+        parent, _, name = validate_key(key).rpartition("/")
+        with safefs.opened(self._dir_fd(parent)) as dfd:
+            s = safefs.lstat(dfd, name)
+            if s is None:
+                raise StoreNotFound(f"{key} is not in {self.root}")
+            if st.S_ISDIR(s.st_mode):
+                raise StoreNotFound(f"{key} is not an object in {self.root}")
+            return safefs.open_file(dfd, name)
 
     def open_reader(self, key: str) -> BinaryIO:
         """A buffered reader whose I/O errors are mapped to Store errors."""
-        path = self._path(key)
         with self._translate(f"open {key}"):
-            if path.is_dir():
-                raise StoreNotFound(f"{key} is not an object in {self.root}")
-            return io.BufferedReader(_MappedFile(self, key, path), buffer_size=1 << 20)
+            fd = self._open_object(key)
+        return io.BufferedReader(_MappedFile(self, key, fd), buffer_size=1 << 20)
 
     def exists(self, key: str) -> bool:
         """Whether key is a published file."""
@@ -128,62 +141,80 @@ class PosixStore:
 
     def stat(self, key: str) -> int:
         """Size of key in bytes."""
-        path = self._path(key)
-        with self._translate(f"stat {key}"):
-            s = os.stat(path)
-        if not st.S_ISREG(s.st_mode):
+        parent, _, name = validate_key(key).rpartition("/")
+        with self._translate(f"stat {key}"), safefs.opened(self._dir_fd(parent)) as dfd:
+            s = safefs.lstat(dfd, name)
+        if s is None or st.S_ISDIR(s.st_mode):
             raise StoreNotFound(f"{key} is not an object in {self.root}")
+        if not st.S_ISREG(s.st_mode):
+            raise StoreTampered(f"{key} in {self.root} is not a regular file (a symlink?): refusing it")
         return s.st_size
 
     def _walk(self, prefix: str, temps: bool) -> list[str]:
-        base = self.root / prefix.rpartition("/")[0]
-        if not self.root.is_dir():
-            raise self._root_missing()
+        base = prefix.rpartition("/")[0]
         out: list[str] = []
-
-        def fail(e: OSError) -> None:
-            if e.errno != errno.ENOENT:  # a directory deleted while walking is just empty
-                raise e
-
         with self._translate(f"list {prefix!r}"):
-            for dirpath, _dirs, files in os.walk(base, onerror=fail):
-                rel = Path(dirpath).relative_to(self.root).as_posix()
-                for name in files:
-                    key = name if rel == "." else f"{rel}/{name}"
+            try:
+                dfd = self._dir_fd(base)
+            except (FileNotFoundError, NotADirectoryError):
+                if not self.root.is_dir():
+                    raise self._root_missing() from None
+                return []
+            with safefs.opened(dfd):
+                for rel, _fd, name, _st in safefs.walk(dfd, f"{base}/" if base else ""):
+                    key = rel + name
                     if name.startswith(TEMP_PREFIX) == temps and key.startswith(prefix):
                         out.append(key)
         return sorted(out)
 
     def list(self, prefix: str) -> list[str]:
-        """Sorted keys starting with prefix; temp files are skipped."""
+        """Sorted keys starting with prefix; temp files are skipped. A symlink met on the way is refused
+        (StoreTampered), never followed."""
         return self._walk(validate_prefix(prefix), temps=False)
 
     def delete_prefix(self, prefix: str) -> None:
-        """Deletes manifests first (fsynced), then the rest; a prefix ending in '/' removes the dir."""
+        """Deletes manifests first (fsynced), then the rest; a prefix ending in '/' removes the dir.
+
+        Everything is removed through dirfds: a checkpoint dir swapped for a symlink raises StoreTampered
+        and nothing is removed, inside the store or out of it.
+        """
         if not validate_prefix(prefix):
             raise ValueError("refusing to delete the whole store: give a non-empty prefix")
         keys = self.list(prefix)
         with self._translate(f"delete {prefix!r}"):
             for key in sorted(keys, key=lambda k: not is_manifest(k)):
-                path = self.root / key
-                path.unlink(missing_ok=True)
-                if is_manifest(key):
-                    _fsync_dir(path.parent)
-            tree = self.root / prefix
-            if prefix.endswith("/") and tree.is_dir():
-                shutil.rmtree(tree)
-                _fsync_dir(tree.parent)
+                parent, _, name = key.rpartition("/")
+                try:
+                    dfd = self._dir_fd(parent)
+                except FileNotFoundError:
+                    continue
+                with safefs.opened(dfd):
+                    s = safefs.lstat(dfd, name)
+                    if s is not None and not st.S_ISDIR(s.st_mode):
+                        os.unlink(name, dir_fd=dfd)
+                    if is_manifest(key):
+                        safefs.fsync_dir(dfd)
+            if prefix.endswith("/"):
+                parent, _, name = prefix.removesuffix("/").rpartition("/")
+                try:
+                    dfd = self._dir_fd(parent)
+                except FileNotFoundError:
+                    return
+                with safefs.opened(dfd):
+                    s = safefs.lstat(dfd, name)
+                    if s is not None and st.S_ISDIR(s.st_mode):
+                        safefs.rmtree(dfd, name)
+                        safefs.fsync_dir(dfd)
 
     def cleanup_temps(self, older_than_s: float = 0.0) -> int:
         """Removes temp files not modified for older_than_s seconds (0: all, i.e. after a crash)."""
         cutoff = time.time() - older_than_s
         removed = 0
-        with self._translate("clean up temp files"):
-            for key in self._walk("", temps=True):
-                path = self.root / key
-                with contextlib.suppress(FileNotFoundError):
-                    if older_than_s <= 0 or path.stat().st_mtime < cutoff:
-                        path.unlink()
+        with self._translate("clean up temp files"), safefs.opened(self._root_fd()) as root:
+            for _rel, dfd, name, s in safefs.walk(root):
+                if name.startswith(TEMP_PREFIX) and (older_than_s <= 0 or s.st_mtime < cutoff):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
                         removed += 1
         return removed
 
@@ -203,7 +234,9 @@ class PosixStore:
     def _probe(self) -> BaseException | None:
         try:
             with self._translate("health check"):
-                s = os.stat(self.root)
+                s = os.lstat(self.root)
+                if st.S_ISLNK(s.st_mode):
+                    raise StoreTampered(f"store root {self.root} is now a symbolic link: refusing to follow it")
                 if not st.S_ISDIR(s.st_mode):
                     raise self._root_missing()
                 if self._dev is not None and s.st_dev != self._dev:
@@ -225,10 +258,10 @@ class PosixStore:
 
 
 class _MappedFile(io.FileIO):
-    """A read-only file whose read errors are mapped to Store errors."""
+    """A read-only file (opened by fd) whose read errors are mapped to Store errors."""
 
-    def __init__(self, store: PosixStore, key: str, path: Path) -> None:
-        super().__init__(path, "rb")
+    def __init__(self, store: PosixStore, key: str, fd: int) -> None:
+        super().__init__(fd, "rb", closefd=True)
         self._store, self._key = store, key
 
     def readinto(self, buffer: WriteableBuffer) -> int | None:
@@ -237,13 +270,12 @@ class _MappedFile(io.FileIO):
 
 
 class _PosixWriter(StoreWriter):
-    """Writes to a 0600 temp file next to the final path."""
+    """Writes to a 0600 temp file (O_EXCL|O_NOFOLLOW) in the key's directory fd, renamed there on commit."""
 
-    def __init__(self, store: PosixStore, key: str, final: Path) -> None:
-        self.key, self._store, self._final = key, store, final
-        self._tmp = final.parent / f"{TEMP_PREFIX}{secrets.token_hex(6)}-{final.name[:200]}"
-        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.fchmod(fd, 0o600)
+    def __init__(self, store: PosixStore, key: str, dirfd: int, name: str) -> None:
+        self.key, self._store, self._dirfd, self._name = key, store, dirfd, name
+        self._tmp = safefs.temp_name(name, TEMP_PREFIX)
+        fd = safefs.create_file(dirfd, self._tmp, 0o600)
         self._file: BinaryIO | None = os.fdopen(fd, "wb")
         self._size = 0
         self._done = False
@@ -258,7 +290,7 @@ class _PosixWriter(StoreWriter):
         return len(data)
 
     def commit(self) -> StoredObject:
-        """fsync, rename into place, fsync the directory."""
+        """fsync, rename into place (renameat in the same dirfd), fsync the directory."""
         if self._file is None:
             raise StoreError(f"commit of {self.key} after commit/abort")
         try:
@@ -267,12 +299,13 @@ class _PosixWriter(StoreWriter):
                 os.fsync(self._file.fileno())
                 self._file.close()
                 self._file = None
-                os.replace(self._tmp, self._final)
+                safefs.rename(self._dirfd, self._tmp, self._name)
                 self._done = True
-                _fsync_dir(self._final.parent)
+                safefs.fsync_dir(self._dirfd)
         except BaseException:
             self.abort()
             raise
+        self._close_dir()
         return StoredObject(self.key, self._size)
 
     def abort(self) -> None:
@@ -284,4 +317,10 @@ class _PosixWriter(StoreWriter):
         if not self._done:
             self._done = True
             with contextlib.suppress(OSError):
-                self._tmp.unlink()
+                os.unlink(self._tmp, dir_fd=self._dirfd)
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._dirfd >= 0:
+            os.close(self._dirfd)
+            self._dirfd = -1
