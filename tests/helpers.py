@@ -169,6 +169,13 @@ os.chdir("/")
 """
 
 
+def as_user_kwargs(uid: int | None) -> dict[str, object]:
+    """subprocess keyword arguments that run a child (not this interpreter) as uid, gid uid, no groups."""
+    if uid is None:
+        return {}
+    return {"user": uid, "group": uid, "extra_groups": [], "cwd": "/"}
+
+
 def _as_user_argv(uid: int, code: str) -> list[str]:
     return [sys.executable, "-c", _DROP + code, str(uid)]
 
