@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import signal
+import socket
+import stat
 import sys
 import threading
 from concurrent import futures
@@ -60,8 +63,11 @@ class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         state = Path(cfg.state.dir)
-        state.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(state, 0o700)
+        state.mkdir(parents=True, exist_ok=True, mode=0o711)
+        # 0711: job owners reach their logs (state/jobs/<job>.log, theirs, 0600); nothing can be listed.
+        os.chmod(state, 0o711)
+        # One daemon per state dir, socket and port: checked before anything is touched.
+        self._instance_lock = single_instance(state, Path(cfg.daemon.socket), cfg.daemon.listen)
         self.metrics = Metrics()
         self.catalog = Catalog(state)
         self.tier = MemoryTier(cfg.tier.dir, cfg.tier.capacity or 0, cfg.tier.kind)
@@ -120,7 +126,9 @@ class Daemon:
             migrator.recover()
         servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
-                             options=[("grpc.max_receive_message_length", 64 << 20)],
+                             options=[("grpc.max_receive_message_length", 64 << 20),
+                                      # a second server on our port must fail, not share it
+                                      ("grpc.so_reuseport", 0)],
                              interceptors=self._interceptors())
         memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
@@ -225,6 +233,59 @@ class Daemon:
             self.drain.stop()
         self.heartbeat.stop()
         self.catalog.close()
+
+
+def single_instance(state: Path, sock: Path, listen: str) -> int:
+    """Takes the state dir's lock and checks that no daemon answers on sock or listens on listen's port;
+    exits with a one-line reason otherwise. Returns the lock's fd (held for the daemon's lifetime)."""
+    lock_path = state / "memsnapd.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SystemExit(f"memsnapd: another memsnapd (pid {holder}) uses the state dir {state}; "
+                         "stop it first, or give this one its own --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        st = os.lstat(sock)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SystemExit(f"memsnapd: {sock} exists and is not a socket; remove it or choose another --socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(2)
+        try:
+            probe.connect(str(sock))
+            live = True
+        except OSError:
+            live = False  # a stale socket of a daemon that died: replaced when we bind
+        finally:
+            probe.close()
+        if live:
+            raise SystemExit(f"memsnapd: another memsnapd answers on {sock}; stop it first, or give this one "
+                             "its own --socket")
+    if listen:
+        host, _, port = listen.rpartition(":")
+        if port.isdigit() and int(port):
+            try:
+                infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+            except OSError:
+                infos = []
+            for family, kind, proto, _, addr in infos[:1]:
+                s = socket.socket(family, kind, proto)
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(addr)
+                except OSError as exc:
+                    raise SystemExit(f"memsnapd: cannot listen on {listen}: {exc.strerror} (another memsnapd?); "
+                                     "stop it first, or choose another --listen") from None
+                finally:
+                    s.close()
+    return fd
 
 
 def _load_gpu() -> Any:
