@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
 import threading
 from concurrent import futures
@@ -27,7 +26,7 @@ from memsnap.criu import Criu, CriuError
 from memsnap.engine import Engine, EngineConfig
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
-from memsnap.peercred import PeerCredRelay
+from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.tier import MemoryTier
 from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc
@@ -250,24 +249,9 @@ def single_instance(state: Path, sock: Path, listen: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     try:
-        st = os.lstat(sock)
-    except FileNotFoundError:
-        st = None
-    if st is not None:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise SystemExit(f"memsnapd: {sock} exists and is not a socket; remove it or choose another --socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(2)
-        try:
-            probe.connect(str(sock))
-            live = True
-        except OSError:
-            live = False  # a stale socket of a daemon that died: replaced when we bind
-        finally:
-            probe.close()
-        if live:
-            raise SystemExit(f"memsnapd: another memsnapd answers on {sock}; stop it first, or give this one "
-                             "its own --socket")
+        remove_stale_socket(sock)
+    except SocketInUse as exc:
+        raise SystemExit(f"memsnapd: {exc}") from None
     if listen:
         host, _, port = listen.rpartition(":")
         if port.isdigit() and int(port):
