@@ -124,8 +124,10 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         caller = caller_of(context)
         s = self.engine.status(caller)
-        if caller.is_root:
-            s.update(self.status_extra())  # the drain queue and moves in doubt are daemon-wide
+        extra = self.status_extra()
+        if not caller.is_root:  # the drain queue and moves in doubt are daemon-wide: root's to see
+            extra = {k: v for k, v in extra.items() if k == "store"}
+        s.update(extra)
         return pb.StatusResponse(**{k: v for k, v in s.items() if k in pb.StatusResponse.DESCRIPTOR.fields_by_name})
 
     @translate
