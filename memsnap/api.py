@@ -59,7 +59,7 @@ def translate(fn: F) -> F:
                 raise  # context.abort() inside fn already set the status
             log.exception("internal error in %s", fn.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
-                          f"internal error ({type(exc).__name__}) in {fn.__name__}; see the memsnapd log")
+                          f"internal error: {str(exc)[:v.CLIP]}; see the memsnapd log")
 
     return wrapper  # type: ignore[return-value]
 
