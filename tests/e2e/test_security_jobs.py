@@ -233,16 +233,16 @@ def test_injected_store_index_entry_never_restores_another_job(make_daemon, open
     (shared / "_index" / "alpha" / cks["beta"].id).write_bytes(b"")
     (shared / "_index" / "gamma").mkdir()
     (shared / "_index" / "gamma" / cks["beta"].id).write_bytes(b"")
-    # nobody finds root's alpha only under 0:alpha, which it may not name.
-    assert call_as(NOBODY, b, "restore", "alpha")[0] == "NOT_FOUND"
     with b.client() as c:
-        with pytest.raises(ClientError) as e:
-            c.restore("gamma")
-        assert e.value.code == grpc.StatusCode.NOT_FOUND
         r = c.restore("alpha")
         jobs_to_kill.append(int(r.pid))
         assert r.job.restored_from == cks["alpha"].id
+        with pytest.raises(ClientError) as e:
+            c.restore("gamma")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
         assert cks["beta"].id not in [k.id for k in c.list()]
+    # nobody's "alpha" is its own: root's stored alpha is not adopted for it.
+    assert call_as(NOBODY, b, "restore", "alpha")[0] == "NOT_FOUND"
 
 
 def test_checkpoint_of_pid_1_the_daemon_or_its_ancestors_is_refused_before_criu(make_daemon, jobs_to_kill,
