@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from memsnap import validate as v
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord, JobRecord
 from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import InvalidArgument, MemsnapError, Unauthenticated
@@ -52,14 +53,33 @@ def translate(fn: F) -> F:
         try:
             return fn(self, request, context)
         except MemsnapError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            context.abort(getattr(grpc.StatusCode, exc.code), _one_line(str(exc)))
         except Exception as exc:  # keep the daemon up and tell the caller something useful
             if _aborted(context):
                 raise  # context.abort() inside fn already set the status
             log.exception("internal error in %s", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}; see the memsnapd log")
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"internal error: {str(exc)[:v.CLIP]}; see the memsnapd log")
 
     return wrapper  # type: ignore[return-value]
+
+
+# gRPC metadata (where the message travels) is limited to 8-16 KiB; messages clip caller input themselves.
+_MAX_MESSAGE = 1024
+
+
+def _one_line(msg: str) -> str:
+    msg = " ".join(msg.split("\n"))
+    return msg if len(msg) <= _MAX_MESSAGE else msg[:_MAX_MESSAGE] + "..."
+
+
+def _u32(x: int) -> int:
+    """A value for a uint32 field (never one that makes a whole listing fail)."""
+    return x if 0 <= x < 1 << 32 else (1 << 32) - 1
+
+
+def _u64(x: int) -> int:
+    return x if 0 <= x < 1 << 64 else 0
 
 
 def _aborted(context: grpc.ServicerContext) -> bool:
@@ -76,17 +96,18 @@ def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
             for g in m.get("gpus", []) or []]
     return pb.CheckpointInfo(
         id=r.id, state=STATE_TO_PB.get(r.state, pb.CHECKPOINT_STATE_UNSPECIFIED), pid=r.pid, job=r.job,
-        name=r.name, owner_uid=r.owner_uid, created_unix_ms=r.created_ms, size_bytes=r.size_bytes,
-        frozen_ms=r.frozen_ms, dump_ms=r.dump_ms, in_tier=r.in_tier, in_store=r.in_store,
-        drained_bytes=r.drained_bytes, stored_bytes=r.stored_bytes, last_error=r.last_error,
-        drain_attempts=r.drain_attempts, argv=m.get("argv", []), hostname=m.get("host", ""),
-        criu_version=m.get("criu_version", ""), gpus=gpus, durable_unix_ms=r.durable_ms,
+        name=r.name, owner_uid=_u32(r.owner_uid), created_unix_ms=r.created_ms, size_bytes=_u64(r.size_bytes),
+        frozen_ms=_u64(r.frozen_ms), dump_ms=_u64(r.dump_ms), in_tier=r.in_tier, in_store=r.in_store,
+        drained_bytes=_u64(r.drained_bytes), stored_bytes=_u64(r.stored_bytes), last_error=r.last_error,
+        drain_attempts=_u32(r.drain_attempts), argv=[str(a) for a in m.get("argv", []) or []],
+        hostname=str(m.get("host", "")), criu_version=str(m.get("criu_version", "")), gpus=gpus,
+        durable_unix_ms=r.durable_ms,
     )
 
 
 def job_pb(j: JobRecord, running: bool) -> pb.Job:
     """A job record as a proto message."""
-    return pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=j.owner_uid, log_path=j.log_path,
+    return pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=_u32(j.owner_uid), log_path=j.log_path,
                   started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
 
 
@@ -101,15 +122,20 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
     @translate
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        caller_of(context)
-        s = self.engine.status()
-        s.update(self.status_extra())
+        caller = caller_of(context)
+        s = self.engine.status(caller)
+        extra = self.status_extra()
+        if not caller.is_root:  # the drain queue and moves in doubt are daemon-wide: root's to see
+            extra = {k: v for k, v in extra.items() if k == "store"}
+        s.update(extra)
         return pb.StatusResponse(**{k: v for k, v in s.items() if k in pb.StatusResponse.DESCRIPTOR.fields_by_name})
 
     @translate
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext) -> pb.RunJobResponse:
-        job = self.engine.run_job(caller_of(context), list(request.argv), request.name, request.cwd,
-                                  dict(request.env))
+        caller = caller_of(context)
+        argv, env = v.argv(request.argv), v.env(request.env)
+        v.exec_size(argv, env)
+        job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env)
         return pb.RunJobResponse(job=job_pb(job, True))
 
     @translate
@@ -119,6 +145,9 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     @translate
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
         caller = caller_of(context)
+        v.key("target", request.target)
+        v.name("name", request.name)
+        v.enum("wait", request.wait, pb.WaitFor.values())
         rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
                                      tcp_established=request.tcp_established, name=request.name)
         if request.wait == pb.WAIT_FOR_DURABLE:
@@ -137,8 +166,10 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
     @translate
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
-        res = self.engine.restore(caller_of(context), request.checkpoint_id, lazy=request.lazy,
-                                  gpu_map=dict(request.gpu_map) or None,
+        caller = caller_of(context)
+        v.key("checkpoint_id", request.checkpoint_id)
+        res = self.engine.restore(caller, request.checkpoint_id, lazy=request.lazy,
+                                  gpu_map=v.gpu_map(request.gpu_map) or None,
                                   tcp_established=request.tcp_established)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
@@ -147,30 +178,34 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     @translate
     def ListCheckpoints(self, request: pb.ListCheckpointsRequest,
                         context: grpc.ServicerContext) -> pb.ListCheckpointsResponse:
-        recs = self.engine.list_checkpoints(caller_of(context), request.job)
+        caller = caller_of(context)
+        recs = self.engine.list_checkpoints(caller, v.key("job", request.job, allow_empty=True))
         return pb.ListCheckpointsResponse(checkpoints=[ckpt_pb(r) for r in recs])
 
     @translate
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.GetCheckpointResponse:
-        return pb.GetCheckpointResponse(checkpoint=ckpt_pb(self.engine.get(caller_of(context), request.id)))
+        caller = caller_of(context)
+        return pb.GetCheckpointResponse(checkpoint=ckpt_pb(self.engine.get(caller, v.ckpt_id("id", request.id))))
 
     @translate
     def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest,
                          context: grpc.ServicerContext) -> pb.DeleteCheckpointResponse:
-        self.engine.delete(caller_of(context), request.id)
+        caller = caller_of(context)
+        self.engine.delete(caller, v.ckpt_id("id", request.id))
         return pb.DeleteCheckpointResponse()
 
     @translate
     def EvictCheckpoint(self, request: pb.EvictCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.EvictCheckpointResponse:
-        return pb.EvictCheckpointResponse(checkpoint=ckpt_pb(self.engine.evict(caller_of(context), request.id)))
+        caller = caller_of(context)
+        return pb.EvictCheckpointResponse(checkpoint=ckpt_pb(self.engine.evict(caller, v.ckpt_id("id", request.id))))
 
     @translate
     def WatchCheckpoint(self, request: pb.WatchCheckpointRequest,
                         context: grpc.ServicerContext) -> Iterator[pb.CheckpointInfo]:
         caller = caller_of(context)
-        rec = self.engine.get(caller, request.id)
+        rec = self.engine.get(caller, v.ckpt_id("id", request.id))
         return self._watch(caller, rec, context)
 
     def _watch(self, caller: Caller, rec: CheckpointRecord,
@@ -194,7 +229,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> pb.MigrateResponse:
         if self.migrator is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
-        resp: pb.MigrateResponse = self.migrator.migrate(caller_of(context), request, context)
+        caller = caller_of(context)
+        v.key("target", request.target)
+        v.addr("to", request.to)
+        v.addr("move_ip", request.move_ip)
+        v.ifname("move_ip_dev_source", request.move_ip_dev_source)
+        v.ifname("move_ip_dev_target", request.move_ip_dev_target)
+        v.token("to_token", request.to_token)
+        resp: pb.MigrateResponse = self.migrator.migrate(caller, request, context)
         return resp
 
     @translate
@@ -202,7 +244,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                      context: grpc.ServicerContext) -> pb.ReceiveImageResponse:
         if self.migrator is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
-        got: pb.ReceiveImageResponse = self.migrator.receive(caller_of(context), request_iterator, context)
+        got: pb.ReceiveImageResponse = self.migrator.receive(caller_of(context), _checked_chunks(request_iterator),
+                                                             context)
         return got
 
     @translate
@@ -218,5 +261,26 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                         context: grpc.ServicerContext) -> pb.RestoreResponse:
         if self.migrator is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
-        res: pb.RestoreResponse = self.migrator.restore_received(caller_of(context), request, context)
+        caller = caller_of(context)
+        v.ckpt_id("checkpoint_id", request.checkpoint_id)
+        v.key("lazy_tunnel", request.lazy_tunnel, allow_empty=True)
+        v.addr("add_ip", request.add_ip)
+        v.ifname("add_ip_dev", request.add_ip_dev)
+        if request.HasField("from_store"):
+            v.ckpt_id("from_store.id", request.from_store.id)
+        res: pb.RestoreResponse = self.migrator.restore_received(caller, request, context)
         return res
+
+
+def _checked_chunks(chunks: Iterator[pb.ImageChunk]) -> Iterator[pb.ImageChunk]:
+    """An image stream whose every chunk passes the edge checks (ids, names, offsets, sizes)."""
+    first = True
+    for c in chunks:
+        if first or c.checkpoint_id:
+            v.ckpt_id("checkpoint_id", c.checkpoint_id)
+        first = False
+        v.size("offset", c.offset)
+        v.size("expected_bytes", c.expected_bytes)
+        v.size("offset + data", c.offset + len(c.data))
+        v._plain("file", c.file, v.MAX_PATH)
+        yield c

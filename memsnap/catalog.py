@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from memsnap.errors import InvalidArgument
 
 DUMPING, STAGED, DRAINING, DURABLE, FAILED = "dumping", "staged", "draining", "durable", "failed"
 STATES = (DUMPING, STAGED, DRAINING, DURABLE, FAILED)
@@ -111,6 +114,18 @@ class Catalog:
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / "catalog.db"
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # 0600 before SQLite opens it (its -wal and -shm files take the database's mode): the state dir
+        # is traversable (0711) so that job owners reach their logs.
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                fd = os.open(f"{self.path}{suffix}", os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if not suffix else 0),
+                             0o600)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a state change is on disk before the action it records starts.
@@ -126,6 +141,9 @@ class Catalog:
     # -- checkpoints ------------------------------------------------------------
     def add_checkpoint(self, rec: CheckpointRecord) -> None:
         """Journals a new checkpoint (normally in state dumping)."""
+        _check_ids(rec.owner_uid, rec.pid)
+        _check_ints(rec.size_bytes, rec.frozen_ms, rec.dump_ms, rec.created_ms, rec.drained_bytes,
+                    rec.stored_bytes)
         row = asdict(rec)
         row["meta"] = json.dumps(rec.meta)
         cols = ",".join(_CK_FIELDS)
@@ -140,6 +158,7 @@ class Catalog:
         bad = set(changes) - set(_CK_FIELDS)
         if bad:
             raise KeyError(f"unknown checkpoint fields {bad}")
+        _check_ints(*(v for v in changes.values() if isinstance(v, int) and not isinstance(v, bool)))
         sets = ",".join(f"{k}=?" for k in changes)
         with self._lock:
             self._db.execute(f"UPDATE checkpoints SET {sets} WHERE id=?", [*changes.values(), ckpt_id])
@@ -181,6 +200,8 @@ class Catalog:
     # -- jobs ---------------------------------------------------------------------
     def add_job(self, job: JobRecord) -> None:
         """Records a launched or restored job."""
+        _check_ids(job.owner_uid, job.pid)
+        _check_ints(job.started_ms)
         row = asdict(job)
         row["argv"] = json.dumps(job.argv)
         cols = ",".join(_JOB_FIELDS)
@@ -198,12 +219,23 @@ class Catalog:
         with self._lock:
             self._db.execute(f"UPDATE jobs SET {sets} WHERE id=?", [*changes.values(), job_id])
 
-    def get_job(self, key: str) -> JobRecord | None:
-        """A job by id, else the newest job with that name."""
-        q = f"SELECT {','.join(_JOB_FIELDS)} FROM jobs WHERE id=? OR name=? ORDER BY (id=?) DESC, started_ms DESC"
+    def get_job(self, job_id: str) -> JobRecord | None:
+        """A job by id (names are per owner: see jobs_named)."""
+        q = f"SELECT {','.join(_JOB_FIELDS)} FROM jobs WHERE id=?"
         with self._lock:
-            row = self._db.execute(q, (key, key, key)).fetchone()
+            row = self._db.execute(q, (job_id,)).fetchone()
         return _job(row) if row else None
+
+    def jobs_named(self, name: str, owner_uid: int | None = None) -> list[JobRecord]:
+        """The jobs called name (of one owner, when given), oldest first."""
+        q = f"SELECT {','.join(_JOB_FIELDS)} FROM jobs WHERE name=?"
+        args: list[Any] = [name]
+        if owner_uid is not None:
+            q += " AND owner_uid=?"
+            args.append(owner_uid)
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY started_ms, id", args).fetchall()
+        return [_job(r) for r in rows]
 
     def jobs(self) -> list[JobRecord]:
         """All jobs, oldest first."""
@@ -223,6 +255,24 @@ class Catalog:
         with self._lock:
             rows = self._db.execute("SELECT id FROM checkpoints").fetchall()
         return (r[0] for r in rows)
+
+
+_UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "no uid"
+_INT_MAX = (1 << 63) - 1  # SQLite INTEGER
+
+
+def _check_ids(uid: int, pid: int) -> None:
+    """Owner uids and pids are what the kernel allows, so that every row can be listed."""
+    if not 0 <= uid <= _UID_MAX:
+        raise InvalidArgument(f"uid {uid} is out of range 0..{_UID_MAX}")
+    if not 0 <= pid <= _INT_MAX:
+        raise InvalidArgument(f"pid {pid} is out of range")
+
+
+def _check_ints(*values: int) -> None:
+    for v in values:
+        if not 0 <= v <= _INT_MAX:
+            raise InvalidArgument(f"{v} is out of range 0..2^63-1")
 
 
 def _ck(row: tuple[Any, ...]) -> CheckpointRecord:

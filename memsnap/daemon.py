@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from concurrent import futures
@@ -24,7 +26,7 @@ from memsnap.criu import Criu, CriuError
 from memsnap.engine import Engine, EngineConfig
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
-from memsnap.peercred import PeerCredRelay
+from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.tier import MemoryTier
@@ -64,7 +66,11 @@ class Daemon:
         # State, tier and store roots: real root-owned directories that no one else can write (created here
         # when missing), else memsnapd refuses to start with one line saying why and how to fix it.
         try:
-            state = safefs.ensure_root(cfg.state.dir, "state dir")
+            state = safefs.ensure_root(cfg.state.dir, "state dir", mode=0o711)
+            # 0711: job owners reach their logs (state/jobs/<job>.log, theirs, 0600); nothing can be listed.
+            safefs.chmod_dir(state, 0o711)
+            # One daemon per state dir, socket and port: checked before anything else is touched.
+            self._instance_lock = single_instance(state, Path(cfg.daemon.socket), cfg.daemon.listen)
             self.metrics = Metrics()
             self.catalog = Catalog(state)
             self.tier = MemoryTier(cfg.tier.dir, cfg.tier.capacity or 0, cfg.tier.kind)
@@ -125,7 +131,9 @@ class Daemon:
             migrator.recover()
         servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
-                             options=[("grpc.max_receive_message_length", 64 << 20)],
+                             options=[("grpc.max_receive_message_length", 64 << 20),
+                                      # a second server on our port must fail, not share it
+                                      ("grpc.so_reuseport", 0)],
                              interceptors=self._interceptors())
         memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
@@ -230,6 +238,44 @@ class Daemon:
             self.drain.stop()
         self.heartbeat.stop()
         self.catalog.close()
+
+
+def single_instance(state: Path, sock: Path, listen: str) -> int:
+    """Takes the state dir's lock and checks that no daemon answers on sock or listens on listen's port;
+    exits with a one-line reason otherwise. Returns the lock's fd (held for the daemon's lifetime)."""
+    lock_path = state / "memsnapd.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SystemExit(f"memsnapd: another memsnapd (pid {holder}) uses the state dir {state}; "
+                         "stop it first, or give this one its own --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        remove_stale_socket(sock)
+    except SocketInUse as exc:
+        raise SystemExit(f"memsnapd: {exc}") from None
+    if listen:
+        host, _, port = listen.rpartition(":")
+        if port.isdigit() and int(port):
+            try:
+                infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+            except OSError:
+                infos = []
+            for family, kind, proto, _, addr in infos[:1]:
+                s = socket.socket(family, kind, proto)
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(addr)
+                except OSError as exc:
+                    raise SystemExit(f"memsnapd: cannot listen on {listen}: {exc.strerror} (another memsnapd?); "
+                                     "stop it first, or choose another --listen") from None
+                finally:
+                    s.close()
+    return fd
 
 
 def _load_gpu() -> Any:

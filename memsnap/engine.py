@@ -181,26 +181,53 @@ class Engine:
             raise PermissionDenied(f"uid {caller.uid} may not act on {what} owned by uid {owner}; "
                                    "run as its owner or as root")
 
-    def resolve_pid(self, target: str) -> tuple[int, JobRecord | None]:
-        """A pid, job id or job name -> (live pid, job record if managed)."""
+    def resolve_pid(self, target: str, caller: Caller = ROOT) -> tuple[int, JobRecord | None]:
+        """A pid, job id or job name -> (live pid, job record if managed).
+
+        A name resolves among the caller's own jobs only; 'UID:NAME' names another owner's job (root only).
+        Refuses PID 1, kernel threads, this daemon and its ancestors before anything else happens.
+        """
         target = (target or "").strip()
         if not target:
             raise InvalidArgument("no target given; pass a PID or a job id/name")
-        if target.isdigit():
+        if target.isascii() and target.isdigit():
             pid = int(target)
             if pid <= 0 or pid > 1 << 22:
-                raise InvalidArgument(f"{target!r} is not a valid PID")
+                raise InvalidArgument(f"{_clip(target)!r} is not a valid PID")
             if not jobs.alive(pid):
                 raise NotFound(f"no process with pid {pid}; check the pid with 'ps' or 'memsnapctl jobs'")
+            refuse_uncheckpointable(pid)
             return pid, self.catalog.job_by_pid(pid)
         if target.lstrip("-").isdigit():
-            raise InvalidArgument(f"{target!r} is not a valid PID")
+            raise InvalidArgument(f"{_clip(target)!r} is not a valid PID")
         job = self.catalog.get_job(target)
         if job is None:
-            raise InvalidArgument(f"{target!r} is neither a PID nor a known job; pass a numeric PID or a job id")
+            job = self._job_by_name(caller, target)
         if job.ended or not jobs.alive(job.pid, job.pid_start):
             raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
+        refuse_uncheckpointable(job.pid)
         return job.pid, job
+
+    def _job_by_name(self, caller: Caller, target: str) -> JobRecord:
+        """The caller's job called target (a running one first, newest first), or 'UID:NAME' for root."""
+        owner, name, explicit = scoped_name(caller, target)
+        named = self.catalog.jobs_named(name, owner)
+        if named:
+            running = [j for j in named if not j.ended and jobs.alive(j.pid, j.pid_start)]
+            return max(running or named, key=lambda j: (j.started_ms, j.id))
+        if caller.is_root and not explicit:
+            others = sorted({j.owner_uid for j in self.catalog.jobs_named(name)})
+            if others:
+                raise InvalidArgument(f"root has no job named {_clip(name)!r}; uid {', '.join(map(str, others))} "
+                                      f"has one: name it as UID:NAME, e.g. {others[0]}:{_clip(name)}")
+        raise InvalidArgument(f"{_clip(target)!r} is neither a PID nor a known job; pass a numeric PID or a job "
+                              "id (names are looked up among your own jobs)")
+
+    def _refuse_live_duplicate(self, owner: int, name: str) -> None:
+        for j in self.catalog.jobs_named(name, owner):
+            if not j.ended and jobs.alive(j.pid, j.pid_start):
+                raise FailedPrecondition(f"uid {owner} already runs a job named {_clip(name)!r} ({j.id}); pick "
+                                         "another name, or stop that job first")
 
     def get(self, caller: Caller, ckpt_id: str) -> CheckpointRecord:
         """A checkpoint the caller may see, or NotFound/PermissionDenied."""
@@ -219,8 +246,14 @@ class Engine:
         if not argv:
             raise InvalidArgument("no command given; usage: memsnapctl run -- CMD ARGS...")
         job_id = "job-" + secrets.token_hex(4)
+        if name:
+            self._refuse_live_duplicate(caller.uid, name)
+        # The job gets the caller's supplementary groups too, as its shell would (read from the caller's
+        # process; none if that process is gone or its ids changed).
+        groups = jobs.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
         try:
-            launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env)
+            launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env,
+                                                      groups=groups)
         except jobs.LaunchError as exc:
             raise FailedPrecondition(str(exc)) from exc
         rec = JobRecord(id=job_id, name=name or job_id, pid=launched.pid, pid_start=launched.pid_start,
@@ -245,7 +278,7 @@ class Engine:
         hooks (memsnap.migrate) can hold the tree stopped instead, watch the staging dir while CRIU
         writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
         """
-        pid, job = self.resolve_pid(target)
+        pid, job = self.resolve_pid(target, caller)
         try:
             owner = jobs.owner_uid(pid)
         except jobs.ProcessNotFound as exc:
@@ -283,7 +316,7 @@ class Engine:
                     return self.tier.reserve(nbytes)
                 except TierFull as exc:
                     victim = self._lru_evictable(skipped)
-                    if victim is None:
+                    if victim is None or not self._fits_after_evicting(nbytes):
                         raise TierExhausted(str(exc)) from exc
                     lock = self._lock_for(victim.id)
                     if not lock.acquire(blocking=False):
@@ -296,6 +329,12 @@ class Engine:
                             self._evict(cur)
                     finally:
                         lock.release()
+
+    def _fits_after_evicting(self, nbytes: int) -> bool:
+        """Whether evicting every evictable tier copy would make room for nbytes (else evict nothing)."""
+        evictable = sum(r.size_bytes for r in self.catalog.checkpoints(states=(DURABLE,))
+                        if r.in_tier and r.in_store and not self.lazy_in_use(r.id))
+        return self.tier.free_bytes() + evictable >= nbytes
 
     def _lru_evictable(self, skip: set[str] | None = None) -> CheckpointRecord | None:
         durable = [r for r in self.catalog.checkpoints(states=(DURABLE,))
@@ -471,36 +510,60 @@ class Engine:
 
     # -- restore --------------------------------------------------------------------
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord:
-        """A checkpoint id, or a job id/name -> the checkpoint to restore."""
+        """A checkpoint id, or a job id/name -> the checkpoint to restore.
+
+        Names are looked up among the caller's own checkpoints ('UID:NAME' for root to name another
+        owner's); the shared store is searched, by name and owner, only when the catalog has none.
+        """
         rec = self.catalog.get_checkpoint(key)
         if rec is not None:
             self._authorize_uid(caller, rec.owner_uid, f"checkpoint {key}")
             return rec
+        restorable = self.catalog.checkpoints(states=RESTORABLE)
         job = self.catalog.get_job(key)
-        names = {key}
         if job is not None:
-            names |= {job.id, job.name}
-        cands = [r for r in self.catalog.checkpoints(states=RESTORABLE) if r.job in names or r.name in names]
+            self._authorize_uid(caller, job.owner_uid, f"job {job.id}")
+            cands = [r for r in restorable if r.owner_uid == job.owner_uid and r.job == job.id]
+            owner, name, explicit = job.owner_uid, job.name, True
+        else:
+            owner, name, explicit = scoped_name(caller, key)
+            ids = {j.id for j in self.catalog.jobs_named(name, owner)}
+            cands = [r for r in restorable if r.owner_uid == owner and (r.name == name or r.job in ids)]
         if not cands:
-            adopted = self._adopt_from_store(key)
+            if caller.is_root and not explicit:
+                others = sorted({r.owner_uid for r in restorable if r.name == name and r.owner_uid != owner})
+                if others:
+                    raise InvalidArgument(f"root has no checkpoint named {_clip(name)!r}; uid "
+                                          f"{', '.join(map(str, others))} has: name it as UID:NAME, "
+                                          f"e.g. {others[0]}:{_clip(name)}")
+            adopted = self._adopt_from_store(name, owner)
             if adopted is None:
-                raise NotFound(f"no checkpoint {key!r}; 'memsnapctl list' shows the checkpoints")
+                raise NotFound(f"no checkpoint {_clip(key)!r}; 'memsnapctl list' shows the checkpoints")
             cands = [adopted]
         rec = max(cands, key=lambda r: (r.created_ms, r.id))
         self._authorize_uid(caller, rec.owner_uid, f"checkpoint {rec.id}")
         return rec
 
-    def _adopt_from_store(self, name: str) -> CheckpointRecord | None:
-        """Catalogs the newest durable checkpoint another node stored under this job name (shared store and key)."""
+    def _adopt_from_store(self, name: str, owner: int) -> CheckpointRecord | None:
+        """Catalogs the newest durable checkpoint another node stored under this job name (shared store and
+        key). The store's name index is only a hint: the signed manifest must carry this name and owner."""
         find = getattr(self.drain, "find_stored", None)
         if find is None:
             return None
         for m in find(name):
             if self.catalog.get_checkpoint(m["id"]) is not None:
                 continue
+            try:
+                m_owner = int(m.get("uid", -1))
+            except (TypeError, ValueError):
+                m_owner = -1
+            if m.get("name") != name or m_owner != owner:
+                log.warning("store index %r lists %s, whose signed manifest names %r of uid %s: not adopted",
+                            name, m.get("id"), m.get("name"), m.get("uid"))
+                continue
             size = sum(int(f["size"]) for f in m["files"].values())
             meta = {k: m.get(k) for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus")}
-            rec = CheckpointRecord(id=m["id"], state=DURABLE, pid=int(m["pid"]), owner_uid=int(m["uid"]),
+            rec = CheckpointRecord(id=m["id"], state=DURABLE, pid=int(m["pid"]), owner_uid=m_owner,
                                    created_ms=int(m["created_ms"]), job=str(m.get("job", "")), name=name,
                                    size_bytes=size, frozen_ms=int(m.get("frozen_ms", 0)),
                                    dump_ms=int(m.get("dump_ms", 0)), in_tier=False, in_store=True,
@@ -727,10 +790,17 @@ class Engine:
         if rec is not None and rec.meta.get("hold"):
             self.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "hold": False})
 
-    def status(self) -> dict[str, Any]:
-        """Daemon-wide numbers for `memsnapctl status`."""
-        counts = self.catalog.counts_by_state()
-        running = sum(1 for j in self.catalog.jobs() if not j.ended and jobs.alive(j.pid, j.pid_start))
+    def status(self, caller: Caller = ROOT) -> dict[str, Any]:
+        """Numbers for `memsnapctl status`: daemon-wide for root, the caller's own jobs and checkpoints else."""
+        if caller.is_root:
+            counts = self.catalog.counts_by_state()
+        else:
+            counts = {}
+            for r in self.catalog.checkpoints():
+                if r.owner_uid == caller.uid:
+                    counts[r.state] = counts.get(r.state, 0) + 1
+        running = sum(1 for j in self.catalog.jobs() if (caller.is_root or j.owner_uid == caller.uid)
+                      and not j.ended and jobs.alive(j.pid, j.pid_start))
         return {
             "version": __version__, "criu_version": self.criu.version(), "hostname": self.hostname,
             "kernel": platform.release(), "tier_dir": str(self.tier.root),
@@ -889,6 +959,60 @@ def _wait_untraced(pid: int, timeout: float) -> None:
         if tracer == "0":
             return
         time.sleep(0.05)
+
+
+def _clip(text: str, n: int = 200) -> str:
+    """At most n characters of caller input, for error messages."""
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def scoped_name(caller: Caller, key: str) -> tuple[int, str, bool]:
+    """'NAME' -> (caller's uid, NAME, False); 'UID:NAME' -> (UID, NAME, True), which only root may use for
+    another uid."""
+    uid_s, sep, rest = key.partition(":")
+    if sep and uid_s.isascii() and uid_s.isdigit() and len(uid_s) <= 10:
+        uid = int(uid_s)
+        if uid != caller.uid and not caller.is_root:
+            raise PermissionDenied(f"uid {caller.uid} may not name uid {uid}'s jobs or checkpoints")
+        return uid, rest, True
+    return caller.uid, key, False
+
+
+# PF_KTHREAD in /proc/PID/stat's flags field.
+_PF_KTHREAD = 0x00200000
+
+
+def refuse_uncheckpointable(pid: int) -> None:
+    """Refuses, before any work, what memsnap must never dump: PID 1, kernel threads, this daemon and its
+    ancestors (dumping one would freeze the daemon itself, or the whole system)."""
+    if pid == 1:
+        raise InvalidArgument("pid 1 is the system's init: memsnap never checkpoints it")
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        flags = int(stat.rsplit(")", 1)[1].split()[6])
+    except (OSError, IndexError, ValueError):
+        flags = 0
+    if pid == 2 or flags & _PF_KTHREAD:
+        raise InvalidArgument(f"pid {pid} is a kernel thread: memsnap cannot checkpoint it")
+    try:
+        tgid = next((int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if ln.startswith("Tgid:")), pid)
+    except (OSError, ValueError, IndexError):
+        tgid = pid
+    if tgid != pid:
+        raise InvalidArgument(f"{pid} is a thread of process {tgid}: pass the process id")
+    me = os.getpid()
+    ancestors = set()
+    p = me
+    while p > 1 and p not in ancestors:
+        ancestors.add(p)
+        try:
+            p = os.getppid() if p == me else int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    if pid in ancestors:
+        what = "memsnapd itself" if pid == me else "an ancestor of memsnapd"
+        raise InvalidArgument(f"pid {pid} is {what}: memsnap never checkpoints the daemon's own tree")
 
 
 def _start_or_zero(pid: int) -> float:

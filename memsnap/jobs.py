@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -142,66 +144,167 @@ def wait_pid_free(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-class Launcher:
-    """Starts jobs as `unshare --pid --fork setsid CMD`, so each job is init of its own PID namespace.
+# The root processes of a launch (unshare, setpriv) get only this environment: nothing the caller sends
+# reaches them (LD_PRELOAD and the like would run as root).
+ROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
-    The job is not our child (unshare is, in its own session), so stopping or killing the
-    daemon does not take it down; a thread reaps the unshare processes while we run.
+# Runs as the job's owner, after setpriv dropped privileges: reads the caller's environment from a
+# memfd, enters the caller's cwd, becomes a session leader, points stdout/stderr at the job log, and
+# execs the command. It reports "ok" (or why not) on a status pipe just before exec.
+# argv: ENV_FD LOG_FD STATUS_FD CWD -- CMD ARGS...
+_TRAMPOLINE = r"""
+import os, sys
+env_fd, log_fd, st_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+cwd, argv = sys.argv[4], sys.argv[6:]
+def fail(msg):
+    os.write(st_fd, ("err " + msg + "\n").encode("utf-8", "replace"))
+    os._exit(127)
+data = b""
+while True:
+    b = os.read(env_fd, 1 << 16)
+    if not b:
+        break
+    data += b
+os.close(env_fd)
+env = {}
+for kv in data.split(b"\0"):
+    if kv:
+        k, _, v = kv.partition(b"=")
+        env[k.decode("utf-8", "surrogateescape")] = v.decode("utf-8", "surrogateescape")
+try:
+    os.chdir(cwd)
+except OSError as e:
+    fail(f"cannot enter {cwd} as uid {os.getuid()}: {e.strerror}")
+exe = argv[0]
+if "/" not in exe:
+    path = env.get("PATH", os.defpath)
+    for d in path.split(os.pathsep):
+        c = os.path.join(d or ".", exe)
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            exe = c
+            break
+    else:
+        fail(f"{argv[0]}: command not found in PATH")
+elif not os.access(exe, os.X_OK) or not os.path.isfile(exe):
+    fail(f"{exe}: not an executable file for uid {os.getuid()}")
+os.setsid()
+os.dup2(log_fd, 1)
+os.dup2(log_fd, 2)
+os.close(log_fd)
+os.write(st_fd, b"ok\n")
+os.close(st_fd)
+try:
+    os.execve(exe, argv, env)
+except OSError as e:
+    os.write(2, f"memsnap: cannot execute {exe}: {e.strerror}\n".encode())
+    os._exit(126)
+"""
+
+
+def caller_groups(pid: int, uid: int, gid: int) -> list[int] | None:
+    """The supplementary groups of the calling process (from /proc), or None when they cannot be read or
+    the pid no longer belongs to that uid:gid (it exited, and the pid was reused)."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.rstrip("\n").split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    try:
+        uids = [int(x) for x in fields.get("Uid", "").split()]
+        gids = [int(x) for x in fields.get("Gid", "").split()]
+        groups = [int(x) for x in fields.get("Groups", "").split()]
+    except ValueError:
+        return None
+    if not uids or not gids or uids[0] != uid or gids[0] != gid:
+        return None
+    return groups
+
+
+class Launcher:
+    """Starts jobs as `unshare --pid --fork setpriv ... TRAMPOLINE CMD`, so each job is init of its own PID
+    namespace and runs as its owner.
+
+    Only unshare and setpriv run as root, with ROOT_ENV and cwd /. The caller's environment, cwd and
+    command reach nothing but the trampoline, which runs after setpriv dropped to the caller's uid,
+    gid and groups. The job is not our child (unshare is, in its own session), so stopping or killing
+    the daemon does not take it down; a thread reaps the unshare processes while we run.
     """
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        self.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._unshare = shutil.which("unshare") or "/usr/bin/unshare"
-        self._setsid = shutil.which("setsid") or "/usr/bin/setsid"
-        self._setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+        # 0711: a job's owner can open its own log (0600, owned by it) by name; nobody can list the dir.
+        self.log_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.chmod(self.log_dir, 0o711)
+        self._unshare = _system_tool("unshare")
+        self._setpriv = _system_tool("setpriv")
+        self._python = _job_python()
         self._children: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
 
+    def job_command(self, uid: int, gid: int, groups: list[int] | None, env_fd: int, log_fd: int,
+                    status_fd: int, cwd: str, argv: list[str]) -> list[str]:
+        """The launcher's argv: root runs unshare and (for a non-root owner) setpriv; everything after
+        is the owner's. A wrapper around the job command goes here, after the trampoline."""
+        cmd = [self._unshare, "--pid", "--fork", "--"]
+        if uid:
+            cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}"]
+            cmd += [f"--groups={','.join(str(g) for g in groups)}"] if groups else ["--clear-groups"]
+            cmd += ["--"]
+        cmd += [self._python, "-I", "-S", "-c", _TRAMPOLINE, str(env_fd), str(log_fd), str(status_fd), cwd,
+                "--", *argv]
+        return cmd
+
     def launch(self, job_id: str, argv: list[str], uid: int, gid: int, cwd: str | None,
-               env: dict[str, str] | None) -> tuple[Launched, Path]:
-        """Starts argv as uid:gid, logging to log_dir/<job_id>.log."""
+               env: dict[str, str] | None, groups: list[int] | None = None) -> tuple[Launched, Path]:
+        """Starts argv as uid:gid (and groups), logging to log_dir/<job_id>.log."""
         if not argv:
             raise LaunchError("no command given; usage: memsnapctl run -- CMD ARGS...")
         log_path = self.log_dir / f"{job_id}.log"
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         if uid:
             os.fchown(fd, uid, gid)
-        full_env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), **(env or {})}
-        full_env["MEMSNAP_JOB"] = job_id
-        full_env["MEMSNAP_JOB_LOG_FD"] = str(fd)
-        # unshare needs root (CLONE_NEWPID); privileges are dropped inside the namespace with setpriv.
-        # The log fd (opened here, as root, in the 0700 state dir) is handed down and becomes the job's
-        # stdout/stderr only in the job itself, so unshare's own messages go to a separate launcher log.
-        cmd = [self._unshare, "--pid", "--fork", "--"]
-        if uid:
-            cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
-        # bash, not sh: dash cannot redirect to fd numbers above 9.
-        cmd += [self._setsid, "--", "/bin/bash", "-c",
-                'n=$MEMSNAP_JOB_LOG_FD; unset MEMSNAP_JOB_LOG_FD; exec "$@" >&"$n" 2>&"$n" {n}>&-',
-                "memsnap-job", *argv]
-        launcher_log = os.open(self.log_dir / f"{job_id}.launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                               0o600)
+        job_env = {**(env or {}), "MEMSNAP_JOB": job_id}
+        env_fd = os.memfd_create("memsnap-job-env", 0)
+        rd, wr = os.pipe()
+        launcher_log = os.open(self.log_dir / f"{job_id}.launcher.log",
+                               os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         try:
+            data = b"".join(k.encode() + b"=" + v.encode() + b"\0" for k, v in job_env.items())
+            os.write(env_fd, data)
+            os.lseek(env_fd, 0, os.SEEK_SET)
+            cmd = self.job_command(uid, gid, groups, env_fd, fd, wr, cwd or "/", argv)
             proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=launcher_log,
                 stderr=launcher_log,
-                cwd=cwd or "/",
-                env=full_env,
+                cwd="/",
+                env=dict(ROOT_ENV),
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=(fd,),
+                pass_fds=(fd, env_fd, wr),
             )
         except OSError as exc:
-            raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from exc
+            os.close(rd)
+            raise LaunchError(f"cannot start {argv[0][:200]}: {exc.strerror}") from exc
         finally:
-            os.close(fd)
-            os.close(launcher_log)
-        pid = self._find_child(proc)
+            for f in (fd, env_fd, wr, launcher_log):
+                os.close(f)
         with self._lock:
             self._children.append(proc)
+        try:
+            status = _read_status(rd, 10.0)
+        finally:
+            os.close(rd)
+        if status != "ok":
+            _stop_launch(proc)
+            if status.startswith("err "):
+                raise LaunchError(status[4:])
+            raise LaunchError(f"job could not be started ({status or 'no answer'}); see "
+                              f"{self.log_dir / (job_id + '.launcher.log')}")
+        pid = self._find_child(proc)
         return Launched(pid=pid, pid_start=start_time(pid), launcher=proc), log_path
 
     @staticmethod
@@ -222,3 +325,55 @@ class Launcher:
         """Collects exited unshare processes (called periodically)."""
         with self._lock:
             self._children = [p for p in self._children if p.poll() is None]
+
+
+def _system_tool(name: str) -> str:
+    """A root-owned system binary (never one found through a caller-influenced PATH)."""
+    for d in ("/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK):
+            return p
+    return shutil.which(name, path=ROOT_ENV["PATH"]) or f"/usr/bin/{name}"
+
+
+def _job_python() -> str:
+    """The interpreter of the trampoline, which runs as the job's owner: a system python3 that any user may
+    run (-I -S: it needs only os and sys), else ours."""
+    for p in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if st.st_mode & 0o001 and st.st_uid == 0:
+            return p
+    return os.path.realpath(sys.executable)
+
+
+def _read_status(fd: int, timeout: float) -> str:
+    """The trampoline's one status line ("ok" or "err WHY"), "" at EOF or timeout."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        r, _, _ = select.select([fd], [], [], left)
+        if not r:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.decode("utf-8", "replace").strip()[:400]
+
+
+def _stop_launch(proc: subprocess.Popen[bytes]) -> None:
+    """Ends a launch that failed (its trampoline exits on its own; unshare follows)."""
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait(5)

@@ -578,7 +578,7 @@ class Migrator:
 
     def _migrate(self, caller: Caller, req: pb.MigrateRequest) -> pb.MigrateResponse:
         phases = _Phases()
-        pid, job = self.engine.resolve_pid(req.target)
+        pid, job = self.engine.resolve_pid(req.target, caller)
         try:
             owner = jobs.owner_uid(pid)
         except jobs.ProcessNotFound as exc:

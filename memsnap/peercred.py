@@ -13,6 +13,7 @@ import os
 import secrets
 import selectors
 import socket
+import stat
 import struct
 import threading
 from pathlib import Path
@@ -31,10 +32,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 def bind_unix(path: Path, mode: int, group: str = "") -> socket.socket:
     """A listening Unix socket at path with the given mode (and group, if named)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+    remove_stale_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
@@ -46,6 +44,31 @@ def bind_unix(path: Path, mode: int, group: str = "") -> socket.socket:
     os.chmod(path, mode)
     sock.listen(128)
     return sock
+
+
+class SocketInUse(Exception):
+    """Another process answers on the socket path, or the path is not a socket."""
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Removes a socket left by a daemon that died; never a live one, and never anything but a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketInUse(f"{path} exists and is not a socket; remove it or choose another socket path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        pass  # nobody answers: stale
+    else:
+        raise SocketInUse(f"another process answers on {path}; stop it first, or choose another socket path")
+    finally:
+        probe.close()
+    path.unlink()
 
 
 class PeerCredRelay:

@@ -109,6 +109,15 @@ def open_root(path: str | os.PathLike[str], owner: int | None = None) -> int:
 
 
 # -- below a root: one component at a time --------------------------------------------------------------
+def chmod_dir(path: str | os.PathLike[str], mode: int) -> None:
+    """Sets a checked root directory's mode through an fd opened without following links."""
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def check_name(name: str) -> str:
     """name if it is one plain path component, else ValueError."""
     if not name or name in (".", "..") or "/" in name or "\0" in name:

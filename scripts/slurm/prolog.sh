@@ -45,14 +45,20 @@ if [[ -z $MEMSNAPCTL ]]; then
     finish down
 fi
 
-healthy() { timeout 20 "$MEMSNAPCTL" status >/dev/null 2>"${TMPDIR:-/tmp}/memsnap-prolog.$$"; }
+# The last line memsnapctl printed on stderr, captured through a pipe: never a temp file, whose
+# predictable name another user could plant as a symlink for root to write through.
+why=""
+healthy() {
+    local err rc
+    err=$(timeout 20 "$MEMSNAPCTL" status 2>&1 >/dev/null)
+    rc=$?
+    why=${err##*$'\n'}
+    return $rc
+}
 
 if healthy; then
-    rm -f "${TMPDIR:-/tmp}/memsnap-prolog.$$"
     finish up
 fi
-why=$(tail -n 1 "${TMPDIR:-/tmp}/memsnap-prolog.$$" 2>/dev/null)
-rm -f "${TMPDIR:-/tmp}/memsnap-prolog.$$"
 log "memsnapd does not answer: ${why:-no reason given}"
 
 if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null 2>&1; then
@@ -60,13 +66,11 @@ if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null 2>&1; then
     timeout 30 systemctl start memsnapd >/dev/null 2>&1 || log "systemctl start memsnapd failed"
     for ((i = 0; i < ${MEMSNAP_PROLOG_START_WAIT:-20}; i++)); do
         if healthy; then
-            rm -f "${TMPDIR:-/tmp}/memsnap-prolog.$$"
             log "memsnapd is up"
             finish up
         fi
         sleep 1
     done
-    rm -f "${TMPDIR:-/tmp}/memsnap-prolog.$$"
 fi
 log "memsnapd is down: jobs on this node run without checkpoints until it is back"
 finish down

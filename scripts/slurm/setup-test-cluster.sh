@@ -67,12 +67,14 @@ install_packages() {
     done
     [[ ${#missing[@]} -eq 0 ]] && return 0
     log "installing ${missing[*]}"
-    if ! apt-get install -y "${missing[@]}" >/tmp/setup-test-cluster.apt.log 2>&1; then
+    local aptlog
+    aptlog=$(mktemp) || die "mktemp failed"  # never a predictable name in /tmp (root writes it)
+    if ! apt-get install -y "${missing[@]}" >"$aptlog" 2>&1; then
         apt-get update >/dev/null
-        apt-get install -y "${missing[@]}" >/tmp/setup-test-cluster.apt.log 2>&1 \
-            || { tail -n 30 /tmp/setup-test-cluster.apt.log >&2; die "apt-get install failed"; }
+        apt-get install -y "${missing[@]}" >"$aptlog" 2>&1 \
+            || { tail -n 30 "$aptlog" >&2; rm -f "$aptlog"; die "apt-get install failed"; }
     fi
-    rm -f /tmp/setup-test-cluster.apt.log
+    rm -f "$aptlog"
 }
 
 setup_munge() {

@@ -223,7 +223,7 @@ def _has_cap(bit: int) -> bool:
 
 def test_default_socket_mode_is_0660(daemon):
     assert os.stat(daemon.socket).st_mode & 0o777 == 0o660
-    assert (daemon.state.stat().st_mode & 0o777) == 0o700
+    assert (daemon.state.stat().st_mode & 0o777) == 0o711  # traversable, for job logs; not listable
 
 
 def test_health_service_and_reflection_are_served(daemon):

@@ -1,0 +1,254 @@
+"""Fuzzing the API edge: seeded random and mutated requests over every RPC, as root and as uid 65534.
+
+Expected: no INTERNAL (a bug) and no UNKNOWN (an exception that escaped), the daemon never dies, and it
+answers Status after every batch. The generator is seeded (MEMSNAP_FUZZ_SEED, default below), so a
+failure prints the seed and the request that caused it, and reproduces.
+
+Nothing expensive starts: commands never exist (so RunJob fails in the trampoline), numeric targets are
+never a real small pid (refused ones like 1 and the daemon's own pid aside), and names and ids match
+nothing real. Every reply carries a message short enough for gRPC metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, DaemonProc
+
+SEED = int(os.environ.get("MEMSNAP_FUZZ_SEED", "20261130"))
+PER_CALLER = int(os.environ.get("MEMSNAP_FUZZ_REQUESTS", "5000"))
+BATCH = 500
+BAD = {"INTERNAL", "UNKNOWN"}
+
+BASES = ["", "x", "job-deadbeef", "ck-20260101-000000-abcdef", "fuzz-name", "0:fuzz", "65534:fuzz",
+         "4294967295:x", "99999999999:x", "²", "١٢٣", "１２", "-1", "0", "1", "2", "3999999", "4194305",
+         "18446744073709551616", "../../etc/passwd", "/tmp", ".hidden", "a/b", "名前", "\U0001F600", " x ",
+         "x\x00y", "A=B", "=", "127.0.0.1:1", "[::1]:1", "host:99999", "10.0.0.1/24", "eth0", "lo",
+         "slurm-1", "UID:NAME", ":", "0:", ":x", "\u202e", "\x7f", "\t", "job-", "ck-", "%s%n", "${PATH}"]
+# Well-formed values that match nothing real.
+VALID = ["", "fuzz-name", "fz.1", "job-0badc0de", "ck-20260101-000000-abcdef", "0:fuzz-name", "65534:fuzz-name",
+         "4000001", "127.0.0.1:9", "10.255.255.1/32", "lo", "fz-" + "a" * 100]
+INSERTS = ["\x00", "=", ":", "/", " ", "\n", "²", "\u202e", "\x7f", "..", "\\", "'", '"', "*", "\U0001F600"]
+INTS = [0, 1, 2, 255, 4096, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 63,
+        (1 << 64) - 1]
+
+
+class Gen:
+    """Seeded requests for every RPC."""
+
+    def __init__(self, seed: int, daemon_pid: int) -> None:
+        self.r = random.Random(seed)
+        self.daemon_pid = daemon_pid
+        self.plain = False  # this request's strings are all well-formed (they reach the engine)
+
+    def s(self, *extra: str) -> str:
+        r = self.r
+        if self.plain:
+            return r.choice(VALID)
+        v = r.choice(BASES + list(extra))
+        for _ in range(r.choice([0, 0, 0, 1, 1, 2, 3])):
+            op = r.randrange(6)
+            if op == 0:
+                i = r.randrange(len(v) + 1)
+                v = v[:i] + r.choice(INSERTS) + v[i:]
+            elif op == 1:
+                v = v * r.choice([2, 10, 100, 2000])
+            elif op == 2:
+                v = v[: r.randrange(len(v) + 1)]
+            elif op == 3:
+                v = "".join(chr(r.choice([r.randrange(32, 127), r.randrange(0x80, 0xD7FF)]))
+                            for _ in range(r.randrange(1, 40)))
+            elif op == 4:
+                v = str(r.choice(INTS + [r.randrange(3_000_000, 4_000_000)])) + v
+            else:
+                v = "x" * r.choice([201, 4097, 17000, 70000])
+            v = v[:100_000]
+        return v
+
+    def target(self) -> str:
+        """A pid, id or name that is never a real process the fuzzer could hurt (1, 2 and the daemon's pid
+        are refused before anything happens)."""
+        t = self.r.choice([self.s(), self.s(), str(self.daemon_pid), "1", "2",
+                           str(self.r.randrange(3_000_000, 4_000_000))])
+        core = t.strip()
+        if core.isascii() and core.isdigit() and len(core) < 12 and 3 <= int(core) < 3_000_000 \
+                and int(core) != self.daemon_pid:
+            return "fz" + t
+        return t
+
+    def n(self) -> int:
+        return self.r.choice(INTS + [self.r.randrange(1 << 20)])
+
+    def b(self) -> bool:
+        return self.r.random() < 0.5
+
+    def smap(self, keys: Callable[[], str] | None = None) -> dict[str, str]:
+        keys = keys or self.s
+        return {keys(): self.s() for _ in range(self.r.choice([0, 0, 1, 2, 5]))}
+
+    def argv(self) -> list[str]:
+        r = self.r
+        if r.random() < 0.1:
+            return r.choice([[], [""], ["\x00"]])
+        prog = r.choice(["/nonexistent-memsnap-fuzz/" + self.s(), f"fz-{r.getrandbits(64):x}"])
+        return [prog, *(self.s() for _ in range(r.choice([0, 1, 3])))]
+
+    def request(self, pb: Any) -> tuple[str, Any]:
+        r = self.r
+        self.plain = r.random() < 0.4
+        rpc = r.choices(
+            ["Status", "RunJob", "ListJobs", "Checkpoint", "Restore", "ListCheckpoints", "GetCheckpoint",
+             "DeleteCheckpoint", "EvictCheckpoint", "WatchCheckpoint", "Migrate", "ReceiveImage",
+             "RestoreReceived", "PageTunnel"],
+            weights=[3, 3, 3, 14, 12, 5, 8, 8, 8, 6, 10, 8, 8, 4])[0]
+        if rpc == "Status":
+            return rpc, pb.StatusRequest()
+        if rpc == "RunJob":
+            env = self.smap(lambda: r.choice(["PATH", "LD_PRELOAD", "A=B", "", "X\x00", "HOME", self.s()]))
+            return rpc, pb.RunJobRequest(argv=self.argv(), name=self.s(), cwd=r.choice(["", "/", self.s()]),
+                                         env=env)
+        if rpc == "ListJobs":
+            return rpc, pb.ListJobsRequest()
+        if rpc == "Checkpoint":
+            return rpc, pb.CheckpointRequest(target=self.target(), stop=self.b(), tcp_established=self.b(),
+                                             name=self.s(), wait=r.choice([0, 1, 2, 3, 99, -1]))
+        if rpc == "Restore":
+            return rpc, pb.RestoreRequest(checkpoint_id=self.s(), lazy=self.b(), gpu_map=self.smap(),
+                                          tcp_established=self.b())
+        if rpc == "ListCheckpoints":
+            return rpc, pb.ListCheckpointsRequest(job=self.s())
+        if rpc in ("GetCheckpoint", "DeleteCheckpoint", "EvictCheckpoint", "WatchCheckpoint"):
+            return rpc, getattr(pb, rpc + "Request")(id=self.s())
+        if rpc == "Migrate":
+            return rpc, pb.MigrateRequest(target=self.target(), to=self.s(), via_store=self.b(), lazy=self.b(),
+                                          move_ip=self.s(), tcp_established=self.b(),
+                                          move_ip_dev_source=self.s(), move_ip_dev_target=self.s(),
+                                          to_token=self.s(), plain_restore=self.b())
+        if rpc == "ReceiveImage":
+            chunks = [pb.ImageChunk(checkpoint_id=self.s("fz-" + str(r.getrandbits(32))), file=self.s(),
+                                    offset=self.n(), data=r.randbytes(r.choice([0, 1, 256])),
+                                    blake3=r.randbytes(r.choice([0, 32])), file_done=self.b(),
+                                    manifest=r.choice([b"", b"{}", r.randbytes(64)]), expected_bytes=self.n())
+                      for _ in range(r.choice([0, 1, 2, 3]))]
+            return rpc, chunks
+        if rpc == "RestoreReceived":
+            req = pb.RestoreReceivedRequest(checkpoint_id=self.s(), lazy=self.b(), lazy_tunnel=self.s(),
+                                            add_ip=self.s(), add_ip_dev=self.s(), tcp_established=self.b(),
+                                            early_resume=self.b(), commit=self.b())
+            if r.random() < 0.3:
+                req.from_store.CopyFrom(pb.CheckpointInfo(id=self.s(), name=self.s(), owner_uid=r.choice(
+                    [0, 65534, (1 << 32) - 1]), size_bytes=self.n()))
+            return rpc, req
+        # PageTunnel: only verdict queries and malformed openings (a real opening waits for lazy-pages).
+        return rpc, [pb.TunnelChunk(tunnel_id=self.s(), data=r.randbytes(r.choice([0, 8])), done=True,
+                                    ok=self.b(), error=self.s(), tag=r.randbytes(r.choice([0, 32])))
+                     for _ in range(r.choice([0, 1, 2]))]
+
+
+def fuzz(sock: str, seed: int, count: int, daemon_pid: int, uid: int | None) -> dict[str, Any]:
+    """Sends count requests (as uid, when given) and returns the code counts and any bad answers."""
+    import grpc
+
+    from memsnap.v1 import memsnap_pb2 as pb
+    from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
+
+    ch = grpc.insecure_channel(f"unix:{sock}", options=[("grpc.max_send_message_length", 64 << 20),
+                                                         ("grpc.max_receive_message_length", 64 << 20)])
+    stub = pb_grpc.MemsnapStub(ch)
+    if uid is not None:  # the channel connects lazily: the daemon sees this uid
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    gen = Gen(seed, daemon_pid)
+    codes: Counter[str] = Counter()
+    per_rpc: Counter[str] = Counter()
+    bad: list[str] = []
+    for i in range(count):
+        rpc, req = gen.request(pb)
+        per_rpc[rpc] += 1
+        try:
+            method = getattr(stub, rpc)
+            if rpc in ("ReceiveImage",):
+                method(iter(req), timeout=10)
+            elif rpc == "PageTunnel":
+                list(method(iter(req), timeout=5))
+            elif rpc == "WatchCheckpoint":
+                list(method(req, timeout=5))
+            else:
+                method(req, timeout=10)
+            code = "OK"
+            msg = ""
+        except grpc.RpcError as e:
+            code = e.code().name
+            msg = e.details() or ""
+        codes[code] += 1
+        if code in BAD or len(msg) > 2048:
+            bad.append(f"#{i} {rpc} -> {code}: {msg[:300]!r}; request: {str(req)[:300]!r}")
+        if (i + 1) % BATCH == 0 or i + 1 == count:
+            try:
+                stub.Status(pb.StatusRequest(), timeout=10)
+            except grpc.RpcError as e:
+                bad.append(f"after request #{i}: Status did not answer: {e.code().name} {e.details()}")
+                break
+    ch.close()
+    return {"codes": dict(codes), "per_rpc": dict(per_rpc), "bad": bad[:20], "n_bad": len(bad),
+            "sent": sum(per_rpc.values())}
+
+
+_WORKER = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import grpc, google.protobuf.descriptor_pb2
+from tests.e2e.test_fuzz import fuzz
+print(json.dumps(fuzz({sock!r}, {seed}, {count}, {pid}, {uid})))
+"""
+
+
+@pytest.fixture
+def fuzz_daemon(make_daemon) -> Iterator[DaemonProc]:
+    """A daemon whose socket nobody reaches (0666 in a 0755 dir), with a store (adoption is fuzzed too)."""
+    sockdir = Path(tempfile.mkdtemp(prefix="memsnap-fuzz-"))
+    os.chmod(sockdir, 0o755)
+    cfg = sockdir / "open.toml"
+    cfg.write_text('[daemon]\nsocket_mode = "0666"\n')
+    d = make_daemon("fuzz", extra=["--config", str(cfg)], socket_path=str(sockdir / "d.sock")).start()
+    yield d
+    shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_fuzzed_requests_as_root_and_nobody_get_no_internal_and_the_daemon_answers(fuzz_daemon):
+    d = fuzz_daemon
+    assert d.proc is not None
+    results = {}
+    for who, uid, seed in (("root", None, SEED), ("nobody", 65534, SEED + 1)):
+        code = _WORKER.format(repo=str(REPO), sock=d.socket, seed=seed, count=PER_CALLER, pid=d.proc.pid,
+                              uid=uid)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd="/",
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 0, (who, r.stderr[-3000:])
+        results[who] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert d.proc.poll() is None, f"memsnapd died while fuzzed as {who} (seed {seed}):\n{d.log.read_text()[-3000:]}"
+    total = sum(res["sent"] for res in results.values())
+    print(f"\nfuzz seed {SEED}: {total} requests")
+    for who, res in results.items():
+        print(f"  as {who}: {res['sent']} requests, codes {json.dumps(res['codes'], sort_keys=True)}")
+        print(f"    per rpc {json.dumps(res['per_rpc'], sort_keys=True)}")
+    assert total >= 2 * PER_CALLER
+    for who, res in results.items():
+        assert res["n_bad"] == 0, f"as {who} (seed {SEED}): " + "\n".join(res["bad"])
+        assert not BAD & set(res["codes"])
+        assert len(res["per_rpc"]) == 14, res["per_rpc"]  # every RPC was fuzzed
+    with d.client() as c:
+        assert c.status().version
