@@ -109,7 +109,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     @translate
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext) -> pb.RunJobResponse:
         job = self.engine.run_job(caller_of(context), list(request.argv), request.name, request.cwd,
-                                  dict(request.env))
+                                  dict(request.env),
+                                  own_proc=request.own_proc if request.HasField("own_proc") else None)
         return pb.RunJobResponse(job=job_pb(job, True))
 
     @translate

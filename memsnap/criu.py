@@ -69,6 +69,8 @@ class DumpOptions:
     # The caller locks the connections itself (memsnap.net, for moves between nodes).
     network_lock_skip: bool = False
     external: list[str] = field(default_factory=list)
+    # The tree has its own mount namespace (memsnapctl run --own-proc): see _common_opts.
+    own_mntns: bool = False
     log_level: int = 2
 
 
@@ -86,7 +88,17 @@ class RestoreOptions:
     # The caller locks the connections itself (memsnap.net, for moves between nodes).
     network_lock_skip: bool = False
     external: list[str] = field(default_factory=list)
+    # The image holds a mount namespace (its manifest's own_mntns, never this node's state).
+    own_mntns: bool = False
     log_level: int = 2
+
+
+def own_mount_ns(pid: int) -> bool:
+    """Whether pid lives in a mount namespace other than ours (and so CRIU's, which runs in ours)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
 
 
 def find_binary() -> str:
@@ -359,6 +371,17 @@ def _common_opts(img_fd: int, wd_fd: int, log_file: str, opts: DumpOptions | Res
         o.network_lock = rpc.NFTABLES
     if opts.lazy_pages:
         o.lazy_pages = True
+    if opts.own_mntns:
+        # A job's own mount namespace is a copy of ours plus a fresh procfs on /proc. Every mount that is a
+        # bind of one of ours (/, /dev, /dev/shm, /sys, cgroups...) is external: never dumped (no tmpfs
+        # tarball of /dev/shm in the image), bound back from the same path on restore. Only the job's own
+        # mounts (its procfs) are dumped and recreated. The job's mounts are slaves of ours (unshare
+        # --propagation slave), and ext_masters/ext_sharing let CRIU keep those links instead of refusing.
+        o.auto_ext_mnt = o.ext_masters = o.ext_sharing = True
+        if isinstance(opts, RestoreOptions):
+            # The namespace's root is our "/". Without root, CRIU 4.1 first unmounts the cloned tree and
+            # crashes doing so with the mount-v2 engine (BUG at mount.c:48).
+            o.root = "/"
     return o
 
 

@@ -142,6 +142,11 @@ def wait_pid_free(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
+# $1 = the job's log (opened by the daemon as fd $MEMSNAP_JOB_LOG_FD); the rest is the command.
+_REOPEN_IN_MNTNS = ('l=$1; shift; o=$MEMSNAP_JOB_LOG_FD; exec </dev/null {n}>>"$l" {o}>&- || exit 126; '
+                    'export MEMSNAP_JOB_LOG_FD=$n; exec "$@"')
+
+
 class Launcher:
     """Starts jobs as `unshare --pid --fork setsid CMD`, so each job is init of its own PID namespace.
 
@@ -159,8 +164,8 @@ class Launcher:
         self._lock = threading.Lock()
 
     def launch(self, job_id: str, argv: list[str], uid: int, gid: int, cwd: str | None,
-               env: dict[str, str] | None) -> tuple[Launched, Path]:
-        """Starts argv as uid:gid, logging to log_dir/<job_id>.log."""
+               env: dict[str, str] | None, own_proc: bool = False) -> tuple[Launched, Path]:
+        """Starts argv as uid:gid, logging to log_dir/<job_id>.log; own_proc: with its own /proc (mount ns)."""
         if not argv:
             raise LaunchError("no command given; usage: memsnapctl run -- CMD ARGS...")
         log_path = self.log_dir / f"{job_id}.log"
@@ -173,7 +178,13 @@ class Launcher:
         # unshare needs root (CLONE_NEWPID); privileges are dropped inside the namespace with setpriv.
         # The log fd (opened here, as root, in the 0700 state dir) is handed down and becomes the job's
         # stdout/stderr only in the job itself, so unshare's own messages go to a separate launcher log.
-        cmd = [self._unshare, "--pid", "--fork", "--"]
+        # own_proc: its own /proc in a new mount namespace; every other mount stays the host's, as a slave.
+        # The files the job holds must then be opened inside that namespace (CRIU cannot dump an fd on a
+        # mount of another namespace), so stdin and the log are reopened there, still as root.
+        mntns = ["--mount", "--propagation", "slave", "--mount-proc"] if own_proc else []
+        cmd = [self._unshare, "--pid", "--fork", *mntns, "--"]
+        if own_proc:
+            cmd += ["/bin/bash", "-c", _REOPEN_IN_MNTNS, "memsnap-mntns", str(log_path)]
         if uid:
             cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
         # bash, not sh: dash cannot redirect to fd numbers above 9.
