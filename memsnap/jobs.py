@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -142,9 +143,17 @@ def wait_pid_free(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-# $1 = the job's log (opened by the daemon as fd $MEMSNAP_JOB_LOG_FD); the rest is the command.
-_REOPEN_IN_MNTNS = ('l=$1; shift; o=$MEMSNAP_JOB_LOG_FD; exec </dev/null {n}>>"$l" {o}>&- || exit 126; '
-                    'export MEMSNAP_JOB_LOG_FD=$n; exec "$@"')
+# Run as root in a job's new mount namespace (python -I -S: no shell, so nothing in the caller's
+# environment, such as BASH_ENV or exported functions, is run as root): reopens stdin and the job log
+# (argv[1], opened by the daemon as fd $MEMSNAP_JOB_LOG_FD) there, at the same fd numbers, then execs argv[2:].
+_REOPEN_IN_MNTNS = """import os, sys
+fd = int(os.environ["MEMSNAP_JOB_LOG_FD"])
+for path, flags, to in ((sys.argv[1], os.O_WRONLY | os.O_APPEND, fd), ("/dev/null", os.O_RDONLY, 0)):
+    new = os.open(path, flags | os.O_NOFOLLOW)
+    os.dup2(new, to)
+    os.close(new)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 class Launcher:
@@ -184,7 +193,7 @@ class Launcher:
         mntns = ["--mount", "--propagation", "slave", "--mount-proc"] if own_proc else []
         cmd = [self._unshare, "--pid", "--fork", *mntns, "--"]
         if own_proc:
-            cmd += ["/bin/bash", "-c", _REOPEN_IN_MNTNS, "memsnap-mntns", str(log_path)]
+            cmd += [sys.executable, "-I", "-S", "-c", _REOPEN_IN_MNTNS, str(log_path)]
         if uid:
             cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
         # bash, not sh: dash cannot redirect to fd numbers above 9.

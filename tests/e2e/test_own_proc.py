@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.helpers import REPO, DaemonProc, Tick, counter_argv, kill_job, start_digest, ticks, wait_for
+from tests.helpers import (
+    NOBODY,
+    REPO,
+    DaemonProc,
+    Tick,
+    counter_argv,
+    kill_job,
+    start_digest,
+    ticks,
+    wait_for,
+)
 
 
 def _run(d: DaemonProc, jobs_to_kill: list[int], mib: int, name: str, *flags: str,
@@ -148,3 +160,36 @@ def test_two_concurrent_restores_of_one_image_both_resume(daemon, jobs_to_kill):
     for pid in pids:
         _sees_own_proc(pid, job["argv"])
     assert os.stat(f"/proc/{pids[0]}/ns/mnt").st_ino != os.stat(f"/proc/{pids[1]}/ns/mnt").st_ino
+
+
+_RUN_AS_NOBODY = """import os, sys
+from memsnap.client import MemsnapClient
+c = MemsnapClient(socket=sys.argv[1])  # imported as root (the interpreter lives under /root)...
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # ...the call is made as nobody
+print(c.run(["/bin/bash", "-c", "sleep 30; exit 0"], env={"BASH_ENV": sys.argv[2]}, own_proc=True).pid)
+"""
+
+
+def test_the_callers_bash_startup_file_never_runs_as_root_in_an_own_proc_launch(open_daemon, jobs_to_kill):
+    # The job's files are reopened by a root step inside its new mount namespace; nothing in the caller's
+    # environment (here BASH_ENV) may run there. The marker records every uid it ran as.
+    box = Path(tempfile.mkdtemp(prefix="memsnap-bashenv-"))
+    os.chmod(box, 0o777)
+    marker, rc = box / "ran-as", box / "rc.sh"
+    rc.write_text(f"id -u >> {marker}\n")
+    os.chmod(rc, 0o755)
+    try:
+        r = subprocess.run([sys.executable, "-c", _RUN_AS_NOBODY, open_daemon.socket, str(rc)], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 0, r.stderr
+        pid = int(r.stdout)
+        jobs_to_kill.append(pid)
+        # A root step would read it first (and leave a marker nobody cannot append to).
+        wait_for(lambda: marker.exists() and marker.read_text().split(), 10, what="BASH_ENV to be read")
+        assert "0" not in marker.read_text().split(), "the caller's BASH_ENV ran as root"
+        wait_for(lambda: str(NOBODY) in marker.read_text().split(), 10,
+                 what="the job's own bash to read BASH_ENV as the caller")
+        assert psutil.Process(pid).uids().real == NOBODY
+        _sees_own_proc(pid, ["/bin/bash", "-c", "sleep 30; exit 0"])
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
