@@ -372,16 +372,19 @@ def _common_opts(img_fd: int, wd_fd: int, log_file: str, opts: DumpOptions | Res
     if opts.lazy_pages:
         o.lazy_pages = True
     if opts.own_mntns:
-        # A job's own mount namespace is a copy of ours plus a fresh procfs on /proc. Every mount that is a
-        # bind of one of ours (/, /dev, /dev/shm, /sys, cgroups...) is external: never dumped (no tmpfs
-        # tarball of /dev/shm in the image), bound back from the same path on restore. Only the job's own
-        # mounts (its procfs) are dumped and recreated. The job's mounts are slaves of ours (unshare
-        # --propagation slave), and ext_masters/ext_sharing let CRIU keep those links instead of refusing.
-        o.auto_ext_mnt = o.ext_masters = o.ext_sharing = True
+        # A job's own mount namespace is a copy of ours plus a fresh procfs on /proc. auto_ext_mnt makes
+        # every mount that binds one of ours (/, /dev, /dev/shm, /sys, cgroups...) external: never dumped
+        # (no tmpfs tarball of /dev/shm in the image), bound back from the same path on restore, which
+        # CRIU refuses without it ("autodetected external mount"). Only the job's procfs is dumped and
+        # recreated. The job's mounts are slaves of ours (unshare --propagation slave): on dump,
+        # ext_masters/ext_sharing let CRIU record those links ("unreachable sharing" otherwise).
+        o.auto_ext_mnt = True
         if isinstance(opts, RestoreOptions):
             # The namespace's root is our "/". Without root, CRIU 4.1 first unmounts the cloned tree and
             # crashes doing so with the mount-v2 engine (BUG at mount.c:48).
             o.root = "/"
+        else:
+            o.ext_masters = o.ext_sharing = True
     return o
 
 

@@ -193,3 +193,32 @@ def test_the_callers_bash_startup_file_never_runs_as_root_in_an_own_proc_launch(
         _sees_own_proc(pid, ["/bin/bash", "-c", "sleep 30; exit 0"])
     finally:
         shutil.rmtree(box, ignore_errors=True)
+
+
+class _SharedMountsDaemon(DaemonProc):
+    """A daemon in a mount namespace whose mounts are all shared, as systemd makes a host's."""
+
+    def args(self) -> list[str]:
+        return ["unshare", "--mount", "--propagation", "shared", "--", *super().args()]
+
+
+def test_with_shared_host_mounts_a_restored_job_still_receives_the_hosts_new_mounts(tmp_path, jobs_to_kill):
+    d = _SharedMountsDaemon(tmp_path / "shared").start()
+    try:
+        job = _run(d, jobs_to_kill, 16, "ownproc-shared", "--own-proc")
+        digest0 = start_digest(job["log"])
+        ck, last, count = _stop_point(d, job)
+        pid = _restore(d, ck["id"], jobs_to_kill)
+        wait_for(lambda: len(_after(job["log"], count)) >= 3, 20, what="the restored job to tick")
+        resumed = _after(job["log"], count)
+        assert resumed[0].n == last + 1 and all(t.digest == digest0 for t in resumed)
+        _sees_own_proc(pid, job["argv"])
+        # The job's mounts are slaves of the host's again: a mount made on the host shows up in the job.
+        later = tmp_path / "mounted-later"
+        later.mkdir()
+        assert d.proc is not None
+        subprocess.run(["nsenter", "-t", str(d.proc.pid), "-m", "mount", "-t", "tmpfs", "-o", "size=1m", "later",
+                        str(later)], check=True)
+        assert any(ln.split()[4] == str(later) for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
+    finally:
+        d.cleanup()
