@@ -222,3 +222,29 @@ def test_with_shared_host_mounts_a_restored_job_still_receives_the_hosts_new_mou
         assert any(ln.split()[4] == str(later) for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
     finally:
         d.cleanup()
+
+
+@pytest.mark.parametrize("how", [[], ["--lazy"]], ids=["default", "lazy"])
+def test_a_moved_own_proc_job_resumes_on_the_target_at_the_next_tick(how, tmp_path_factory, jobs_to_kill):
+    from tests.e2e.test_migrate import two_daemons
+
+    pairs = two_daemons(tmp_path_factory)
+    pair = next(pairs)
+    try:
+        a, b = pair.a, pair.b
+        job = _run(a, jobs_to_kill, 32, "ownproc-mover", "--own-proc", extra=("--digest-every", "10"))
+        digest0 = start_digest(job["log"])
+        r = a.ctl("--json", "migrate", job["job"], "--to", b.address, *how, timeout=180)  # type: ignore[attr-defined]
+        assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
+        pid = int(json.loads(r.stdout)["target_pid"])
+        jobs_to_kill.append(pid)
+        assert not Path(f"/proc/{job['pid']}").exists()
+        n = len(ticks(job["log"]))
+        wait_for(lambda: len(ticks(job["log"])) >= n + 12, 30, what="the moved job to tick")
+        # One copy at a time, so the ticks run on without a gap or a repeat, all with the same memory.
+        got = ticks(job["log"])
+        assert [t.n for t in got] == list(range(1, len(got) + 1))
+        assert all(t.digest == digest0 for t in got)
+        _sees_own_proc(pid, job["argv"])
+    finally:
+        next(pairs, None)
