@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from memsnap.criurpc import criu_rpc_pb2 as rpc
 from memsnap.criurpc import criu_stats_pb2 as stats_pb
+
+log = logging.getLogger(__name__)
 
 # A notify callback gets the script name and pid; returning False aborts the operation.
 NotifyCallback = Callable[[str, int], bool]
@@ -91,6 +94,45 @@ class RestoreOptions:
     # The image holds a mount namespace (its manifest's own_mntns, never this node's state).
     own_mntns: bool = False
     log_level: int = 2
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mountinfo(pid: int | str) -> list[tuple[int, int, str, str, str, str]]:
+    """(id, parent id, st_dev "maj:min", root, mount point, fs type) of each mount pid sees."""
+    out = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        f = pre.split()
+        out.append((int(f[0]), int(f[1]), f[2], _unescape(f[3]), _unescape(f[4]), post.split()[0] if post else ""))
+    return out
+
+
+def mounts_not_ours(pid: int) -> list[str]:
+    """Mount points in pid's own mount namespace that CRIU would dump with their contents.
+
+    The job's namespace is a copy of ours, taken when it started. A mount that CRIU cannot find among
+    ours (same device, root under theirs) would be dumped: a tmpfs as a tarball of everything in it. That
+    is a host mount unmounted since (a tier tmpfs, say), or one the job made itself. Only the job's own
+    procfs is recreated; these are left out, with whatever is mounted below them.
+    """
+    ours = {(dev, root) for _, _, dev, root, _, _ in _mountinfo("self")}
+    mounts = _mountinfo(pid)
+
+    def bind_of_ours(dev: str, root: str) -> bool:
+        return any(d == dev and (r == "/" or root == r or root.startswith(r.rstrip("/") + "/")) for d, r in ours)
+
+    left_out = {mid for mid, _, dev, root, mp, fs in mounts
+                if fs != "proc" and mp != "/" and not bind_of_ours(dev, root)}
+    grew = True
+    while grew:  # and every mount below one left out
+        below = {mid for mid, parent, *_ in mounts if parent in left_out and mid not in left_out}
+        left_out |= below
+        grew = bool(below)
+    return [mp for mid, _, _, _, mp, _ in mounts if mid in left_out]
 
 
 def own_mount_ns(pid: int) -> bool:
@@ -245,6 +287,11 @@ class Criu:
         try:
             o = _common_opts(img_fd, wd_fd, "dump.log", opts, notify)
             o.pid = pid
+            if opts.own_mntns:
+                skip = mounts_not_ours(pid)
+                if skip:
+                    log.warning("pid %d: leaving mounts out of its image (not the host's): %s", pid, ", ".join(skip))
+                o.skip_mnt.extend(skip)
             o.leave_running = opts.leave_running and not opts.leave_stopped
             if opts.leave_stopped:
                 o.leave_stopped = True

@@ -162,6 +162,30 @@ def test_two_concurrent_restores_of_one_image_both_resume(daemon, jobs_to_kill):
     assert os.stat(f"/proc/{pids[0]}/ns/mnt").st_ino != os.stat(f"/proc/{pids[1]}/ns/mnt").st_ino
 
 
+def test_a_tmpfs_the_host_unmounted_after_the_job_started_is_left_out_of_the_image(daemon, jobs_to_kill, tmp_path):
+    # The job's mount namespace is a copy taken at its start: a tmpfs (a tier, say) unmounted on the host
+    # since stays mounted in there, and CRIU would dump everything in it as a tarball.
+    tier = tmp_path / "old-tier"
+    tier.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "old-tier", str(tier)], check=True)
+    try:
+        subprocess.run(["mount", "--make-private", str(tier)], check=True)  # the unmount stays on the host
+        (tier / "someone-elses-image").write_bytes(os.urandom(1 << 20))
+        job = _run(daemon, jobs_to_kill, 8, "ownproc-vanished", "--own-proc")
+    finally:
+        subprocess.run(["umount", str(tier)], check=True)
+    assert str(tier) in Path(f"/proc/{job['pid']}/mountinfo").read_text()
+    digest0 = start_digest(job["log"])
+    ck, last, count = _stop_point(daemon, job)
+    files = sorted(p.name for p in (daemon.tier / ck["id"]).iterdir())
+    assert not [f for f in files if f.startswith("tmpfs-")], files
+    pid = _restore(daemon, ck["id"], jobs_to_kill)
+    wait_for(lambda: len(_after(job["log"], count)) >= 3, 20, what="the restored job to tick")
+    resumed = _after(job["log"], count)
+    assert resumed[0].n == last + 1 and all(t.digest == digest0 for t in resumed)
+    assert str(tier) not in Path(f"/proc/{pid}/mountinfo").read_text()
+
+
 _RUN_AS_NOBODY = """import os, sys
 from memsnap.client import MemsnapClient
 c = MemsnapClient(socket=sys.argv[1])  # imported as root (the interpreter lives under /root)...
