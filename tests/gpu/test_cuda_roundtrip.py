@@ -229,6 +229,8 @@ def test_training_resumes_to_the_bit_identical_final_loss(
         job = ctl(daemon, "run", "--name", "gpu-train", "--", *argv)
         pid, log = int(job["pid"]), Path(job["log"])
         # The default on a GPU node: its own /proc, in a mount namespace that CRIU dumps and restores.
+        results.put("run_job_mounts", {"job": Path(f"/proc/{pid}/mountinfo").read_text().splitlines(),
+                                       "host": Path("/proc/self/mountinfo").read_text().splitlines()})
         assert own_mntns(pid), "memsnapctl run on a GPU node did not give the job its own /proc"
     else:
         log = tmp_path / "train.log"
