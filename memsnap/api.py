@@ -135,7 +135,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         caller = caller_of(context)
         argv, env = v.argv(request.argv), v.env(request.env)
         v.exec_size(argv, env)
-        job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env)
+        job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
+                                  own_proc=request.own_proc if request.HasField("own_proc") else None)
         return pb.RunJobResponse(job=job_pb(job, True))
 
     @translate

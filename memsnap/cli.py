@@ -140,14 +140,17 @@ def status_cmd(obj: Ctx) -> None:
 
 @cli.command("run", context_settings={"ignore_unknown_options": True})
 @click.option("--name", default="", help="a name to find the job by")
+@click.option("--own-proc/--host-proc", "own_proc", default=None,
+              help="give the job its own /proc (a mount namespace; CUDA needs it), or the host's; "
+                   "default: its own on a node with an NVIDIA GPU")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 @handle_errors
-def run_cmd(obj: Ctx, name: str, argv: tuple[str, ...]) -> None:
+def run_cmd(obj: Ctx, name: str, own_proc: bool | None, argv: tuple[str, ...]) -> None:
     """Start CMD as a managed job in its own PID namespace: memsnapctl run -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
     with obj.client() as c:
-        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env)
+        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc)
     obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path})
 
 

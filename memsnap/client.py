@@ -89,9 +89,9 @@ class MemsnapClient:
         return self._call("Status", pb.StatusRequest(), timeout)  # type: ignore[return-value]
 
     def run(self, argv: list[str], name: str = "", cwd: str = "", env: dict[str, str] | None = None,
-            timeout: float = 30.0) -> pb.Job:
-        """Starts a managed job."""
-        req = pb.RunJobRequest(argv=argv, name=name, cwd=cwd, env=env or {})
+            timeout: float = 30.0, own_proc: bool | None = None) -> pb.Job:
+        """Starts a managed job (own_proc None: the node decides whether it gets its own /proc)."""
+        req = pb.RunJobRequest(argv=argv, name=name, cwd=cwd, env=env or {}, own_proc=own_proc)
         return self._call("RunJob", req, timeout).job  # type: ignore[attr-defined,no-any-return]
 
     def jobs(self, timeout: float = QUICK_S) -> list[pb.Job]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from memsnap.criurpc import criu_rpc_pb2 as rpc
 from memsnap.criurpc import criu_stats_pb2 as stats_pb
+
+log = logging.getLogger(__name__)
 
 # A notify callback gets the script name and pid; returning False aborts the operation.
 NotifyCallback = Callable[[str, int], bool]
@@ -69,6 +72,8 @@ class DumpOptions:
     # The caller locks the connections itself (memsnap.net, for moves between nodes).
     network_lock_skip: bool = False
     external: list[str] = field(default_factory=list)
+    # The tree has its own mount namespace (memsnapctl run --own-proc): see _common_opts.
+    own_mntns: bool = False
     log_level: int = 2
 
 
@@ -86,7 +91,56 @@ class RestoreOptions:
     # The caller locks the connections itself (memsnap.net, for moves between nodes).
     network_lock_skip: bool = False
     external: list[str] = field(default_factory=list)
+    # The image holds a mount namespace (its manifest's own_mntns, never this node's state).
+    own_mntns: bool = False
     log_level: int = 2
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mountinfo(pid: int | str) -> list[tuple[int, int, str, str, str, str]]:
+    """(id, parent id, st_dev "maj:min", root, mount point, fs type) of each mount pid sees."""
+    out = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        f = pre.split()
+        out.append((int(f[0]), int(f[1]), f[2], _unescape(f[3]), _unescape(f[4]), post.split()[0] if post else ""))
+    return out
+
+
+def mounts_not_ours(pid: int) -> list[str]:
+    """Mount points in pid's own mount namespace that CRIU would dump with their contents.
+
+    The job's namespace is a copy of ours, taken when it started. A mount that CRIU cannot find among
+    ours (same device, root under theirs) would be dumped: a tmpfs as a tarball of everything in it. That
+    is a host mount unmounted since (a tier tmpfs, say), or one the job made itself. Only the job's own
+    procfs is recreated; these are left out, with whatever is mounted below them.
+    """
+    ours = {(dev, root) for _, _, dev, root, _, _ in _mountinfo("self")}
+    mounts = _mountinfo(pid)
+
+    def bind_of_ours(dev: str, root: str) -> bool:
+        return any(d == dev and (r == "/" or root == r or root.startswith(r.rstrip("/") + "/")) for d, r in ours)
+
+    left_out = {mid for mid, _, dev, root, mp, fs in mounts
+                if fs != "proc" and mp != "/" and not bind_of_ours(dev, root)}
+    grew = True
+    while grew:  # and every mount below one left out
+        below = {mid for mid, parent, *_ in mounts if parent in left_out and mid not in left_out}
+        left_out |= below
+        grew = bool(below)
+    return [mp for mid, _, _, _, mp, _ in mounts if mid in left_out]
+
+
+def own_mount_ns(pid: int) -> bool:
+    """Whether pid lives in a mount namespace other than ours (and so CRIU's, which runs in ours)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
 
 
 def find_binary() -> str:
@@ -235,6 +289,11 @@ class Criu:
         try:
             o = _common_opts(img_fd, wd_fd, "dump.log", opts, notify)
             o.pid = pid
+            if opts.own_mntns:
+                skip = mounts_not_ours(pid)
+                if skip:
+                    log.warning("pid %d: leaving mounts out of its image (not the host's): %s", pid, ", ".join(skip))
+                o.skip_mnt.extend(skip)
             o.leave_running = opts.leave_running and not opts.leave_stopped
             if opts.leave_stopped:
                 o.leave_stopped = True
@@ -363,6 +422,20 @@ def _common_opts(img_fd: int, wd_fd: int, log_file: str, opts: DumpOptions | Res
         o.network_lock = rpc.NFTABLES
     if opts.lazy_pages:
         o.lazy_pages = True
+    if opts.own_mntns:
+        # A job's own mount namespace is a copy of ours plus a fresh procfs on /proc. auto_ext_mnt makes
+        # every mount that binds one of ours (/, /dev, /dev/shm, /sys, cgroups...) external: never dumped
+        # (no tmpfs tarball of /dev/shm in the image), bound back from the same path on restore, which
+        # CRIU refuses without it ("autodetected external mount"). Only the job's procfs is dumped and
+        # recreated. The job's mounts are slaves of ours (unshare --propagation slave): on dump,
+        # ext_masters/ext_sharing let CRIU record those links ("unreachable sharing" otherwise).
+        o.auto_ext_mnt = True
+        if isinstance(opts, RestoreOptions):
+            # The namespace's root is our "/". Without root, CRIU 4.1 first unmounts the cloned tree and
+            # crashes doing so with the mount-v2 engine (BUG at mount.c:48).
+            o.root = "/"
+        else:
+            o.ext_masters = o.ext_sharing = True
     return o
 
 

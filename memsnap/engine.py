@@ -29,7 +29,7 @@ from memsnap.catalog import (
     JobRecord,
     now_ms,
 )
-from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions, guard_lazy_restore
+from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions, guard_lazy_restore, own_mount_ns
 from memsnap.errors import (
     Aborted,
     FailedPrecondition,
@@ -241,10 +241,16 @@ class Engine:
 
     # -- jobs ---------------------------------------------------------------------
     def run_job(self, caller: Caller, argv: list[str], name: str = "", cwd: str = "",
-                env: dict[str, str] | None = None) -> JobRecord:
-        """Starts argv as a managed job in its own PID namespace, as the caller's uid."""
+                env: dict[str, str] | None = None, own_proc: bool | None = None) -> JobRecord:
+        """Starts argv as a managed job in its own PID namespace, as the caller's uid.
+
+        own_proc gives it its own /proc too (a mount namespace); None: only on a node with an NVIDIA GPU,
+        because CUDA fails to initialise in a PID namespace that sees the host's /proc.
+        """
         if not argv:
             raise InvalidArgument("no command given; usage: memsnapctl run -- CMD ARGS...")
+        if own_proc is None:
+            own_proc = os.path.exists("/dev/nvidiactl")
         job_id = "job-" + secrets.token_hex(4)
         if name:
             self._refuse_live_duplicate(caller.uid, name)
@@ -253,7 +259,7 @@ class Engine:
         groups = jobs.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
         try:
             launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env,
-                                                      groups=groups)
+                                                      groups=groups, own_proc=own_proc)
         except jobs.LaunchError as exc:
             raise FailedPrecondition(str(exc)) from exc
         rec = JobRecord(id=job_id, name=name or job_id, pid=launched.pid, pid_start=launched.pid_start,
@@ -358,6 +364,7 @@ class Engine:
         ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         argv = jobs.cmdline(pid)
         own_ns = jobs.in_own_pidns(pid)
+        own_mnt = own_mount_ns(pid)
         # The intent (stop or not) and the process identity are journaled too, so that recovery after a
         # crash can finish or roll back a --stop whose job CRIU left stopped.
         rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
@@ -372,7 +379,7 @@ class Engine:
         frozen_after = stop or hooks.hold
         opts = DumpOptions(leave_running=not frozen_after, leave_stopped=frozen_after,
                            tcp_established=tcp_established, shell_job=not jobs.is_session_leader(pid),
-                           **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
+                           own_mntns=own_mnt, **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = None
         try:
@@ -411,7 +418,7 @@ class Engine:
                                       (hooks.file_table() if hooks.file_table else None)
                                       or manifest.describe_files(staging),
                                       frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
-                                      dump_ms=stats.wall_ms, gpus=gpu_info)
+                                      dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt)
             signed = manifest.sign(body, self.key)
             manifest.write(staging, signed)
             failpoints.hit("before-publish")
@@ -426,8 +433,8 @@ class Engine:
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
         size = sum(int(m["size"]) for m in signed["files"].values())
-        meta = {**rec.meta, **{k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "log_path",
-                                                      "gpus", "freezing_ms")}}
+        meta = {**rec.meta, **{k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "own_mntns",
+                                                      "log_path", "gpus", "freezing_ms")}}
         meta["fingerprint"] = manifest.fingerprint(self.tier.path(ckpt_id))
         self.catalog.update_checkpoint(ckpt_id, state=STAGED, in_tier=True, size_bytes=size,
                                        frozen_ms=int(stats.frozen_ms), dump_ms=int(stats.wall_ms),
@@ -453,11 +460,16 @@ class Engine:
 
     def manifest_body(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
                       files: dict[str, dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        """The unsigned manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, ...)."""
+        """The unsigned manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, ...).
+
+        own_mntns (the tree has its own mount namespace) tells every later restore, here or on another
+        node, to restore that namespace; unless given, it is read from the (still frozen) tree.
+        """
         return {"id": rec.id, "pid": rec.pid, "job": rec.job, "name": rec.name, "uid": rec.owner_uid,
                 "argv": argv, "host": self.hostname, "kernel": platform.release(),
                 "criu_version": self.criu.version(), "memsnap_version": __version__, "created_ms": rec.created_ms,
                 "frozen_ms": 0, "freezing_ms": 0, "dump_ms": 0, "own_pidns": own_ns,
+                "own_mntns": own_mount_ns(rec.pid) if "own_mntns" not in fields else fields["own_mntns"],
                 "log_path": job.log_path if job else "", "gpus": [], "files": files, **fields}
 
     # -- lazy dumps (the source side of a lazy move, memsnap.lazymove) -----------------------
@@ -473,7 +485,8 @@ class Engine:
         work = self.work_root / rec.id
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         opts = DumpOptions(leave_running=False, leave_stopped=True, lazy_pages=True, ps_socket=ps_socket,
-                           shell_job=not jobs.is_session_leader(rec.pid), **self.cfg.extra_dump_opts)
+                           shell_job=not jobs.is_session_leader(rec.pid), own_mntns=own_mount_ns(rec.pid),
+                           **self.cfg.extra_dump_opts)
         try:
             with self._exclusive(rec.pid):
                 reservation = self._reserve(_RESERVE_SLACK)
@@ -616,9 +629,9 @@ class Engine:
         new_pid = 0
         try:
             try:
-                new_pid = self.criu.restore(images, work, RestoreOptions(tcp_established=tcp_established,
-                                                                         shell_job=False, lazy_pages=lazy,
-                                                                         **(restore_opts or {})), notify=notify)
+                new_pid = self.criu.restore(images, work, RestoreOptions(
+                    tcp_established=tcp_established, shell_job=False, lazy_pages=lazy,
+                    own_mntns=bool(man.get("own_mntns", False)), **(restore_opts or {})), notify=notify)
             except CriuError as exc:
                 if server is not None:
                     _kill_group(server.pid)

@@ -148,6 +148,19 @@ def wait_pid_free(pid: int, timeout: float = 10.0) -> bool:
 # reaches them (LD_PRELOAD and the like would run as root).
 ROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
+# Run as root in a job's new mount namespace (own /proc), before setpriv (python -I -S: no shell, and
+# only ROOT_ENV, so nothing the caller sends runs as root): the files the job holds must be opened inside
+# that namespace (CRIU cannot dump an fd on a mount of another namespace), so stdin and the job log
+# (argv: LOG_PATH LOG_FD -- CMD...) are reopened there at the same fd numbers, then CMD is exec'd.
+_REOPEN_IN_MNTNS = """import os, sys
+path, fd = sys.argv[1], int(sys.argv[2])
+for p, flags, to in ((path, os.O_WRONLY | os.O_APPEND, fd), ("/dev/null", os.O_RDONLY, 0)):
+    new = os.open(p, flags | os.O_NOFOLLOW)
+    os.dup2(new, to)
+    os.close(new)
+os.execv(sys.argv[4], sys.argv[4:])
+"""
+
 # Runs as the job's owner, after setpriv dropped privileges: reads the caller's environment from a
 # memfd, enters the caller's cwd, becomes a session leader, points stdout/stderr at the job log, and
 # execs the command. It reports "ok" (or why not) on a status pipe just before exec.
@@ -244,10 +257,19 @@ class Launcher:
         self._lock = threading.Lock()
 
     def job_command(self, uid: int, gid: int, groups: list[int] | None, env_fd: int, log_fd: int,
-                    status_fd: int, cwd: str, argv: list[str]) -> list[str]:
+                    status_fd: int, cwd: str, argv: list[str], own_proc: bool = False,
+                    log_path: str = "") -> list[str]:
         """The launcher's argv: root runs unshare and (for a non-root owner) setpriv; everything after
-        is the owner's. A wrapper around the job command goes here, after the trampoline."""
-        cmd = [self._unshare, "--pid", "--fork", "--"]
+        is the owner's. A wrapper around the job command goes here, after the trampoline.
+
+        own_proc: its own /proc in a new mount namespace; every other mount stays the host's, as a slave,
+        and the job's files are reopened inside it (still as root, with ROOT_ENV only).
+        """
+        mntns = ["--mount", "--propagation", "slave", "--mount-proc"] if own_proc else []
+        cmd = [self._unshare, "--pid", "--fork", *mntns, "--"]
+        if own_proc:
+            cmd += [os.path.realpath(sys.executable), "-I", "-S", "-c", _REOPEN_IN_MNTNS, log_path, str(log_fd),
+                    "--"]
         if uid:
             cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}"]
             cmd += [f"--groups={','.join(str(g) for g in groups)}"] if groups else ["--clear-groups"]
@@ -257,8 +279,10 @@ class Launcher:
         return cmd
 
     def launch(self, job_id: str, argv: list[str], uid: int, gid: int, cwd: str | None,
-               env: dict[str, str] | None, groups: list[int] | None = None) -> tuple[Launched, Path]:
-        """Starts argv as uid:gid (and groups), logging to log_dir/<job_id>.log."""
+               env: dict[str, str] | None, groups: list[int] | None = None,
+               own_proc: bool = False) -> tuple[Launched, Path]:
+        """Starts argv as uid:gid (and groups), logging to log_dir/<job_id>.log; own_proc: with its own
+        /proc (a mount namespace)."""
         if not argv:
             raise LaunchError("no command given; usage: memsnapctl run -- CMD ARGS...")
         log_path = self.log_dir / f"{job_id}.log"
@@ -274,7 +298,8 @@ class Launcher:
             data = b"".join(k.encode() + b"=" + v.encode() + b"\0" for k, v in job_env.items())
             os.write(env_fd, data)
             os.lseek(env_fd, 0, os.SEEK_SET)
-            cmd = self.job_command(uid, gid, groups, env_fd, fd, wr, cwd or "/", argv)
+            cmd = self.job_command(uid, gid, groups, env_fd, fd, wr, cwd or "/", argv, own_proc=own_proc,
+                                   log_path=str(log_path))
             proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,

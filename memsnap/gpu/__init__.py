@@ -30,26 +30,27 @@ GPU map, before memsnap gets to it. CRIU loads every *.so in its libdir (default
 memsnap.criu runs `criu swrk` with CRIU_LIBS_DIR set to an empty directory that
 criuenv.plugin_free_libdir creates and checks (ours, writable by nobody else, no .so in it).
 
-PID namespaces and /proc (the `memsnapctl run` case). Decision: jobs keep the host's /proc for
-now; tests/gpu proves or disproves this on a GPU node, and says which way it fell.
+PID namespaces and /proc (the `memsnapctl run` case). Decision: on a node with an NVIDIA GPU, run
+jobs get their own /proc (`memsnapctl run --own-proc`, the default there): a mount namespace with a
+fresh procfs, which memsnap.criu dumps and restores (external host mounts, root "/"). Measured on an
+H200 with r580 (tests/gpu, first device run): under `unshare --pid --fork` with the host's /proc,
+CUDA does not even initialise (cudaErrorOperatingSystem); with `--mount-proc` it does, and the driver
+round trip keeps device memory. The background:
   * The caller side is consistent: memsnapd calls cuCheckpointProcess*(pid) with host pids, from
     the host pid namespace, with the host /proc. NVIDIA's own CRIU integration works this way for
     containers (NVIDIA in checkpoint-restore/criu#2416: CRIU and cuda-checkpoint run outside the
     container, they need not enter its namespaces), and cuda-checkpoint "uses /proc to establish an
     IPC channel with the CUDA process" (NVIDIA in NVIDIA/cuda-checkpoint#41): the caller's /proc,
     addressed by the caller's pid, which is what we give it.
-  * The target side is the open risk: libcuda inside a job calls getpid() and then looks at
+  * The target side is what failed: libcuda inside a job calls getpid() and then looks at
     /proc/<that pid> (strace in NVIDIA/cuda-checkpoint#10: getpid() = N, stat("/proc/N/ns/pid")).
     In a run job getpid() is the namespace pid (1 for the job's init) while /proc is the host's, so
     /proc/1 is the host's init. A container has its own /proc, so NVIDIA's tested setup never meets
-    this. No NVIDIA document says what the driver uses it for, so "not needed" cannot be proved
-    from documentation alone.
-  * So tests/gpu checks it on the device: the bit-identical training run as a `memsnapctl run` job
-    (own pid namespace, host /proc) and as an adopted pid (host namespace), and a driver-only
-    lock/checkpoint/restore/unlock of a process under `unshare --pid --fork` with the host /proc
-    and with `--mount-proc`. If only the host-/proc variants fail, run jobs must get their own
-    /proc: `unshare --pid --mount --mount-proc` in memsnap.jobs, and a CRIU adapter that dumps and
-    restores that mount namespace. Results: bench/results/gpu.json and README.
+    this. No NVIDIA document says what the driver uses it for.
+  * tests/gpu keeps checking it on the device: the bit-identical training run as a `memsnapctl run`
+    job (own pid and mount namespace) and as an adopted pid (host namespace), and a driver-only
+    lock/checkpoint/restore/unlock under `unshare --pid --fork` with the host /proc (an expected
+    failure) and with `--mount-proc`. Results: bench/results/gpu.json and README.
 Note: cuDriverGetVersion returns the CUDA API version (12080 on r570, 13000 on r580), not the
 display driver version; detect.gpu_info() reports the driver branch (580) for preflight.
 """

@@ -99,7 +99,7 @@ class Job(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ...) -> None: ...
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("argv", "name", "cwd", "env")
+    __slots__ = ("argv", "name", "cwd", "env", "own_proc")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,11 +111,13 @@ class RunJobRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     CWD_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    OWN_PROC_FIELD_NUMBER: _ClassVar[int]
     argv: _containers.RepeatedScalarFieldContainer[str]
     name: str
     cwd: str
     env: _containers.ScalarMap[str, str]
-    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    own_proc: bool
+    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., own_proc: _Optional[bool] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
     __slots__ = ("job",)

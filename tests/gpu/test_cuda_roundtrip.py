@@ -2,10 +2,12 @@
 
 1. Driver only (no CRIU): lock, checkpoint, restore, unlock a process holding device memory, and
    check its memory is unchanged: in the host pid namespace, in its own pid namespace with the
-   host's /proc (what `memsnapctl run` gives jobs), and with its own /proc (unshare --mount-proc);
-   see memsnap/gpu/__init__.py on why both. Gives driver numbers even where CRIU fails.
+   host's /proc (`memsnapctl run --host-proc`: CUDA does not even initialise there on r580, an
+   expected failure), and with its own /proc (unshare --mount-proc, what `memsnapctl run` gives
+   jobs on a GPU node); see memsnap/gpu/__init__.py. Gives driver numbers even where CRIU fails.
 2. A deterministic training run, checkpointed with --stop half way and restored, ends on the
-   bit-identical final loss: as a `memsnapctl run` job and as an adopted (not memsnap-started) pid.
+   bit-identical final loss: as a `memsnapctl run` job (own /proc, so CRIU dumps and restores its
+   mount namespace) and as an adopted (not memsnap-started) pid.
 3. Checkpoint and restore time through memsnapd at 1, 8 and 32 GiB of device memory in use.
 Every number goes to gpu.json (conftest.Results), which scripts/gpu/run.sh brings back.
 """
@@ -146,7 +148,13 @@ def driver_round_trip(gib: int, ns: str, tmp: Path, results: Results) -> dict[st
         proc.wait(30)
 
 
-@pytest.mark.parametrize("ns", list(NAMESPACES))
+HOST_PROC_FAILS = pytest.mark.xfail(
+    reason="CUDA fails to initialise in a PID namespace that sees the host's /proc "
+           "(cudaErrorOperatingSystem on r580): why memsnapctl run gives GPU jobs their own /proc", strict=False)
+
+
+@pytest.mark.parametrize("ns", [pytest.param(ns, marks=HOST_PROC_FAILS) if ns == "pidns-host-proc" else ns
+                                for ns in NAMESPACES])
 def test_driver_round_trip_keeps_device_memory(ns: str, tmp_path: Path, results: Results) -> None:
     if no_room(1):
         pytest.skip(no_room(1) or "")
@@ -168,6 +176,10 @@ def ctl(d: Any, *args: str, timeout: float = 600) -> dict[str, Any]:
     except ValueError:
         out = {"stdout": r.stdout}
     return out
+
+
+def own_mntns(pid: int) -> bool:
+    return os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
 
 
 def checkpoint_stop_restore(d: Any, pid: int, log: Path, reap: Any = None) -> tuple[int, int, dict[str, Any]]:
@@ -216,6 +228,10 @@ def test_training_resumes_to_the_bit_identical_final_loss(
     if how == "run-job":
         job = ctl(daemon, "run", "--name", "gpu-train", "--", *argv)
         pid, log = int(job["pid"]), Path(job["log"])
+        # The default on a GPU node: its own /proc, in a mount namespace that CRIU dumps and restores.
+        results.put("run_job_mounts", {"job": Path(f"/proc/{pid}/mountinfo").read_text().splitlines(),
+                                       "host": Path("/proc/self/mountinfo").read_text().splitlines()})
+        assert own_mntns(pid), "memsnapctl run on a GPU node did not give the job its own /proc"
     else:
         log = tmp_path / "train.log"
         with open(log, "ab") as out:
@@ -234,7 +250,8 @@ def test_training_resumes_to_the_bit_identical_final_loss(
     got = lines(log, "final", mark)
     assert got, f"the restored run died before its end: {log.read_text(errors='replace')[-3000:]}"
     resumed = lines(log, "step", mark)
-    row = {"how": how, "final_loss_hex": got[-1][2], "final_loss": got[-1][3], "reference_hex": reference_loss,
+    row = {"how": how, "own_proc": own_mntns(new_pid), "final_loss_hex": got[-1][2], "final_loss": got[-1][3],
+           "reference_hex": reference_loss,
            "checkpointed_after_step": last_step, "first_step_after_restore": resumed[0][2] if resumed else None,
            "bit_identical": got[-1][2] == reference_loss, **timings}
     results.put(f"training_{how}", row)
