@@ -220,3 +220,33 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         res: pb.RestoreResponse = self.migrator.restore_received(caller_of(context), request, context)
         return res
+
+    @translate
+    def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.StopJobResponse:
+        job, killed, ms = self.engine.stop_job(caller_of(context), request.job, timeout_s=request.timeout_s or 10.0,
+                                               kill=request.kill)
+        return pb.StopJobResponse(job=job_pb(job, False), killed=killed, stop_ms=int(ms))
+
+    @translate
+    def DeleteJob(self, request: pb.DeleteJobRequest, context: grpc.ServicerContext) -> pb.DeleteJobResponse:
+        job = self.engine.delete_job(caller_of(context), request.job, force=request.force)
+        return pb.DeleteJobResponse(job=job_pb(job, False))
+
+    @translate
+    def Prune(self, request: pb.PruneRequest, context: grpc.ServicerContext) -> pb.PruneResponse:
+        ended, failed, freed = self.engine.prune(caller_of(context), dry_run=request.dry_run)
+        return pb.PruneResponse(jobs=[job_pb(j, False) for j in ended], checkpoints=[ckpt_pb(r) for r in failed],
+                                log_bytes=freed)
+
+    @translate
+    def JobLogs(self, request: pb.JobLogsRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:
+        chunks = self.engine.job_log(caller_of(context), request.job, follow=request.follow,
+                                     tail_bytes=request.tail_bytes, active=context.is_active)
+        job, _ = next(chunks)  # NotFound and PermissionDenied surface here, before the stream starts
+        return self._log_stream(job, chunks)
+
+    @staticmethod
+    def _log_stream(job: JobRecord, chunks: Iterator[tuple[JobRecord, bytes]]) -> Iterator[pb.LogChunk]:
+        yield pb.LogChunk(job=job.id, path=job.log_path)
+        for _, data in chunks:
+            yield pb.LogChunk(data=data)

@@ -224,6 +224,11 @@ class Catalog:
             rows = self._db.execute("SELECT id FROM checkpoints").fetchall()
         return (r[0] for r in rows)
 
+    def delete_job(self, job_id: str) -> None:
+        """Forgets a job (memsnapctl rm / prune)."""
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+
 
 def _ck(row: tuple[Any, ...]) -> CheckpointRecord:
     d = dict(zip(_CK_FIELDS, row, strict=True))

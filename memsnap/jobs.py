@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from memsnap import jobinit
+
 
 class ProcessNotFound(Exception):
     """No such process."""
@@ -179,7 +181,7 @@ class Launcher:
         # bash, not sh: dash cannot redirect to fd numbers above 9.
         cmd += [self._setsid, "--", "/bin/bash", "-c",
                 'n=$MEMSNAP_JOB_LOG_FD; unset MEMSNAP_JOB_LOG_FD; exec "$@" >&"$n" 2>&"$n" {n}>&-',
-                "memsnap-job", *argv]
+                "memsnap-job", *jobinit.wrap(argv)]  # PID 1 is a tiny init that passes signals on
         launcher_log = os.open(self.log_dir / f"{job_id}.launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                                0o600)
         try:
