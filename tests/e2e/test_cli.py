@@ -163,7 +163,7 @@ def test_exit_code_of_each_error_class(daemon, tmp_path, jobs_to_kill):
     assert daemon.ctl("checkpoint").returncode == 2  # usage
     assert daemon.ctl("no-such-command").returncode == 2
     job = _run(daemon, jobs_to_kill, "exit-codes")
-    ck = json.loads(daemon.ctl("checkpoint", job["job"], "--json", check=True).stdout)
+    daemon.ctl("checkpoint", job["job"], check=True)
     r = daemon.ctl("--socket", str(tmp_path / "none.sock"), "status")
     assert r.returncode == 5 and "no memsnapd socket at" in r.stderr, r.stderr
     r = daemon.ctl("rm", job["job"])  # running: the operation is refused
@@ -212,3 +212,32 @@ def test_version_names_memsnap_criu_and_kernel(daemon):
     out = daemon.ctl("--version", check=True).stdout
     assert re.search(r"^memsnap \d+\.\d+", out, re.M) and re.search(r"^CRIU 4\.", out, re.M)
     assert f"kernel {os.uname().release}" in out
+
+
+def test_a_restore_that_fails_on_a_changed_file_shows_criu_s_cause(daemon, jobs_to_kill, tmp_path):
+    # The job writes a file of its own (not O_APPEND, so CRIU records its size); it grows after the
+    # checkpoint, and CRIU refuses to restore it: the message must say that, not "Unable to open fd".
+    out = tmp_path / "out.txt"
+    code = f"import time\nf = open({str(out)!r}, 'w')\nwhile True:\n    f.write('x\\n'); f.flush(); time.sleep(0.1)"
+    job = json.loads(daemon.ctl("run", "--json", "--name", "changed-file", "--", sys.executable, "-c", code,
+                                check=True).stdout)
+    jobs_to_kill.append(job["pid"])
+    wait_for(lambda: out.exists() and out.stat().st_size > 2, 10, what="the job to write")
+    ck = json.loads(daemon.ctl("checkpoint", "changed-file", "--json", check=True).stdout)
+    size = out.stat().st_size
+    wait_for(lambda: out.stat().st_size > size + 4, 10, what="the file to grow after the checkpoint")
+    daemon.ctl("stop", "changed-file", check=True)
+    r = daemon.ctl("restore", ck["id"])
+    assert r.returncode == 8 and "FAILED_PRECONDITION" in r.stderr, r.stderr
+    cause = r.stderr.split(f"restore of {ck['id']} failed: ")[1]
+    assert "bad size" in cause.split(";")[0], r.stderr  # the decisive line first, not "Unable to open fd"
+    assert "hint: " in r.stderr and "/restore.log" in r.stderr
+
+
+def test_watch_calls_a_failed_dump_failed(make_daemon):
+    d = make_daemon("watch-failed").start()
+    r = d.ctl("checkpoint", str(os.getpid()))  # pytest itself: CRIU refuses it
+    assert r.returncode != 0
+    failed = next(c for c in json.loads(d.ctl("list", "--json", check=True).stdout) if c["state"] == "failed")
+    w = d.ctl("watch", failed["id"])
+    assert w.returncode == 8 and "failed" in w.stdout and "retry" not in w.stdout + w.stderr, w.stdout + w.stderr
