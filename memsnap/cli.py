@@ -213,6 +213,12 @@ class Group(click.Group):
         if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
             module = __import__(LAZY_COMMANDS[cmd_name][0], fromlist=["register"])
             module.register(self)
+            if cmd_name == "slurm":
+                from memsnap.cli_slurm_hooks import install_hooks_cmd
+
+                group = self.commands.get("slurm")
+                if isinstance(group, click.Group):
+                    group.add_command(install_hooks_cmd)
         return super().get_command(ctx, cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

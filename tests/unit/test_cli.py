@@ -113,3 +113,27 @@ def test_criu_error_leads_with_the_decisive_line(tmp_path):
     lines = error_lines(log)
     assert "has bad size 156 (expect 117)" in lines[0]
     assert lines[-1] == "Error (criu/cr-restore.c:2320): Restoring FAILED." and len(lines) == 3
+
+
+def test_man_page_is_generated_from_the_current_commands(tmp_path):
+    subprocess.run([str(REPO / "scripts" / "gen-man.sh"), str(tmp_path / "memsnapctl.1")], check=True, cwd=REPO)
+    fresh = (tmp_path / "memsnapctl.1").read_text()
+    assert fresh == (REPO / "docs" / "memsnapctl.1").read_text(), "run scripts/gen-man.sh and commit docs/memsnapctl.1"
+    for cmd in ("stop", "logs", "prune", "migrate", "slurm run"):
+        assert f".SS memsnapctl {cmd}" in fresh
+
+
+def test_slurm_install_hooks_puts_them_where_slurm_conf_points(tmp_path):
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"ClusterName=c\nprolog={tmp_path}/hooks/pro.sh,/etc/other.sh  # ours first\n"
+                    "#Epilog=/nowhere/epilog.sh\n")
+    env_file = tmp_path / "etc" / "slurm-hooks.env"
+    args = ["slurm", "install-hooks", "--slurm-conf", str(conf), "--env-file", str(env_file)]
+    r = subprocess.run([sys.executable, "-m", "memsnap.cli", *args, "--dry-run"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    assert f"would install {REPO}/scripts/slurm/prolog.sh -> {tmp_path}/hooks/pro.sh" in r.stdout
+    assert not (tmp_path / "hooks").exists() and not env_file.exists()
+    from memsnap.cli_slurm_hooks import conf_paths
+
+    assert conf_paths(conf) == {"Prolog": f"{tmp_path}/hooks/pro.sh"}
+    assert "add to" in r.stdout and "Epilog=/usr/local/lib/memsnap/slurm/epilog.sh" in r.stdout
