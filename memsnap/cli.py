@@ -238,23 +238,9 @@ class Group(click.Group):
 
 
 def _version_text() -> str:
-    import platform
-    import subprocess
+    from memsnap.version import version_text
 
-    from memsnap import __version__
-
-    criu = "not found"
-    try:
-        from memsnap.criu import find_binary
-
-        binary = find_binary()
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
-        first = next((ln for ln in out.splitlines() if ln.startswith("Version:")), out.strip())
-        criu = f"{first.removeprefix('Version:').strip()} ({binary})"
-    except Exception as exc:  # no CRIU on a client-only machine is fine
-        criu = f"not found ({exc})"
-    return (f"memsnap {__version__}\nCRIU {criu}\nkernel {platform.release()}\n"
-            f"python {platform.python_version()}")
+    return version_text()
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:

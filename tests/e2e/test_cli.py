@@ -241,3 +241,10 @@ def test_watch_calls_a_failed_dump_failed(make_daemon):
     failed = next(c for c in json.loads(d.ctl("list", "--json", check=True).stdout) if c["state"] == "failed")
     w = d.ctl("watch", failed["id"])
     assert w.returncode == 8 and "failed" in w.stdout and "retry" not in w.stdout + w.stderr, w.stdout + w.stderr
+
+
+def test_memsnapd_version_names_memsnap_criu_and_kernel():
+    out = subprocess.run([sys.executable, "-m", "memsnap.daemon", "--version"], capture_output=True, text=True,
+                         check=True).stdout
+    assert re.search(r"^memsnap \d+\.\d+", out, re.M) and re.search(r"^CRIU 4\.", out, re.M)
+    assert f"kernel {os.uname().release}" in out
