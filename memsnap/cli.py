@@ -634,7 +634,7 @@ def prune_cmd(obj: Ctx, dry_run: bool) -> None:
 @click.argument("job")
 @click.option("-f", "--follow", is_flag=True, help="keep printing what the job writes until it ends")
 @click.option("--tail", "tail_bytes", type=click.IntRange(min=0), default=0, metavar="BYTES",
-              help="only the last BYTES of the log")
+              help="only the end of the log: its last BYTES, from the first whole line")
 @click.pass_obj
 @handle_errors
 def logs_cmd(obj: Ctx, job: str, follow: bool, tail_bytes: int) -> None:
@@ -650,9 +650,15 @@ def logs_cmd(obj: Ctx, job: str, follow: bool, tail_bytes: int) -> None:
 
 
 def _log_chunks(c: MemsnapClient, job: str, follow: bool, tail_bytes: int) -> Iterator[bytes]:
+    first = bool(tail_bytes)  # a tail starts mid-line: begin at the next whole line
     for m in c.job_logs(job, follow=follow, tail_bytes=tail_bytes):
-        if m.data:
-            yield m.data
+        data = m.data
+        if first and data:
+            first = False
+            cut = data.find(b"\n")
+            data = data[cut + 1:] if cut >= 0 else data
+        if data:
+            yield data
 
 
 # -- entry point -----------------------------------------------------------------------------------

@@ -137,3 +137,14 @@ def test_slurm_install_hooks_puts_them_where_slurm_conf_points(tmp_path):
 
     assert conf_paths(conf) == {"Prolog": f"{tmp_path}/hooks/pro.sh"}
     assert "add to" in r.stdout and "Epilog=/usr/local/lib/memsnap/slurm/epilog.sh" in r.stdout
+
+
+def test_json_log_lines_carry_dict_arguments_as_json_not_reprs():
+    import logging
+
+    from memsnap.logs import JsonFormatter
+
+    rec = logging.LogRecord("memsnap.daemon", logging.INFO, __file__, 1, "recovered %s", ({"failed_dumps": 0},),
+                            None)
+    line = json.loads(JsonFormatter().format(rec))
+    assert line["msg"] == 'recovered {"failed_dumps": 0}' and line["args"] == [{"failed_dumps": 0}]
