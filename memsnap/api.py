@@ -137,7 +137,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
     @translate
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
-        res = self.engine.restore(caller_of(context), request.checkpoint_id, lazy=request.lazy,
+        res = self.engine.restore_own_log(caller_of(context), request.checkpoint_id, lazy=request.lazy,
                                   gpu_map=dict(request.gpu_map) or None,
                                   tcp_established=request.tcp_established)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),

@@ -937,6 +937,36 @@ class Engine:
                     return
                 time.sleep(0.2)
 
+    def restore_own_log(self, caller: Caller, key: str, **kw: Any) -> RestoreResult:
+        """restore(), with the restored job's output going to a log of its own: <parent log stem>.restore-
+        <checkpoint>-<token>.log next to the parent's, which starts with a line naming the checkpoint and
+        the parent log. Two restores of one checkpoint never write into one file; the old log stays as it
+        was. Images whose job had no log (not started by memsnap) restore as before."""
+        rec = self.latest_restorable(caller, key)
+        parent = str(rec.meta.get("log_path") or "")
+        log_dir = self.launcher.log_dir.resolve()
+        if not parent or Path(parent).resolve().parent != log_dir:
+            return self.restore(caller, key, **kw)
+        path = log_dir / f"{Path(parent).stem}.restore-{rec.id}-{secrets.token_hex(3)}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
+        try:
+            if rec.owner_uid:
+                os.fchown(fd, rec.owner_uid, -1)
+            os.write(fd, f"# memsnap: restored from {rec.id}; earlier output: {parent}\n".encode())
+            opts = dict(kw.pop("restore_opts", None) or {})
+            # CRIU names a regular file by its path without the leading '/'; every fd the job had on its
+            # log (stdout and stderr) gets the new file instead.
+            opts["inherit_fds"] = {**opts.get("inherit_fds", {}), parent.lstrip("/"): fd}
+            res = self.restore(caller, rec.id, restore_opts=opts, **kw)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.catalog.update_job(res.job.id, log_path=str(path))
+        res.job.log_path = str(path)
+        return res
+
 
 def _file_size(path: str) -> int:
     try:

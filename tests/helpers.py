@@ -42,12 +42,17 @@ class Tick:
 
 
 def ticks(log_path: str | Path, hostpid: int | None = None) -> list[Tick]:
-    """The counter workload's ticks, optionally only those printed by one host pid."""
+    """The counter workload's ticks, optionally only those printed by one host pid, from the job's log and
+    the logs of its restored copies."""
     out = []
-    try:
-        text = Path(log_path).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
+    text = ""
+    # A restored copy writes to a log of its own next to its parent's (<stem>.restore-<ckpt>-<x>.log).
+    path = Path(log_path)
+    for p in [path, *sorted(path.parent.glob(f"{path.stem}.restore-*.log"), key=lambda p: p.stat().st_mtime)]:
+        try:
+            text += p.read_text(errors="replace")
+        except FileNotFoundError:
+            pass
     for line in text.splitlines():
         m = TICK.match(line.strip())
         if m and (hostpid is None or int(m.group(2)) == hostpid):

@@ -118,14 +118,20 @@ def test_logs_prints_and_follows_a_jobs_output(daemon, jobs_to_kill):
     assert daemon.ctl("logs", job["job"], check=True).stdout == followed
 
 
-def test_logs_of_a_restored_job_show_its_output(daemon, jobs_to_kill):
+def test_each_restore_writes_a_log_of_its_own_linked_to_its_parent(daemon, jobs_to_kill):
     job = _run(daemon, jobs_to_kill, "logs-restored")
-    daemon.ctl("checkpoint", "logs-restored", "--stop", check=True)
-    r = json.loads(daemon.ctl("restore", "logs-restored", "--json", check=True).stdout)
-    jobs_to_kill.append(r["pid"])
-    wait_for(lambda: ticks(job["log"], r["pid"]), 20, what="the restored job to tick")
-    out = daemon.ctl("logs", r["job"], check=True).stdout
-    assert f" {r['pid']} " in out
+    ck = json.loads(daemon.ctl("checkpoint", "logs-restored", "--stop", "--json", check=True).stdout)
+    before = Path(job["log"]).read_text()
+    copies = [json.loads(daemon.ctl("restore", ck["id"], "--json", check=True).stdout) for _ in range(2)]
+    jobs_to_kill.extend(c["pid"] for c in copies)
+    for c in copies:
+        wait_for(lambda c=c: ticks(job["log"], c["pid"]), 20, what="the restored copy to tick")
+        out = daemon.ctl("logs", c["job"], check=True).stdout
+        head, *lines = out.splitlines()
+        assert head == f"# memsnap: restored from {ck['id']}; earlier output: {job['log']}"
+        assert lines and all(f" {c['pid']} " in ln for ln in lines), out  # its own ticks, nobody else's
+        assert _job(daemon, c["job"])["log_path"] != job["log"]
+    assert Path(job["log"]).read_text() == before  # the parent's log stays as it was
 
 
 def test_rm_refuses_a_running_job_and_forgets_an_ended_one(daemon, jobs_to_kill):
