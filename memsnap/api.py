@@ -52,6 +52,7 @@ def translate(fn: F) -> F:
         try:
             return fn(self, request, context)
         except MemsnapError as exc:
+            log.info("%s refused: %s", fn.__name__, exc, extra={"code": exc.code, "peer": context.peer()})
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except Exception as exc:  # keep the daemon up and tell the caller something useful
             if _aborted(context):

@@ -254,3 +254,9 @@ def test_memsnapd_version_names_memsnap_criu_and_kernel():
                          check=True).stdout
     assert re.search(r"^memsnap \d+\.\d+", out, re.M) and re.search(r"^CRIU 4\.", out, re.M)
     assert f"kernel {os.uname().release}" in out
+
+
+def test_refused_requests_are_logged_by_the_daemon(daemon):
+    assert daemon.ctl("show", "ck-refused-here").returncode == 3
+    wait_for(lambda: "GetCheckpoint refused: no checkpoint 'ck-refused-here'" in daemon.log.read_text(), 5,
+             what="the refusal in the daemon's log")

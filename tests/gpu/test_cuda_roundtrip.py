@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc, wait_for
+from tests.helpers import REPO, DaemonProc, job_output, wait_for
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train_loop.py"
@@ -60,10 +60,7 @@ def _ctl(d: DaemonProc, *args: str, timeout: float = 600) -> dict[str, Any]:
 
 def _lines(log: str | Path, word: str, pid: int | None = None) -> list[list[str]]:
     """Fields of the 'WORD HOSTPID ...' log lines, optionally only those printed by host pid."""
-    try:
-        text = Path(log).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
+    text = job_output(log)
     rows = [ln.split() for ln in text.splitlines() if ln.startswith(word + " ")]
     return [r for r in rows if pid is None or r[1] == str(pid)]
 
