@@ -159,13 +159,18 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     @translate
     def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest,
                          context: grpc.ServicerContext) -> pb.DeleteCheckpointResponse:
-        self.engine.delete(caller_of(context), request.id)
+        caller = caller_of(context)
+        self.engine.delete(caller, request.id)
+        log.info("checkpoint deleted", extra={"checkpoint_id": request.id, "uid": caller.uid})
         return pb.DeleteCheckpointResponse()
 
     @translate
     def EvictCheckpoint(self, request: pb.EvictCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.EvictCheckpointResponse:
-        return pb.EvictCheckpointResponse(checkpoint=ckpt_pb(self.engine.evict(caller_of(context), request.id)))
+        caller = caller_of(context)
+        rec = self.engine.evict(caller, request.id)
+        log.info("tier copy evicted", extra={"checkpoint_id": request.id, "uid": caller.uid})
+        return pb.EvictCheckpointResponse(checkpoint=ckpt_pb(rec))
 
     @translate
     def WatchCheckpoint(self, request: pb.WatchCheckpointRequest,

@@ -339,10 +339,9 @@ def _check_command(exe: str, path: str) -> None:
 
 
 @cli.command("jobs")
-@click.option("-a", "--all", "show_all", is_flag=True, default=True, hidden=True)
 @click.pass_obj
 @handle_errors
-def jobs_cmd(obj: Ctx, show_all: bool) -> None:
+def jobs_cmd(obj: Ctx) -> None:
     """Managed jobs (launched or restored by memsnap)."""
     with obj.client() as c:
         js = c.jobs()

@@ -260,3 +260,12 @@ def test_refused_requests_are_logged_by_the_daemon(daemon):
     assert daemon.ctl("show", "ck-refused-here").returncode == 3
     wait_for(lambda: "GetCheckpoint refused: no checkpoint 'ck-refused-here'" in daemon.log.read_text(), 5,
              what="the refusal in the daemon's log")
+
+
+def test_delete_and_evict_are_logged_by_the_daemon(daemon, jobs_to_kill):
+    _run(daemon, jobs_to_kill, "logged")
+    ck = json.loads(daemon.ctl("checkpoint", "logged", "--stop", "--wait", "durable", "--json", check=True).stdout)
+    daemon.ctl("evict", ck["id"], check=True)
+    daemon.ctl("delete", ck["id"], check=True)
+    log = daemon.log.read_text()
+    assert f"ckpt={ck['id']} tier copy evicted" in log and f"ckpt={ck['id']} checkpoint deleted" in log
