@@ -53,6 +53,7 @@ def translate(fn: F) -> F:
         try:
             return fn(self, request, context)
         except MemsnapError as exc:
+            log.info("%s refused: %s", fn.__name__, _one_line(str(exc)), extra={"code": exc.code, "peer": context.peer()})
             context.abort(getattr(grpc.StatusCode, exc.code), _one_line(str(exc)))
         except Exception as exc:  # keep the daemon up and tell the caller something useful
             if _aborted(context):
@@ -169,8 +170,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
         caller = caller_of(context)
         v.key("checkpoint_id", request.checkpoint_id)
-        res = self.engine.restore(caller, request.checkpoint_id, lazy=request.lazy,
-                                  gpu_map=v.gpu_map(request.gpu_map) or None,
+        res = self.engine.restore_own_log(caller, request.checkpoint_id, lazy=request.lazy,
+                                          gpu_map=v.gpu_map(request.gpu_map) or None,
                                   tcp_established=request.tcp_established)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
@@ -193,14 +194,19 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest,
                          context: grpc.ServicerContext) -> pb.DeleteCheckpointResponse:
         caller = caller_of(context)
-        self.engine.delete(caller, v.ckpt_id("id", request.id))
+        ckpt = v.ckpt_id("id", request.id)
+        self.engine.delete(caller, ckpt)
+        log.info("checkpoint deleted", extra={"checkpoint_id": ckpt, "uid": caller.uid})
         return pb.DeleteCheckpointResponse()
 
     @translate
     def EvictCheckpoint(self, request: pb.EvictCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.EvictCheckpointResponse:
         caller = caller_of(context)
-        return pb.EvictCheckpointResponse(checkpoint=ckpt_pb(self.engine.evict(caller, v.ckpt_id("id", request.id))))
+        ckpt = v.ckpt_id("id", request.id)
+        rec = self.engine.evict(caller, ckpt)
+        log.info("tier copy evicted", extra={"checkpoint_id": ckpt, "uid": caller.uid})
+        return pb.EvictCheckpointResponse(checkpoint=ckpt_pb(rec))
 
     @translate
     def WatchCheckpoint(self, request: pb.WatchCheckpointRequest,
@@ -272,6 +278,36 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         res: pb.RestoreResponse = self.migrator.restore_received(caller, request, context)
         return res
 
+    @translate
+    def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.StopJobResponse:
+        job, killed, ms = self.engine.stop_job(caller_of(context), v.key("job", request.job),
+                                               timeout_s=_timeout(request.timeout_s),
+                                               kill=request.kill)
+        return pb.StopJobResponse(job=job_pb(job, False), killed=killed, stop_ms=int(ms))
+
+    @translate
+    def DeleteJob(self, request: pb.DeleteJobRequest, context: grpc.ServicerContext) -> pb.DeleteJobResponse:
+        job = self.engine.delete_job(caller_of(context), v.key("job", request.job), force=request.force)
+        return pb.DeleteJobResponse(job=job_pb(job, False))
+
+    @translate
+    def Prune(self, request: pb.PruneRequest, context: grpc.ServicerContext) -> pb.PruneResponse:
+        ended, failed, freed = self.engine.prune(caller_of(context), dry_run=request.dry_run)
+        return pb.PruneResponse(jobs=[job_pb(j, False) for j in ended], checkpoints=[ckpt_pb(r) for r in failed],
+                                log_bytes=freed)
+
+    @translate
+    def JobLogs(self, request: pb.JobLogsRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:
+        chunks = self.engine.job_log(caller_of(context), v.key("job", request.job), follow=request.follow,
+                                     tail_bytes=v.size("tail_bytes", request.tail_bytes), active=context.is_active)
+        job, _ = next(chunks)  # NotFound and PermissionDenied surface here, before the stream starts
+        return self._log_stream(job, chunks)
+
+    @staticmethod
+    def _log_stream(job: JobRecord, chunks: Iterator[tuple[JobRecord, bytes]]) -> Iterator[pb.LogChunk]:
+        yield pb.LogChunk(job=job.id, path=job.log_path)
+        for _, data in chunks:
+            yield pb.LogChunk(data=data)
 
 def _checked_chunks(chunks: Iterator[pb.ImageChunk]) -> Iterator[pb.ImageChunk]:
     """An image stream whose every chunk passes the edge checks (ids, names, offsets, sizes)."""
@@ -285,3 +321,10 @@ def _checked_chunks(chunks: Iterator[pb.ImageChunk]) -> Iterator[pb.ImageChunk]:
         v.size("offset + data", c.offset + len(c.data))
         v._plain("file", c.file, v.MAX_PATH)
         yield c
+
+
+def _timeout(seconds: float) -> float:
+    """A stop timeout: 10 s when unset; a finite number of seconds up to a day."""
+    if seconds != seconds or seconds < 0 or seconds > 86400:  # NaN, negative, absurd
+        raise InvalidArgument(f"timeout_s must be between 0 and 86400 seconds, got {v.clip(repr(seconds))}")
+    return seconds or 10.0

@@ -256,6 +256,11 @@ class Catalog:
             rows = self._db.execute("SELECT id FROM checkpoints").fetchall()
         return (r[0] for r in rows)
 
+    def delete_job(self, job_id: str) -> None:
+        """Forgets a job (memsnapctl rm / prune)."""
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+
 
 _UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "no uid"
 _INT_MAX = (1 << 63) - 1  # SQLite INTEGER

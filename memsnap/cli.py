@@ -1,39 +1,94 @@
-"""memsnapctl: the command line, for people (tables, progress bars) and scripts (--json)."""
+"""memsnapctl: the command line, for people (tables, one-line summaries, progress bars) and scripts
+(-o json / --json, exit codes).
+
+Start-up matters (Slurm hooks call it for every job): this module imports only click and the standard
+library; gRPC and the generated code load when a command talks to the daemon, never for --help.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
-from google.protobuf.json_format import MessageToDict
 
-from memsnap.client import DEFAULT_SOCKET, ClientError, MemsnapClient, Target
-from memsnap.v1 import memsnap_pb2 as pb
+from memsnap.cli_fmt import Progress, age, human_bytes, human_ms, table, timestamp, to_json, to_yaml
+
+if TYPE_CHECKING:
+    from memsnap.client import MemsnapClient, Target
+    from memsnap.v1 import memsnap_pb2 as pb
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-STATE_NAMES = {v: k.removeprefix("CHECKPOINT_STATE_").lower() for k, v in pb.CheckpointState.items()}
+DEFAULT_SOCKET = "/run/memsnap/memsnapd.sock"  # = memsnap.client.DEFAULT_SOCKET, without importing gRPC
+OUTPUTS = ("table", "wide", "json", "yaml")
+
+# Exit status per error class (documented in --help, README and the man page).
+EXIT_CODES: dict[str, int] = {
+    "UNKNOWN": 1, "INTERNAL": 1, "UNIMPLEMENTED": 1,
+    "USAGE": 2, "INVALID_ARGUMENT": 2, "OUT_OF_RANGE": 2,
+    "NOT_FOUND": 3,
+    "PERMISSION_DENIED": 4, "UNAUTHENTICATED": 4,
+    "UNAVAILABLE": 5, "DEADLINE_EXCEEDED": 5,
+    "DATA_LOSS": 6,
+    "RESOURCE_EXHAUSTED": 7,
+    "FAILED_PRECONDITION": 8,
+    "ABORTED": 9, "ALREADY_EXISTS": 9,
+    "CANCELLED": 130,
+}
+EXIT_HELP = """\b
+Exit status:
+  0  success
+  1  internal error
+  2  usage error, invalid argument
+  3  not found (job, checkpoint, process)
+  4  permission denied, not authenticated
+  5  daemon or storage unavailable, deadline exceeded
+  6  data loss (an image failed its integrity check)
+  7  out of resources (memory tier full)
+  8  operation failed (CRIU refused, wrong state: the message says why)
+  9  conflict (busy, already exists)
+  130 interrupted"""
 
 
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+class Failure(Exception):
+    """A failed command: a status code name (NOT_FOUND, ...) and a one-line message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+    @property
+    def exit_code(self) -> int:
+        """The documented exit status for this error class."""
+        return EXIT_CODES.get(self.code, 1)
+
+
+def _state_names() -> dict[int, str]:
+    from memsnap.v1 import memsnap_pb2 as pb
+
+    return {v: k.removeprefix("CHECKPOINT_STATE_").lower() for k, v in pb.CheckpointState.items()}
+
+
+def state_name(state: int) -> str:
+    """A CheckpointState as a lower-case word."""
+    return _state_names().get(state, "unknown")
+
+
+def _to_dict(msg: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    d: dict[str, Any] = MessageToDict(msg, preserving_proto_field_name=True,
+                                      always_print_fields_with_no_presence=True)
+    return d
 
 
 def ckpt_dict(c: pb.CheckpointInfo) -> dict[str, Any]:
     """A checkpoint as plain JSON-able data, with the state as a lower-case word."""
-    d: dict[str, Any] = MessageToDict(c, preserving_proto_field_name=True,
-                                      always_print_fields_with_no_presence=True)
-    d["state"] = STATE_NAMES.get(c.state, "unknown")
+    d = _to_dict(c)
+    d["state"] = state_name(c.state)
     for k in ("pid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "drained_bytes", "stored_bytes",
               "durable_unix_ms"):
         d[k] = int(d.get(k, 0))
@@ -42,54 +97,161 @@ def ckpt_dict(c: pb.CheckpointInfo) -> dict[str, Any]:
 
 def job_dict(j: pb.Job) -> dict[str, Any]:
     """A job as plain data."""
-    d: dict[str, Any] = MessageToDict(j, preserving_proto_field_name=True,
-                                      always_print_fields_with_no_presence=True)
+    d = _to_dict(j)
     d["pid"], d["started_unix_ms"] = int(d.get("pid", 0)), int(d.get("started_unix_ms", 0))
+    d["argv"] = command_of(list(j.argv))
     return d
 
 
-def table(rows: list[list[str]], header: list[str]) -> str:
-    """Left-aligned columns."""
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join(fmt.format(*r).rstrip() for r in [header, *rows])
+def command_of(argv: list[str]) -> list[str]:
+    """A job's own command, without the init it runs under (memsnap.jobinit)."""
+    from memsnap import jobinit
+
+    return argv[4:] if jobinit.is_init(argv) else argv
 
 
 class Ctx:
     """Global options shared by the subcommands."""
 
-    def __init__(self, target: Target, as_json: bool) -> None:
-        self.target = target
-        self.json = as_json
+    def __init__(self, socket: str = DEFAULT_SOCKET, address: str = "", token_file: str = "", tls_ca: str = "",
+                 tls_cert: str = "", tls_key: str = "", output: str = "table") -> None:
+        self.socket, self.address, self.token_file = socket, address, token_file
+        self.tls_ca, self.tls_cert, self.tls_key = tls_ca, tls_cert, tls_key
+        self.output = output
+        self._target: Target | None = None
+
+    @property
+    def json(self) -> bool:
+        """Machine-readable output (json or yaml)."""
+        return self.output in ("json", "yaml")
+
+    @property
+    def target(self) -> Target:
+        """Where the daemon is (reads --token-file on first use)."""
+        if self._target is None:
+            from memsnap.client import Target
+
+            token = ""
+            if self.token_file:
+                try:
+                    with open(self.token_file) as f:
+                        token = f.read().strip()
+                except OSError as exc:
+                    raise click.UsageError(f"cannot read --token-file {self.token_file}: {exc.strerror}") from exc
+            self._target = Target(socket=self.socket, address=self.address, token=token, tls_ca=self.tls_ca,
+                                  tls_cert=self.tls_cert, tls_key=self.tls_key)
+        return self._target
 
     def client(self) -> MemsnapClient:
         """A client for the selected daemon."""
+        from memsnap.client import MemsnapClient
+
         return MemsnapClient(self.target)
 
-    def emit(self, data: Any, human: str | None = None) -> None:
-        """JSON for scripts, text for people."""
-        if self.json or human is None:
-            click.echo(json.dumps(data, sort_keys=True))
+    def emit(self, data: Any, human: str | None = None, wide: str | None = None) -> None:
+        """JSON/YAML for scripts, text for people (wide: the table with more columns)."""
+        if self.output == "yaml":
+            click.echo(to_yaml(data))
+        elif self.output == "json" or human is None:
+            click.echo(to_json(data))
+        elif self.output == "wide" and wide is not None:
+            click.echo(wide)
         else:
             click.echo(human)
 
+    def progress(self, label: str) -> Progress | None:
+        """A progress display on stderr: a bar on a terminal; plain lines for people otherwise; nothing
+        for scripts reading JSON from a pipe."""
+        tty = sys.stderr.isatty()
+        if self.json and not tty:
+            return None
+        return Progress(label, sys.stderr, tty)
+
 
 def handle_errors(fn: F) -> F:
-    """One line on stderr and a non-zero exit for any failure."""
+    """Turns a ClientError into a Failure (main() prints it and picks the exit status)."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except ClientError as exc:
-            click.echo(f"memsnapctl: {exc.code.name}: {exc.message}", err=True)
-            sys.exit(2 if exc.code.name in ("INVALID_ARGUMENT", "NOT_FOUND") else 1)
+        except Exception as exc:
+            failure = _as_failure(exc)
+            if failure is None:
+                raise
+            raise failure from None
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
     return wrapper  # type: ignore[return-value]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _as_failure(exc: BaseException) -> Failure | None:
+    if isinstance(exc, Failure):
+        return exc
+    client = sys.modules.get("memsnap.client")
+    if client is not None and isinstance(exc, client.ClientError):
+        return Failure(exc.code.name, exc.message)
+    return None
+
+
+# Commands that live in other modules, loaded only when used: name -> (module, one-line help).
+LAZY_COMMANDS = {
+    "migrate": ("memsnap.cli_migrate", "Move a PID or job to another node; on failure it runs on here."),
+    "slurm": ("memsnap.slurm.cli", "Slurm integration: checkpoint on preemption, restore on requeue."),
+}
+
+
+class Group(click.Group):
+    """Loads the migrate and slurm commands on first use, so --help never imports gRPC."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        """Every command, lazy ones included, in alphabetical order."""
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """A command, importing its module first when it is a lazy one."""
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            module = __import__(LAZY_COMMANDS[cmd_name][0], fromlist=["register"])
+            module.register(self)
+            if cmd_name == "slurm":
+                from memsnap.cli_slurm_hooks import install_hooks_cmd
+
+                group = self.commands.get("slurm")
+                if isinstance(group, click.Group):
+                    group.add_command(install_hooks_cmd)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list, with fixed help lines for the lazy commands (nothing is imported)."""
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in LAZY_COMMANDS and name not in self.commands:
+                rows.append((name, LAZY_COMMANDS[name][1]))
+                continue
+            cmd = self.commands.get(name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=formatter.width - 6 - max(len(n) for n in
+                                                                                        self.list_commands(ctx)))))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def _version_text() -> str:
+    from memsnap.version import version_text
+
+    return version_text()
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(_version_text())
+        ctx.exit()
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_HELP)
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="print the memsnap, CRIU and kernel versions and exit")
 @click.option("--socket", envvar="MEMSNAP_SOCKET", default=DEFAULT_SOCKET, show_default=True,
               help="memsnapd Unix socket (env MEMSNAP_SOCKET)")
 @click.option("--address", envvar="MEMSNAP_ADDRESS", default="", help="HOST:PORT of a remote memsnapd")
@@ -97,20 +259,27 @@ def handle_errors(fn: F) -> F:
 @click.option("--tls-ca", default="", help="CA bundle to verify a remote daemon (enables TLS)")
 @click.option("--tls-cert", default="", help="client certificate for mutual TLS")
 @click.option("--tls-key", default="", help="client key for mutual TLS")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("-o", "--output", type=click.Choice(OUTPUTS), default=None, envvar="MEMSNAP_OUTPUT",
+              help="output format; accepted anywhere on the line  [default: table]")
+@click.option("--json", "as_json", is_flag=True, help="same as -o json; accepted anywhere on the line")
 @click.pass_context
 def cli(ctx: click.Context, socket: str, address: str, token_file: str, tls_ca: str, tls_cert: str,
-        tls_key: str, as_json: bool) -> None:
-    """memsnapctl: checkpoint and restore whole processes through memsnapd."""
-    token = ""
-    if token_file:
-        try:
-            with open(token_file) as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise click.UsageError(f"cannot read --token-file {token_file}: {exc.strerror}") from exc
-    ctx.obj = Ctx(Target(socket=socket, address=address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
-                         tls_key=tls_key), as_json)
+        tls_key: str, output: str | None, as_json: bool) -> None:
+    """memsnapctl: checkpoint and restore whole processes through memsnapd.
+
+    \b
+    Quick start:
+      memsnapctl run --name train -- python train.py   # a managed job
+      memsnapctl checkpoint train                      # into the memory tier; it runs on
+      memsnapctl stop train                            # SIGTERM, then SIGKILL after 10 s
+      memsnapctl restore train                         # its newest checkpoint
+      memsnapctl list                                  # checkpoints; 'jobs' lists jobs
+
+    JOB arguments take a job id, a job name or the job's pid. Shell completion:
+    eval "$(_MEMSNAPCTL_COMPLETE=bash_source memsnapctl)" (zsh_source, fish_source likewise).
+    """
+    ctx.obj = Ctx(socket=socket, address=address, token_file=token_file, tls_ca=tls_ca, tls_cert=tls_cert,
+                  tls_key=tls_key, output="json" if as_json else (output or "table"))
 
 
 @cli.command("status")
@@ -120,7 +289,7 @@ def status_cmd(obj: Ctx) -> None:
     """Versions, tier use and counts."""
     with obj.client() as c:
         s = c.status()
-    d = MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d = _to_dict(s)
     for k in ("tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "drain_queue_bytes"):
         d[k] = int(d.get(k, 0))
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(s.checkpoints_by_state.items())) or "none"
@@ -138,7 +307,7 @@ def status_cmd(obj: Ctx) -> None:
     obj.emit(d, human)
 
 
-@cli.command("run", context_settings={"ignore_unknown_options": True})
+@cli.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--name", default="", help="a name to find the job by")
 @click.option("--own-proc/--host-proc", "own_proc", default=None,
               help="give the job its own /proc (a mount namespace; CUDA needs it), or the host's; "
@@ -147,11 +316,29 @@ def status_cmd(obj: Ctx) -> None:
 @click.pass_obj
 @handle_errors
 def run_cmd(obj: Ctx, name: str, own_proc: bool | None, argv: tuple[str, ...]) -> None:
-    """Start CMD as a managed job in its own PID namespace: memsnapctl run -- CMD ARGS..."""
+    """Start CMD as a managed job in its own PID namespace: memsnapctl run [--name N] -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
+    if not obj.address:
+        _check_command(argv[0], env.get("PATH", os.defpath))
     with obj.client() as c:
         job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc)
-    obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path})
+    obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path},
+             f"started {job.id} ({job.name}) as pid {job.pid}; output: memsnapctl logs -f {job.id}")
+
+
+def _check_command(exe: str, path: str) -> None:
+    """Refuses a command that cannot start (the daemon runs it as the caller, with the caller's PATH and
+    working directory, on this node), before a job is made of it."""
+    import shutil
+
+    if "/" in exe:
+        full = os.path.abspath(exe)
+        if not os.path.isfile(full):
+            raise Failure("NOT_FOUND", f"{exe}: no such file")
+        if not os.access(full, os.X_OK):
+            raise Failure("PERMISSION_DENIED", f"{exe}: not executable")
+    elif shutil.which(exe, path=path) is None:
+        raise Failure("NOT_FOUND", f"{exe}: command not found in PATH ({path})")
 
 
 @cli.command("jobs")
@@ -161,9 +348,25 @@ def jobs_cmd(obj: Ctx) -> None:
     """Managed jobs (launched or restored by memsnap)."""
     with obj.client() as c:
         js = c.jobs()
-    rows = [[j.id, j.name, str(j.pid), "running" if j.running else "ended", j.restored_from or "-",
-             " ".join(j.argv)[:50]] for j in js]
-    obj.emit([job_dict(j) for j in js], table(rows, ["JOB", "NAME", "PID", "STATE", "FROM", "COMMAND"]))
+    rows, wide = [], []
+    for j in js:
+        cmd = " ".join(command_of(list(j.argv)))
+        row = [j.id, j.name, str(j.pid), "running" if j.running else "ended", age(j.started_unix_ms),
+               j.restored_from or "-"]
+        argv = command_of(list(j.argv))
+        short = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else ""
+        rows.append([*row, short if len(short) <= 60 else short[:57] + "..."])
+        wide.append([*row, str(j.owner_uid), j.log_path or "-", cmd])
+    head = ["JOB", "NAME", "PID", "STATE", "AGE", "FROM"]
+    obj.emit([job_dict(j) for j in js], table(rows, [*head, "COMMAND"]),
+             table(wide, [*head, "UID", "LOG", "COMMAND"]))
+
+
+def _ckpt_summary(d: dict[str, Any]) -> str:
+    where = "tier" if d.get("in_tier") else ""
+    where += ("+store" if where else "store") if d.get("in_store") else ""
+    return (f"{d['id']}: {d['state']}, {human_bytes(d['size_bytes'])}, job frozen {human_ms(d['frozen_ms'])}"
+            f" (dump {human_ms(d['dump_ms'])})" + (f", in {where}" if where else ""))
 
 
 @cli.command("checkpoint")
@@ -176,22 +379,79 @@ def jobs_cmd(obj: Ctx) -> None:
 @click.pass_obj
 @handle_errors
 def checkpoint_cmd(obj: Ctx, target: str, stop: bool, wait_for: str, tcp_established: bool, name: str) -> None:
-    """Checkpoint a PID or job into the memory tier (it keeps running unless --stop)."""
+    """Checkpoint a PID or JOB into the memory tier (it keeps running unless --stop)."""
+    durable = wait_for == "durable"
+    bar = obj.progress("") if durable else None
     with obj.client() as c:
-        ck = c.checkpoint(target, stop=stop, wait_durable=wait_for == "durable",
-                          tcp_established=tcp_established, name=name)
-    obj.emit(ckpt_dict(ck))
+        if bar is None:
+            ck = c.checkpoint(target, stop=stop, wait_durable=durable, tcp_established=tcp_established, name=name)
+        else:
+            if c.status().store in ("", "none"):
+                raise Failure("INVALID_ARGUMENT", "this daemon has no store configured, so nothing becomes "
+                                                  "durable; use --wait staged")
+            ck = c.checkpoint(target, stop=stop, tcp_established=tcp_established, name=name)
+            bar.label = f"draining {ck.id}"
+            _follow_drain(c, ck.id, bar)
+            ck = c.show(ck.id)
+    d = ckpt_dict(ck)
+    if d["state"] == "failed":
+        raise Failure("FAILED_PRECONDITION", f"checkpoint {ck.id} failed: {ck.last_error}")
+    obj.emit(d, _ckpt_summary(d))
+
+
+def _follow_drain(c: MemsnapClient, ckpt_id: str, bar: Progress) -> None:
+    for k in c.watch(ckpt_id):
+        state = state_name(k.state)
+        total = max(int(k.size_bytes), 1)
+        done = total if state == "durable" else int(k.drained_bytes)
+        bar.update(done, total, state, _drain_note(k, state))
+    bar.done()
+
+
+def _drain_note(k: pb.CheckpointInfo, state: str) -> str:
+    """What to say about a checkpoint's last error: only a drain in progress is ever retried."""
+    if not k.last_error or state == "durable":
+        return ""
+    if state == "failed":
+        return f"failed: {k.last_error}"
+    return f"storage error (attempt {k.drain_attempts}, will retry): {k.last_error}"
+
+
+def _with_spinner(obj: Ctx, what: str, fn: Callable[[], Any]) -> Any:
+    """Runs a long call, showing the elapsed time on a terminal meanwhile."""
+    bar = obj.progress(what)
+    if bar is None or not bar.tty:
+        return fn()
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["ok"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["err"] = exc
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    while t.is_alive():
+        bar.spin(what)
+        t.join(0.1)
+    bar.done()
+    if "err" in box:
+        raise box["err"]
+    return box["ok"]
 
 
 @cli.command("restore")
-@click.argument("checkpoint_id")
+@click.argument("checkpoint_id", metavar="CHECKPOINT|JOB")
 @click.option("--lazy", is_flag=True, help="resume at once; memory is paged in on demand")
 @click.option("--gpu-map", default="", help="OLD_UUID=NEW_UUID,... to remap GPUs")
 @click.option("--tcp-established", is_flag=True, help="restore established TCP connections")
 @click.pass_obj
 @handle_errors
 def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_established: bool) -> None:
-    """Verify a checkpoint (or a job's latest one) and restore it detached."""
+    """Verify a checkpoint (or a job's newest one) and restore it detached."""
     mapping: dict[str, str] = {}
     for pair in filter(None, gpu_map.split(",")):
         old, sep, new = pair.partition("=")
@@ -199,9 +459,20 @@ def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_esta
             raise click.BadParameter(f"{pair!r} is not OLD_UUID=NEW_UUID", param_hint="--gpu-map")
         mapping[old.strip()] = new.strip()
     with obj.client() as c:
-        r = c.restore(checkpoint_id, lazy=lazy, gpu_map=mapping, tcp_established=tcp_established)
-    obj.emit({"pid": int(r.pid), "job": r.job.id, "checkpoint": checkpoint_id, "restore_ms": int(r.restore_ms),
-              "verify_ms": int(r.verify_ms), "fetch_ms": int(r.fetch_ms), "from_store": r.from_store})
+        r = _with_spinner(obj, f"restoring {checkpoint_id}",
+                          lambda: c.restore(checkpoint_id, lazy=lazy, gpu_map=mapping,
+                                            tcp_established=tcp_established))
+    chosen = r.job.restored_from or checkpoint_id
+    fetched = f", fetched from the store in {human_ms(r.fetch_ms)}" if r.from_store else ""
+    obj.emit({"pid": int(r.pid), "job": r.job.id, "checkpoint": chosen, "requested": checkpoint_id,
+              "restore_ms": int(r.restore_ms), "verify_ms": int(r.verify_ms), "fetch_ms": int(r.fetch_ms),
+              "from_store": r.from_store},
+             f"restored {chosen} as {r.job.id} (pid {r.pid}) in {human_ms(r.restore_ms)} "
+             f"(verify {human_ms(r.verify_ms)}{fetched})")
+
+
+def _location(k: pb.CheckpointInfo) -> str:
+    return "+".join(w for w, on in (("tier", k.in_tier), ("store", k.in_store)) if on) or "-"
 
 
 @cli.command("list")
@@ -212,11 +483,15 @@ def list_cmd(obj: Ctx, job: str) -> None:
     """Checkpoints, oldest first."""
     with obj.client() as c:
         cks = c.list(job)
-    rows = [[k.id, STATE_NAMES.get(k.state, "?"), k.job or str(k.pid), human_bytes(k.size_bytes),
-             "yes" if k.in_tier else "no", "yes" if k.in_store else "no",
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(k.created_unix_ms / 1000))] for k in cks]
-    obj.emit([ckpt_dict(k) for k in cks],
-             table(rows, ["ID", "STATE", "JOB/PID", "SIZE", "TIER", "STORE", "CREATED"]))
+    rows, wide = [], []
+    for k in cks:
+        row = [k.id, k.name or "-", state_name(k.state), k.job or str(k.pid), human_bytes(k.size_bytes),
+               _location(k), age(k.created_unix_ms)]
+        rows.append(row)
+        wide.append([*row, human_ms(k.frozen_ms), human_bytes(k.stored_bytes) if k.in_store else "-",
+                     (k.last_error or "-")[:60]])
+    head = ["ID", "NAME", "STATE", "JOB/PID", "SIZE", "WHERE", "AGE"]
+    obj.emit([ckpt_dict(k) for k in cks], table(rows, head), table(wide, [*head, "FROZEN", "STORED", "ERROR"]))
 
 
 @cli.command("show")
@@ -229,12 +504,15 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
         k = c.show(checkpoint_id)
     d = ckpt_dict(k)
     lines = [
-        f"id          {k.id}", f"state       {d['state']}", f"job         {k.job or '-'} (pid {k.pid})",
-        f"command     {' '.join(k.argv)}", f"host        {k.hostname}  criu {k.criu_version}",
-        f"size        {human_bytes(k.size_bytes)}  frozen {k.frozen_ms} ms  dump {k.dump_ms} ms",
+        f"id          {k.id}", f"name        {k.name or '-'}", f"state       {d['state']}",
+        f"job         {k.job or '-'} (pid {k.pid}, uid {k.owner_uid})",
+        f"command     {' '.join(command_of(list(k.argv)))}", f"host        {k.hostname}  criu {k.criu_version}",
+        f"created     {timestamp(k.created_unix_ms)} ({age(k.created_unix_ms)} ago)",
+        f"durable     {timestamp(k.durable_unix_ms)}",
+        f"size        {human_bytes(k.size_bytes)}  frozen {human_ms(k.frozen_ms)}  dump {human_ms(k.dump_ms)}",
         f"in_tier     {str(k.in_tier).lower()}", f"in_store    {str(k.in_store).lower()}",
         f"drained     {human_bytes(k.drained_bytes)} of {human_bytes(k.size_bytes)} "
-        f"({human_bytes(k.stored_bytes)} stored)",
+        f"({human_bytes(k.stored_bytes)} stored, {k.drain_attempts} attempts)",
         f"last_error  {k.last_error or '-'}",
     ]
     for g in k.gpus:
@@ -244,14 +522,15 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
 
 
 @cli.command("delete")
-@click.argument("checkpoint_id")
+@click.argument("checkpoint_ids", nargs=-1, required=True, metavar="CHECKPOINT...")
 @click.pass_obj
 @handle_errors
-def delete_cmd(obj: Ctx, checkpoint_id: str) -> None:
-    """Delete a checkpoint from the tier, the store and the catalog."""
+def delete_cmd(obj: Ctx, checkpoint_ids: tuple[str, ...]) -> None:
+    """Delete checkpoints from the tier, the store and the catalog."""
     with obj.client() as c:
-        c.delete(checkpoint_id)
-    obj.emit({"deleted": checkpoint_id}, f"deleted {checkpoint_id}")
+        for ckpt in checkpoint_ids:
+            c.delete(ckpt)
+            obj.emit({"deleted": ckpt}, f"deleted {ckpt}")
 
 
 @cli.command("evict")
@@ -270,42 +549,205 @@ def evict_cmd(obj: Ctx, checkpoint_id: str) -> None:
 @click.pass_obj
 @handle_errors
 def watch_cmd(obj: Ctx, checkpoint_id: str) -> None:
-    """Follow a checkpoint's drain with a progress bar until it is durable."""
+    """Follow a checkpoint's drain until it is durable: a bar with rate and ETA on a terminal, a line per
+    quarter otherwise; -o json streams one object per update."""
     last: pb.CheckpointInfo | None = None
+    bar = Progress(checkpoint_id, sys.stdout, sys.stdout.isatty())
     with obj.client() as c:
         for k in c.watch(checkpoint_id):
             last = k
-            state = STATE_NAMES.get(k.state, "?")
+            state = state_name(k.state)
             if obj.json:
-                click.echo(json.dumps(ckpt_dict(k), sort_keys=True))
+                click.echo(to_json(ckpt_dict(k)) if obj.output == "json" else to_yaml([ckpt_dict(k)]))
                 continue
-            total = max(k.size_bytes, 1)
-            frac = min(1.0, k.drained_bytes / total) if state != "durable" else 1.0
-            bar = "#" * int(frac * 30)
-            err = f"  retrying: {k.last_error}" if k.last_error and state != "durable" else ""
-            click.echo(f"\r{k.id} [{bar:<30}] {frac * 100:5.1f}% {human_bytes(k.drained_bytes)}/"
-                       f"{human_bytes(k.size_bytes)} {state}{err}\033[K", nl=False)
+            total = max(int(k.size_bytes), 1)
+            bar.update(total if state == "durable" else int(k.drained_bytes), total, state, _drain_note(k, state))
     if not obj.json:
-        click.echo()
-    if last is not None and STATE_NAMES.get(last.state) == "failed":
-        click.echo(f"memsnapctl: checkpoint {checkpoint_id} failed: {last.last_error}", err=True)
-        sys.exit(1)
+        bar.done()
+    if last is not None and state_name(last.state) == "failed":
+        raise Failure("FAILED_PRECONDITION", f"checkpoint {checkpoint_id} failed: {last.last_error}")
 
 
-def main() -> None:
-    """Entry point of the memsnapctl console script."""
-    _register_extensions()
-    cli(prog_name="memsnapctl")
+@cli.command("stop")
+@click.argument("jobs", nargs=-1, required=True, metavar="JOB...")
+@click.option("-t", "--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="seconds to wait after SIGTERM before SIGKILL")
+@click.pass_obj
+@handle_errors
+def stop_cmd(obj: Ctx, jobs: tuple[str, ...], timeout: float) -> None:
+    """Stop jobs: SIGTERM (passed on by the job's init), then SIGKILL after --timeout."""
+    with obj.client() as c:
+        for key in jobs:
+            r = c.stop_job(key, timeout_s=timeout, timeout=timeout + 30)
+            _emit_stopped(obj, r, "stopped")
 
 
-def _register_extensions() -> None:
-    """Adds the migrate and slurm command groups when their modules are present."""
-    for mod in ("memsnap.cli_migrate", "memsnap.slurm.cli"):
+@cli.command("kill")
+@click.argument("jobs", nargs=-1, required=True, metavar="JOB...")
+@click.pass_obj
+@handle_errors
+def kill_cmd(obj: Ctx, jobs: tuple[str, ...]) -> None:
+    """Kill jobs at once (SIGKILL to the whole tree)."""
+    with obj.client() as c:
+        for key in jobs:
+            _emit_stopped(obj, c.stop_job(key, kill=True), "killed")
+
+
+def _emit_stopped(obj: Ctx, r: pb.StopJobResponse, verb: str) -> None:
+    j = r.job
+    how = "killed after the timeout" if r.killed and verb == "stopped" else verb
+    human = (f"{j.id} ({j.name}) {how} in {human_ms(r.stop_ms)}" if r.stop_ms or r.killed
+             else f"{j.id} ({j.name}) was not running")
+    obj.emit({"job": j.id, "name": j.name, "pid": int(j.pid), "killed": r.killed, "stop_ms": int(r.stop_ms)},
+             human)
+
+
+@cli.command("rm")
+@click.argument("jobs", nargs=-1, required=True, metavar="JOB...")
+@click.option("-f", "--force", is_flag=True, help="kill a running job first")
+@click.pass_obj
+@handle_errors
+def rm_cmd(obj: Ctx, jobs: tuple[str, ...], force: bool) -> None:
+    """Forget ended jobs and remove their logs (logs a checkpoint still needs stay)."""
+    with obj.client() as c:
+        for key in jobs:
+            j = c.delete_job(key, force=force)
+            obj.emit({"removed": j.id, "name": j.name}, f"removed {j.id} ({j.name})")
+
+
+@cli.command("prune")
+@click.option("--dry-run", is_flag=True, help="only list what would be removed")
+@click.pass_obj
+@handle_errors
+def prune_cmd(obj: Ctx, dry_run: bool) -> None:
+    """Remove ended jobs and failed checkpoints."""
+    with obj.client() as c:
+        r = c.prune(dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    lines = [f"{verb} job {j.id} ({j.name})" for j in r.jobs]
+    lines += [f"{verb} checkpoint {k.id} (failed: {(k.last_error or '-')[:60]})" for k in r.checkpoints]
+    lines.append(f"{verb} {len(r.jobs)} jobs and {len(r.checkpoints)} failed checkpoints, "
+                 f"{human_bytes(r.log_bytes)} of logs")
+    obj.emit({"dry_run": dry_run, "jobs": [j.id for j in r.jobs], "checkpoints": [k.id for k in r.checkpoints],
+              "log_bytes": int(r.log_bytes)}, "\n".join(lines))
+
+
+@cli.command("logs")
+@click.argument("job")
+@click.option("-f", "--follow", is_flag=True, help="keep printing what the job writes until it ends")
+@click.option("--tail", "tail_bytes", type=click.IntRange(min=0), default=0, metavar="BYTES",
+              help="only the end of the log: its last BYTES, from the first whole line")
+@click.pass_obj
+@handle_errors
+def logs_cmd(obj: Ctx, job: str, follow: bool, tail_bytes: int) -> None:
+    """Print a job's output (stdout and stderr); -f follows it."""
+    out = sys.stdout.buffer
+    with obj.client() as c:
         try:
-            m = __import__(mod, fromlist=["register"])
-        except ImportError:
-            continue
-        m.register(cli)
+            for chunk in _log_chunks(c, job, follow, tail_bytes):
+                out.write(chunk)
+                out.flush()
+        except KeyboardInterrupt:
+            pass
+
+
+def _log_chunks(c: MemsnapClient, job: str, follow: bool, tail_bytes: int) -> Iterator[bytes]:
+    first = bool(tail_bytes)  # a tail starts mid-line: begin at the next whole line
+    for m in c.job_logs(job, follow=follow, tail_bytes=tail_bytes):
+        data = m.data
+        if first and data:
+            first = False
+            cut = data.find(b"\n")
+            data = data[cut + 1:] if cut >= 0 else data
+        if data:
+            yield data
+
+
+# -- entry point -----------------------------------------------------------------------------------
+
+def hoist_output_options(args: list[str]) -> list[str]:
+    """Moves --json and -o/--output FORMAT to the front, wherever they are on the line, so that
+    `memsnapctl status --json` works like kubectl. Nothing after `--` moves, nor anything from the command
+    of `run` / `slurm run` on (those words belong to the job)."""
+    front: list[str] = []
+    rest: list[str] = []
+    words: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--" or (not a.startswith("-") and words in (["run"], ["slurm", "run"])):
+            rest += args[i:]
+            break
+        if a == "--json":
+            front.append(a)
+        elif a in ("-o", "--output") and i + 1 < len(args):
+            front += ["--output", args[i + 1]]
+            i += 1
+        elif a.startswith("--output="):
+            front += ["--output", a.split("=", 1)[1]]
+        elif a.startswith("-o") and len(a) > 2 and not a.startswith("--"):
+            front += ["--output", a[2:]]
+        elif (a in _VALUED_GLOBALS and not words or a in _VALUED_RUN and words in (["run"], ["slurm", "run"])) \
+                and i + 1 < len(args):
+            rest += [a, args[i + 1]]
+            i += 1
+        else:
+            if not a.startswith("-"):
+                words.append(a)
+            rest.append(a)
+        i += 1
+    return front + rest
+
+
+_VALUED_GLOBALS = ("--socket", "--address", "--token-file", "--tls-ca", "--tls-cert", "--tls-key")
+_VALUED_RUN = ("--name", "--interval", "--grace", "--socket")  # options of run / slurm run that take a value
+
+
+def _wants_json(args: list[str]) -> str:
+    out = "table"
+    for i, a in enumerate(args):
+        if a == "--":
+            break
+        if a == "--json":
+            out = "json"
+        elif a == "--output" and i + 1 < len(args):
+            out = args[i + 1]
+    return out if out in OUTPUTS else "table"
+
+
+def fail(code: str, message: str, output: str = "table") -> NoReturn:
+    """Prints an error (one line; a JSON object with -o json) on stderr and exits with its status."""
+    f = Failure(code, message)
+    if output in ("json", "yaml"):
+        click.echo(to_json({"error": {"code": code, "message": message, "exit_code": f.exit_code}}), err=True)
+    else:
+        click.echo(f"memsnapctl: {code}: {message}", err=True)
+    sys.exit(f.exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the memsnapctl console script."""
+    args = hoist_output_options(list(sys.argv[1:] if argv is None else argv))
+    output = _wants_json(args)
+    try:
+        rv = cli.main(args=args, prog_name="memsnapctl", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        if output in ("json", "yaml"):
+            fail("USAGE", exc.format_message(), output)
+        exc.show()
+        sys.exit(2 if isinstance(exc, click.UsageError) else exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        if output not in ("json", "yaml"):
+            click.echo("memsnapctl: interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        failure = _as_failure(exc)
+        if failure is None:
+            raise
+        fail(failure.code, failure.message, output)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import click
 
-from memsnap.v1 import memsnap_pb2 as pb
-
 
 def register(cli: click.Group) -> None:
     """Adds the migrate command to memsnapctl."""
-    from memsnap.cli import Ctx, handle_errors
+    from memsnap.cli import Ctx, _with_spinner, handle_errors
+    from memsnap.cli_fmt import human_bytes, human_ms
 
     @cli.command("migrate")
     @click.argument("target")
@@ -34,7 +33,10 @@ def register(cli: click.Group) -> None:
                     plain_restore: bool, tcp_established: bool, move_ip: str, move_ip_dev_source: str,
                     move_ip_dev_target: str) -> None:
         """Move a PID or job to another node; on failure it runs on here."""
+        from memsnap.v1 import memsnap_pb2 as pb
+
         token = ""
+        to_token_file = to_token_file or obj.token_file
         if to_token_file:
             try:
                 with open(to_token_file, encoding="utf-8") as f:
@@ -46,15 +48,15 @@ def register(cli: click.Group) -> None:
                                 tcp_established=tcp_established, move_ip_dev_source=move_ip_dev_source,
                                 move_ip_dev_target=move_ip_dev_target, to_token=token)
         with obj.client() as c:
-            r = c.migrate(req)
+            r = _with_spinner(obj, f"moving {target} to {to}", lambda: c.migrate(req))
         phases = {p.name: int(p.ms) for p in r.phases}
         steps = ", ".join(f"{k} {v} ms" for k, v in phases.items())
         obj.emit({"target_pid": int(r.target_pid), "target_job": r.target_job, "checkpoint": r.checkpoint_id,
                   "downtime_ms": int(r.downtime_ms), "bytes_sent": int(r.bytes_sent), "phases": phases,
                   "to": to},
                  f"moved {target} to {to}: job {r.target_job} pid {r.target_pid}, "
-                 + (f"resumed after {r.downtime_ms} ms, all memory there after "
-                    f"{int(r.downtime_ms) + phases.get('pages', phases.get('paging', 0))} ms"
-                    if "pages" in phases or "paging" in phases else f"downtime {r.downtime_ms} ms")
-                 + f"\nphases: {steps}")
+                 + (f"resumed after {human_ms(r.downtime_ms)}, all memory there after "
+                    f"{human_ms(int(r.downtime_ms) + phases.get('pages', phases.get('paging', 0)))}"
+                    if "pages" in phases or "paging" in phases else f"downtime {human_ms(r.downtime_ms)}")
+                 + f", {human_bytes(r.bytes_sent)} sent\nphases: {steps}")
 

@@ -82,7 +82,7 @@ class MemsnapClient:
         try:
             return getattr(self.stub, method)(request, timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
-            raise _client_error(exc) from None
+            raise _client_error(exc, self.target) from None
 
     def status(self, timeout: float = QUICK_S) -> pb.StatusResponse:
         """Daemon status."""
@@ -137,7 +137,7 @@ class MemsnapClient:
             yield from self.stub.WatchCheckpoint(pb.WatchCheckpointRequest(id=ckpt_id), timeout=timeout,
                                                  metadata=self._md)
         except grpc.RpcError as exc:
-            raise _client_error(exc) from None
+            raise _client_error(exc, self.target) from None
 
     def migrate(self, req: pb.MigrateRequest, timeout: float = LONG_S) -> pb.MigrateResponse:
         """Moves a job to another daemon."""
@@ -155,10 +155,61 @@ class MemsnapClient:
         """Peer side of a move: restores an image sent to the peer (or one it fetches from the store)."""
         return self._call("RestoreReceived", req, timeout)  # type: ignore[return-value]
 
+    def stop_job(self, job: str, timeout_s: float = 10.0, kill: bool = False,
+                 timeout: float = 60.0) -> pb.StopJobResponse:
+        """Ends a job: SIGTERM, then SIGKILL after timeout_s (kill: SIGKILL at once)."""
+        req = pb.StopJobRequest(job=job, timeout_s=timeout_s, kill=kill)
+        return self._call("StopJob", req, timeout)  # type: ignore[return-value]
 
-def _client_error(exc: grpc.RpcError) -> ClientError:
+    def delete_job(self, job: str, force: bool = False, timeout: float = 60.0) -> pb.Job:
+        """Forgets an ended job and removes its log."""
+        return self._call("DeleteJob", pb.DeleteJobRequest(job=job, force=force),  # type: ignore[attr-defined,no-any-return]
+                          timeout).job
+
+    def prune(self, dry_run: bool = False, timeout: float = 600.0) -> pb.PruneResponse:
+        """Removes ended jobs and failed checkpoints."""
+        return self._call("Prune", pb.PruneRequest(dry_run=dry_run), timeout)  # type: ignore[return-value]
+
+    def job_logs(self, job: str, follow: bool = False, tail_bytes: int = 0,
+                 timeout: float | None = None) -> Iterator[pb.LogChunk]:
+        """A job's output in chunks (follow: until the job ends)."""
+        try:
+            yield from self.stub.JobLogs(pb.JobLogsRequest(job=job, follow=follow, tail_bytes=tail_bytes),
+                                         timeout=timeout if timeout is not None else (None if follow else LONG_S),
+                                         metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _client_error(exc, self.target) from None
+
+
+def _client_error(exc: grpc.RpcError, target: Target | None = None) -> ClientError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in (details or "").lower() or not details):
-        details = f"memsnapd is not reachable ({details}); is it running? (systemctl status memsnapd)"
+    # Only grpc's own failure to reach *this* daemon gets a local hint; an UNAVAILABLE the daemon relays
+    # (a peer it could not reach during a move) keeps its own words.
+    if code == grpc.StatusCode.UNAVAILABLE and (not details or details.startswith("failed to connect")):
+        if target is not None and not target.address:
+            return _socket_error(target.socket or DEFAULT_SOCKET, details or "")
+        where = f" at {target.address}" if target is not None else ""
+        details = f"memsnapd{where} is not reachable ({details})"
     return ClientError(code, details or code.name)
+
+
+def _socket_error(path: str, details: str) -> ClientError:
+    """Why the local socket cannot be used, in words that say what to do."""
+    if not os.path.exists(path):
+        return ClientError(grpc.StatusCode.UNAVAILABLE,
+                           f"no memsnapd socket at {path}: is memsnapd running? (systemctl status memsnapd; "
+                           "--socket or MEMSNAP_SOCKET for another one)")
+    if "permission denied" in details.lower() or not os.access(path, os.R_OK | os.W_OK):
+        try:
+            import grp
+
+            group = grp.getgrgid(os.stat(path).st_gid).gr_name
+        except (KeyError, OSError):
+            group = "the socket's group"
+        return ClientError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"permission denied on {path}: ask to be added to group {group} "
+                           f"(or run as root)")
+    return ClientError(grpc.StatusCode.UNAVAILABLE,
+                       f"memsnapd does not answer on {path} ({details}): is it running? "
+                       "(systemctl status memsnapd)")

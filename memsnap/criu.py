@@ -162,8 +162,35 @@ def error_lines(log_path: str | Path, limit: int = 3) -> list[str]:
         text = Path(log_path).read_text(errors="replace")
     except OSError:
         return []
-    lines = [ln.strip() for ln in text.splitlines() if "Error (" in ln and not _HARMLESS.search(ln)]
-    return [re.sub(r"^\(\d+\.\d+\)\s*", "", ln) for ln in lines[-limit:]]
+    lines = [re.sub(r"^\(\d+\.\d+\)\s*", "", ln.strip()) for ln in text.splitlines()
+             if "Error (" in ln and not _HARMLESS.search(ln)]
+    if not lines:
+        return []
+    # CRIU logs a cascade: the first line that is not a mere consequence says why; keep it first, then
+    # the last lines (where it gave up).
+    cause = next((ln for ln in lines if not _CONSEQUENCE.search(ln)), lines[-1])
+    return [cause, *[ln for ln in lines if ln != cause][-(limit - 1):]] if limit > 1 else [cause]
+
+
+# Error lines that only report that something earlier failed.
+_CONSEQUENCE = re.compile(r"Restoring FAILED|Dumping FAILED|exited, status=|Unable to open fd=|"
+                          r"Pre-dumping FAILED|Failed to restore|"
+                          r"Unable to (?:restore|dump)|Collect.*failed|Failed to dump")
+# What to do about a decisive line, in words a user can act on.
+_HINTS = (
+    (re.compile(r"has bad size|bad size"), "a file the job has open (its log?) changed since the checkpoint "
+                                           "was taken; CRIU restores open files only as they were"),
+    (re.compile(r"on restore: No such file"), "a file the job had open is gone"),
+    (re.compile(r"Address already in use"), "a port the job had open is taken on this node"),
+    (re.compile(r"Can't get proc fd|can't open proc"), "CRIU cannot use /proc here (mount namespace?)"),
+    (re.compile(r"ptrace|Operation not permitted"), "CRIU lacks a privilege (CAP_SYS_PTRACE, "
+                                                    "CAP_CHECKPOINT_RESTORE, CAP_SYS_RESOURCE)"),
+)
+
+
+def hint_for(line: str) -> str:
+    """What the decisive error line means for the user ('' when we know no better than CRIU)."""
+    return next((h for pat, h in _HINTS if pat.search(line)), "")
 
 
 class Criu:
@@ -246,7 +273,8 @@ class Criu:
 
     def _fail(self, op: str, resp: rpc.Resp, log_path: str) -> CriuError:
         lines = error_lines(log_path)
-        reason = "; ".join(lines) or resp.cr_errmsg or (
+        hint = hint_for(lines[0]) if lines else ""
+        reason = "; ".join(lines) + (f" (hint: {hint})" if hint else "") if lines else resp.cr_errmsg or (
             f"errno {resp.cr_errno} ({os.strerror(resp.cr_errno)})" if resp.cr_errno else "unknown error"
         )
         return CriuError(op, reason, log_path, resp.cr_errno)

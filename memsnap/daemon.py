@@ -31,6 +31,7 @@ from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.tier import MemoryTier
 from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc
+from memsnap.version import VersionAction
 
 log = logging.getLogger("memsnap.daemon")
 
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="memsnapd", description="memsnap node daemon")
     p.add_argument("--config", help="TOML config file (default /etc/memsnap/memsnap.toml if present)")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    p.add_argument("--version", action=VersionAction)
     for flag, key in FLAGS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, help=f"overrides {key}")
     return p.parse_args(argv)

@@ -940,6 +940,182 @@ class Engine:
         """Staged or draining checkpoints that still need to reach the store."""
         return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING)) if r.in_tier]
 
+    # -- job lifecycle: memsnapctl stop, kill, rm, prune, logs ----------------------------
+    def find_job(self, caller: Caller, key: str) -> JobRecord:
+        """A job the caller may see, by id, name or root pid: an id wins, then a running job, then the
+        newest. Another uid's jobs are invisible here (NotFound), so names never leak across users."""
+        key = (key or "").strip()
+        if not key:
+            raise InvalidArgument("no job given; pass a job id, name or pid ('memsnapctl jobs' lists them)")
+        cands = [j for j in self.catalog.jobs() if key in (j.id, j.name, str(j.pid))
+                 and (caller.is_root or j.owner_uid == caller.uid)]
+        if not cands:
+            raise NotFound(f"no job {key!r}; 'memsnapctl jobs' lists the jobs")
+        return max(cands, key=lambda j: (j.id == key, self._job_running(j), j.started_ms))
+
+    @staticmethod
+    def _job_running(j: JobRecord) -> bool:
+        return not j.ended and jobs.alive(j.pid, j.pid_start)
+
+    def stop_job(self, caller: Caller, key: str, timeout_s: float = 10.0,
+                 kill: bool = False) -> tuple[JobRecord, bool, float]:
+        """Ends a job: SIGTERM (passed on by the job's init), then SIGKILL to the tree after timeout_s.
+        Returns the job, whether SIGKILL was needed, and how long it took (ms). An ended job is left as is."""
+        import signal
+
+        from memsnap import jobinit
+
+        job = self.find_job(caller, key)
+        t0 = time.monotonic()
+        if not self._job_running(job):
+            self.catalog.update_job(job.id, ended=True)
+            return job, False, 0.0
+        with self._busy_lock:
+            if job.pid in self._busy:
+                raise Aborted(f"job {job.id} is being checkpointed; stop it when that is done")
+        killed = kill
+        if kill:
+            jobs.kill_tree(job.pid)
+        else:
+            for p in jobinit.signal_targets(job.pid):
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except Exception:  # gone meanwhile
+                    pass
+            if not jobs.wait_gone(job.pid, timeout_s if timeout_s > 0 else 10.0):
+                killed = True
+                jobs.kill_tree(job.pid)
+        self.catalog.update_job(job.id, ended=True)
+        log.info("job %s", "killed" if killed else "stopped", extra={"job": job.id, "pid": job.pid,
+                                                                     "uid": caller.uid})
+        job.ended = True
+        return job, killed, (time.monotonic() - t0) * 1000
+
+    def _log_in_use(self, job: JobRecord) -> bool:
+        """Whether another job or a restorable checkpoint still needs this job's log file (a restore
+        reopens it)."""
+        if any(j.id != job.id and j.log_path == job.log_path for j in self.catalog.jobs()):
+            return True
+        return any(r.meta.get("log_path") == job.log_path for r in self.catalog.checkpoints(states=RESTORABLE))
+
+    def _remove_job(self, job: JobRecord) -> int:
+        """Forgets an ended job; removes its log files when nothing else needs them. Returns bytes freed."""
+        freed = 0
+        if job.log_path and not self._log_in_use(job):
+            log_dir = self.launcher.log_dir.resolve()
+            for path in (Path(job.log_path), Path(job.log_path).with_suffix(".launcher.log")):
+                try:
+                    if path.resolve().parent == log_dir:
+                        freed += path.stat().st_size
+                        path.unlink()
+                except OSError:
+                    pass
+        self.catalog.delete_job(job.id)
+        return freed
+
+    def delete_job(self, caller: Caller, key: str, force: bool = False) -> JobRecord:
+        """Forgets an ended job (force: kills a running one first)."""
+        job = self.find_job(caller, key)
+        if self._job_running(job):
+            if not force:
+                raise FailedPrecondition(f"job {job.id} is running; stop it first ('memsnapctl stop "
+                                         f"{job.id}') or pass --force")
+            self.stop_job(caller, job.id, kill=True)
+        self._remove_job(job)
+        log.info("job removed", extra={"job": job.id, "uid": caller.uid})
+        return job
+
+    def prune(self, caller: Caller, dry_run: bool = False) -> tuple[list[JobRecord], list[CheckpointRecord], int]:
+        """Removes the caller's ended jobs and failed checkpoints (all of them for root)."""
+        mine = [j for j in self.catalog.jobs() if caller.is_root or j.owner_uid == caller.uid]
+        ended = [j for j in mine if not self._job_running(j)]
+        failed = [r for r in self.catalog.checkpoints(states=(FAILED,))
+                  if (caller.is_root or r.owner_uid == caller.uid) and not r.meta.get("hold")]
+        if dry_run:
+            return ended, failed, sum(_file_size(j.log_path) for j in ended if not self._log_in_use(j))
+        freed = 0
+        for r in failed:
+            try:
+                self.delete(caller, r.id)
+            except NotFound:
+                pass
+            if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+                shutil.rmtree(self.work_root / r.id, ignore_errors=True)
+        for j in ended:
+            self.catalog.update_job(j.id, ended=True)
+            freed += self._remove_job(j)
+        log.info("pruned %d jobs and %d failed checkpoints", len(ended), len(failed), extra={"uid": caller.uid})
+        return ended, failed, freed
+
+    def job_log(self, caller: Caller, key: str, follow: bool = False, tail_bytes: int = 0,
+                active: Callable[[], bool] = lambda: True) -> Iterator[tuple[JobRecord, bytes]]:
+        """A job's output in chunks: the log as it is (or its last tail_bytes), then, with follow, what
+        the job writes until it ends and its last output is read, or active() turns false."""
+        job = self.find_job(caller, key)
+        path = Path(job.log_path)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (read across yields)
+        except OSError as exc:
+            raise NotFound(f"the log of job {job.id} is gone ({path}: {exc.strerror})") from exc
+        with f:
+            if tail_bytes:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - tail_bytes))
+            yield job, b""
+            while True:
+                data = f.read(1 << 16)
+                if data:
+                    yield job, data
+                    continue
+                if not follow or not active():
+                    return
+                if not self._job_running(self.catalog.get_job(job.id) or job):
+                    data = f.read(1 << 16)
+                    if data:
+                        yield job, data
+                        continue
+                    return
+                time.sleep(0.2)
+
+    def restore_own_log(self, caller: Caller, key: str, **kw: Any) -> RestoreResult:
+        """restore(), with the restored job's output going to a log of its own: <parent log stem>.restore-
+        <checkpoint>-<token>.log next to the parent's, which starts with a line naming the checkpoint and
+        the parent log. Two restores of one checkpoint never write into one file; the old log stays as it
+        was. Images whose job had no log (not started by memsnap) restore as before."""
+        rec = self.latest_restorable(caller, key)
+        parent = str(rec.meta.get("log_path") or "")
+        log_dir = self.launcher.log_dir.resolve()
+        # A job in its own mount namespace keeps its log: an fd handed in from the daemon's namespace would
+        # sit on a mount the job's namespace does not own, and CRIU could not dump the job again.
+        if not parent or Path(parent).resolve().parent != log_dir or rec.meta.get("own_mntns"):
+            return self.restore(caller, key, **kw)
+        path = log_dir / f"{Path(parent).stem}.restore-{rec.id}-{secrets.token_hex(3)}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
+        try:
+            if rec.owner_uid:
+                os.fchown(fd, rec.owner_uid, -1)
+            os.write(fd, f"# memsnap: restored from {rec.id}; earlier output: {parent}\n".encode())
+            opts = dict(kw.pop("restore_opts", None) or {})
+            # CRIU names a regular file by its path without the leading '/'; every fd the job had on its
+            # log (stdout and stderr) gets the new file instead.
+            opts["inherit_fds"] = {**opts.get("inherit_fds", {}), parent.lstrip("/"): fd}
+            res = self.restore(caller, rec.id, restore_opts=opts, **kw)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.catalog.update_job(res.job.id, log_path=str(path))
+        res.job.log_path = str(path)
+        return res
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size if path else 0
+    except OSError:
+        return 0
+
 
 def _resume_stopped(pid: int) -> None:
     import signal

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 
+from memsnap import jobinit
+
 
 class ProcessNotFound(Exception):
     """No such process."""
@@ -164,11 +166,12 @@ os.execv(sys.argv[4], sys.argv[4:])
 # Runs as the job's owner, after setpriv dropped privileges: reads the caller's environment from a
 # memfd, enters the caller's cwd, becomes a session leader, points stdout/stderr at the job log, and
 # execs the command. It reports "ok" (or why not) on a status pipe just before exec.
-# argv: ENV_FD LOG_FD STATUS_FD CWD -- CMD ARGS...
+# argv: ENV_FD LOG_FD STATUS_FD CWD N INIT(N words) CMD ARGS... (INIT, if any, runs CMD as its child)
 _TRAMPOLINE = r"""
 import os, sys
 env_fd, log_fd, st_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-cwd, argv = sys.argv[4], sys.argv[6:]
+cwd, n_init = sys.argv[4], int(sys.argv[5])
+init, argv = sys.argv[6:6 + n_init], sys.argv[6 + n_init:]
 def fail(msg):
     os.write(st_fd, ("err " + msg + "\n").encode("utf-8", "replace"))
     os._exit(127)
@@ -207,6 +210,8 @@ os.close(log_fd)
 os.write(st_fd, b"ok\n")
 os.close(st_fd)
 try:
+    if init:  # the init (PID 1) runs the command, found above, as its child
+        os.execve(init[0], [*init, exe, *argv[1:]], env)
     os.execve(exe, argv, env)
 except OSError as e:
     os.write(2, f"memsnap: cannot execute {exe}: {e.strerror}\n".encode())
@@ -274,8 +279,10 @@ class Launcher:
             cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}"]
             cmd += [f"--groups={','.join(str(g) for g in groups)}"] if groups else ["--clear-groups"]
             cmd += ["--"]
+        # PID 1 of the job is a tiny init (memsnap.jobinit) that passes signals on to the command.
+        init = jobinit.wrap([])
         cmd += [self._python, "-I", "-S", "-c", _TRAMPOLINE, str(env_fd), str(log_fd), str(status_fd), cwd,
-                "--", *argv]
+                str(len(init)), *init, *argv]
         return cmd
 
     def launch(self, job_id: str, argv: list[str], uid: int, gid: int, cwd: str | None,

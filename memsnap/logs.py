@@ -27,6 +27,31 @@ def _timestamp(record: logging.LogRecord) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _positional_args(record: logging.LogRecord) -> tuple[Any, ...]:
+    # logging turns a lone dict argument into record.args itself (for "%(key)s" messages)
+    if isinstance(record.args, dict) and "%(" not in str(record.msg):
+        return (record.args,)
+    return record.args if isinstance(record.args, tuple) else ()
+
+
+def _structured_args(record: logging.LogRecord) -> list[Any]:
+    """The dict/list arguments of a %-style message: JSON lines carry them as data, not as reprs."""
+    return [a for a in _positional_args(record) if isinstance(a, (dict, list, tuple))]
+
+
+def _message(record: logging.LogRecord) -> str:
+    """The message, with dict/list arguments written as JSON instead of Python reprs."""
+    positional = _positional_args(record)
+    if any(isinstance(a, (dict, list, tuple)) for a in positional):
+        args = tuple(json.dumps(a, default=str, sort_keys=True) if isinstance(a, (dict, list, tuple)) else a
+                     for a in positional)
+        try:
+            return str(record.msg) % args
+        except (TypeError, ValueError):
+            pass
+    return record.getMessage()
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, extras, and exc when there is one."""
 
@@ -36,8 +61,11 @@ class JsonFormatter(logging.Formatter):
             "ts": _timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": _message(record),
         }
+        structured = _structured_args(record)
+        if structured:
+            entry["args"] = structured
         for key, value in _extras(record).items():
             entry.setdefault(key, value)
         if record.exc_info:

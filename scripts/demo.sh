@@ -31,15 +31,15 @@ ctl status
 
 say "memsnapctl run: a job with 256 MiB of random memory and a counter, in its own PID namespace"
 run=$(ctl --json run --name demo -- python3 "$REPO/tests/workloads/counter.py" --mib 256 --interval 0.2 --digest-every 5)
-echo "$run"
+echo "started job $(echo "$run" | json "['job']") as pid $(echo "$run" | json "['pid']")"
 job=$(echo "$run" | json "['job']"); pid=$(echo "$run" | json "['pid']"); log=$(echo "$run" | json "['log']")
 pids="$pid"
 sleep 3; tail -n 3 "$log"
 
 say "memsnapctl checkpoint --stop: dump into the memory tier, then end the job"
-ck=$(ctl --json checkpoint "$job" --stop)
-id=$(echo "$ck" | json "['id']")
-echo "$ck" | python3 -c "import json,sys; d=json.load(sys.stdin); print(f\"{d['id']}: {d['state']}, {d['size_bytes']>>20} MiB, job frozen {d['frozen_ms']} ms\")"
+ck=$(ctl checkpoint "$job" --stop)   # e.g. "ck-...: staged, 264.4 MiB, job frozen 138 ms (dump 379 ms), in tier"
+echo "$ck"
+id=${ck%%:*}
 last=$(grep "^tick .* $pid " "$log" | tail -n 1)
 echo "last tick before the checkpoint: $last"
 
@@ -49,8 +49,8 @@ ctl show "$id"
 
 say "memsnapctl evict + restore: the tier copy is dropped, so restore fetches and verifies the stored copy"
 ctl evict "$id"
-r=$(ctl --json restore "$id"); echo "$r"
-newpid=$(echo "$r" | json "['pid']"); pids="$pids $newpid"
+r=$(ctl restore "$id"); echo "$r"   # "restored ck-... as job-... (pid N) in ... (verify ..., fetched from the store in ...)"
+newpid=$(echo "$r" | sed -n 's/.*(pid \([0-9]*\)).*/\1/p'); pids="$pids $newpid"
 sleep 3
 echo "first ticks after the restore:"
 grep "^tick .* $newpid " "$log" | head -n 3

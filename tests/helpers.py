@@ -42,17 +42,27 @@ class Tick:
 
 
 def ticks(log_path: str | Path, hostpid: int | None = None) -> list[Tick]:
-    """The counter workload's ticks, optionally only those printed by one host pid."""
+    """The counter workload's ticks, optionally only those printed by one host pid, from the job's log and
+    the logs of its restored copies."""
     out = []
-    try:
-        text = Path(log_path).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
+    for line in job_output(log_path).splitlines():
         m = TICK.match(line.strip())
         if m and (hostpid is None or int(m.group(2)) == hostpid):
             out.append(Tick(int(m.group(1)), int(m.group(2)), m.group(3)))
     return out
+
+
+def job_output(log_path: str | Path) -> str:
+    """A job's log followed by the logs of its restored copies: each restore writes to a log of its own
+    next to its parent's, <stem>.restore-<checkpoint>-<x>.log (memsnap.engine.Engine.restore_own_log)."""
+    path = Path(log_path)
+    text = ""
+    for p in [path, *sorted(path.parent.glob(f"{path.stem}.restore-*.log"), key=lambda p: p.stat().st_mtime)]:
+        try:
+            text += p.read_text(errors="replace")
+        except FileNotFoundError:
+            pass
+    return text
 
 
 def start_digest(log_path: str | Path) -> str:

@@ -252,6 +252,9 @@ class Launcher:
         w = Workload(job_id=r.job.id, pid=int(r.pid), pid_start=_start_time(int(r.pid)),
                      log_path=r.job.log_path, restored_from=r.job.restored_from)
         offset = 0 if replay or w.log_path != prev_log else before
+        if replay and w.log_path != prev_log:
+            for earlier in _log_chain(prev_log, w.log_path):  # each restore logs to a file of its own
+                LogRelay(earlier, 0, self.out, self.warn).finish()
         self.relay = LogRelay(w.log_path, offset, self.out, self.warn)
         where = "fetched from the store" if r.from_store else "from the memory tier"
         self.note(f"restored {self.key} from checkpoint {w.restored_from} ({where}) as memsnap job "
@@ -539,3 +542,20 @@ def _size(path: str) -> int:
         return os.path.getsize(path) if path else 0
     except OSError:
         return 0
+
+
+def _log_chain(last: str, current: str) -> list[str]:
+    """The logs of a job's earlier runs, oldest first, ending with last: a restored copy's log starts with
+    '# memsnap: restored from CK; earlier output: PARENT' (memsnap.engine.Engine.restore_own_log)."""
+    chain: list[str] = []
+    path = last
+    while path and path != current and path not in chain and len(chain) < 1000:
+        chain.append(path)
+        try:
+            with open(path, "rb") as f:
+                first = f.readline(4096).decode(errors="replace")
+        except OSError:
+            break
+        path = first.split("; earlier output: ", 1)[1].strip() if first.startswith("# memsnap: restored from ") \
+            and "; earlier output: " in first else ""
+    return chain[::-1]

@@ -417,3 +417,73 @@ class RestoreReceivedRequest(_message.Message):
     early_resume: bool
     commit: bool
     def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., early_resume: _Optional[bool] = ..., commit: _Optional[bool] = ...) -> None: ...
+
+class StopJobRequest(_message.Message):
+    __slots__ = ("job", "timeout_s", "kill")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    KILL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    timeout_s: float
+    kill: bool
+    def __init__(self, job: _Optional[str] = ..., timeout_s: _Optional[float] = ..., kill: _Optional[bool] = ...) -> None: ...
+
+class StopJobResponse(_message.Message):
+    __slots__ = ("job", "killed", "stop_ms")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KILLED_FIELD_NUMBER: _ClassVar[int]
+    STOP_MS_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    killed: bool
+    stop_ms: int
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., killed: _Optional[bool] = ..., stop_ms: _Optional[int] = ...) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job", "force")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    force: bool
+    def __init__(self, job: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class PruneRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class PruneResponse(_message.Message):
+    __slots__ = ("jobs", "checkpoints", "log_bytes")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    log_bytes: int
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., log_bytes: _Optional[int] = ...) -> None: ...
+
+class JobLogsRequest(_message.Message):
+    __slots__ = ("job", "follow", "tail_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    follow: bool
+    tail_bytes: int
+    def __init__(self, job: _Optional[str] = ..., follow: _Optional[bool] = ..., tail_bytes: _Optional[int] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("data", "job", "path")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    job: str
+    path: str
+    def __init__(self, data: _Optional[bytes] = ..., job: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...

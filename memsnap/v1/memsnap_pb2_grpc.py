@@ -104,6 +104,26 @@ class MemsnapStub:
                 request_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
                 response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
                 _registered_method=True)
+        self.StopJob = channel.unary_unary(
+                '/memsnap.v1.Memsnap/StopJob',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.StopJobRequest.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.StopJobResponse.FromString,
+                _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/memsnap.v1.Memsnap/DeleteJob',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
+        self.Prune = channel.unary_unary(
+                '/memsnap.v1.Memsnap/Prune',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.PruneRequest.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.PruneResponse.FromString,
+                _registered_method=True)
+        self.JobLogs = channel.unary_stream(
+                '/memsnap.v1.Memsnap/JobLogs',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.JobLogsRequest.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.LogChunk.FromString,
+                _registered_method=True)
 
 
 class MemsnapServicer:
@@ -205,6 +225,36 @@ class MemsnapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopJob(self, request, context):
+        """Ends a managed job: SIGTERM to its namespace's init (which passes it on), then SIGKILL to the
+        tree after timeout_s; kill = SIGKILL at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Forgets an ended job and removes its log files (force: stop a running one first, with SIGKILL).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prune(self, request, context):
+        """Removes the caller's ended jobs and failed checkpoints; dry_run only lists them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobLogs(self, request, context):
+        """A job's output: what its log holds (tail_bytes: only the end), then, with follow, what it
+        writes until it ends or the caller hangs up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemsnapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +327,26 @@ def add_MemsnapServicer_to_server(servicer, server):
                     servicer.PageTunnel,
                     request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
                     response_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
+            ),
+            'StopJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopJob,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.StopJobRequest.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.StopJobResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.DeleteJobRequest.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.DeleteJobResponse.SerializeToString,
+            ),
+            'Prune': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prune,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.PruneRequest.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.PruneResponse.SerializeToString,
+            ),
+            'JobLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.JobLogs,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.JobLogsRequest.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.LogChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -657,6 +727,114 @@ class Memsnap:
             '/memsnap.v1.Memsnap/PageTunnel',
             memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
             memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memsnap.v1.Memsnap/StopJob',
+            memsnap_dot_v1_dot_memsnap__pb2.StopJobRequest.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.StopJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memsnap.v1.Memsnap/DeleteJob',
+            memsnap_dot_v1_dot_memsnap__pb2.DeleteJobRequest.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.DeleteJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prune(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memsnap.v1.Memsnap/Prune',
+            memsnap_dot_v1_dot_memsnap__pb2.PruneRequest.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.PruneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/memsnap.v1.Memsnap/JobLogs',
+            memsnap_dot_v1_dot_memsnap__pb2.JobLogsRequest.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.LogChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,7 @@ import psutil  # noqa: E402
 from netstore import NetStore  # noqa: E402
 
 from memsnap.client import MemsnapClient  # noqa: E402
+from memsnap.jobs import tree_rss  # noqa: E402
 from memsnap.v1 import memsnap_pb2 as pb  # noqa: E402
 
 CRIU = os.environ.get("MEMSNAP_CRIU", "/usr/local/sbin/criu")
@@ -404,7 +405,7 @@ def full_cycle(d: Daemon, ns: NetStore, argv: list[str], label: str, raw_first: 
     raw_tmp = RAWTMP / tag
     raw_net = ns.mount / "raw" / tag
     try:
-        rec["rss_bytes"] = psutil.Process(pid).memory_info().rss
+        rec["rss_bytes"] = tree_rss(pid)  # the job and its init
         rec["quiet_gap_ms"] = quiet_gap_ms(log, pid)
 
         def raw_tmpfs() -> None:  # b: raw CRIU into tmpfs

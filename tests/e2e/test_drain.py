@@ -232,7 +232,7 @@ def test_another_node_restores_by_job_name_from_the_shared_store(make_daemon, jo
     # Node B has never heard of this job: it finds the newest checkpoint by name in the shared store.
     r = json.loads(b.ctl("--json", "restore", "slurm-4242", check=True).stdout)
     jobs_to_kill.append(r["pid"])
-    assert r["from_store"] is True and r["checkpoint"] == "slurm-4242"
+    assert r["from_store"] is True and r["checkpoint"] == ck.id and r["requested"] == "slurm-4242"
     wait_for(lambda: ticks(job.log_path, r["pid"]), 20, what="the job restored on node B to tick")
     got = ticks(job.log_path, r["pid"])
     assert got[0].n == last + 1 and got[0].digest == digest

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, job_output, wait_for
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 STEPS = 300
@@ -44,7 +44,7 @@ def test_pytorch_training_restored_mid_run_reaches_identical_final_loss(daemon, 
 
     pid = json.loads(daemon.ctl("--json", "restore", ck["id"], check=True).stdout)["pid"]
     jobs_to_kill.append(pid)
-    got = wait_for(lambda: _final(log.read_text(), pid), 180, what="the restored run to finish")
+    got = wait_for(lambda: _final(job_output(log), pid), 180, what="the restored run to finish")
     assert got == want, f"restored run ended at loss {got}, uninterrupted run at {want}"
-    resumed = [int(m.group(1)) for m in re.finditer(rf"^step (\d+) {pid} ", log.read_text(), re.M)]
+    resumed = [int(m.group(1)) for m in re.finditer(rf"^step (\d+) {pid} ", job_output(log), re.M)]
     assert resumed[0] == stopped_at + 1

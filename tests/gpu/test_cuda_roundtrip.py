@@ -50,13 +50,17 @@ def wait_for(pred: Any, timeout: float, what: str, interval: float = 0.1) -> Any
 
 
 def lines(log: Path, word: str, start: int = 0, end: int = -1) -> list[list[str]]:
-    """Fields of the 'WORD ...' lines of a workload log, between byte offsets start and end."""
+    """Fields of the 'WORD ...' lines of a workload log, between byte offsets start and end, then of the
+    logs its restored copies write next to it (<stem>.restore-<checkpoint>-<x>.log)."""
     try:
         with open(log, "rb") as f:
             f.seek(start)
             text = f.read(end - start if end >= 0 else -1).decode(errors="replace")
     except FileNotFoundError:
         return []
+    if end < 0:
+        for p in sorted(log.parent.glob(f"{log.stem}.restore-*.log"), key=lambda p: p.stat().st_mtime):
+            text += p.read_text(errors="replace")
     return [ln.split() for ln in text.splitlines() if ln.startswith(word + " ")]
 
 

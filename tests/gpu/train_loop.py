@@ -13,6 +13,36 @@ import time
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch
 
+_JOB_PID = ("", "")
+
+
+def job_pid() -> str:
+    """This job's host pid: the init of its own PID namespace when it runs under one (memsnap starts jobs
+    under a small init, memsnap.jobinit), else this process. /proc is the host's, so pids are host pids.
+    Looked up again only when our own host pid changed (a restore): an open /proc file caught by a
+    checkpoint would name a pid that is gone at restore."""
+    global _JOB_PID
+    me = os.readlink("/proc/self")
+    if _JOB_PID[0] != me:
+        _JOB_PID = (me, _find_job_pid(me))
+    return _JOB_PID[1]
+
+
+def _find_job_pid(me: str) -> str:
+    cur = me
+    while True:
+        try:
+            with open(f"/proc/{cur}/status") as f:
+                fields = dict(ln.split(":", 1) for ln in f.read().splitlines() if ":" in ln)
+        except OSError:
+            return me
+        nspid = fields.get("NSpid", "").split()
+        if len(nspid) > 1 and nspid[-1] == "1":
+            return cur
+        cur = fields.get("PPid", "0").strip()
+        if len(nspid) <= 1 or cur in ("0", ""):
+            return me
+
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=600)
 p.add_argument(
@@ -21,7 +51,7 @@ p.add_argument(
 a = p.parse_args()
 
 
-me = os.readlink("/proc/self")
+me = job_pid()
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
 torch.backends.cudnn.benchmark = False

@@ -6,6 +6,36 @@ import time
 
 import torch
 
+_JOB_PID = ("", "")
+
+
+def job_pid() -> str:
+    """This job's host pid: the init of its own PID namespace when it runs under one (memsnap starts jobs
+    under a small init, memsnap.jobinit), else this process. /proc is the host's, so pids are host pids.
+    Looked up again only when our own host pid changed (a restore): an open /proc file caught by a
+    checkpoint would name a pid that is gone at restore."""
+    global _JOB_PID
+    me = os.readlink("/proc/self")
+    if _JOB_PID[0] != me:
+        _JOB_PID = (me, _find_job_pid(me))
+    return _JOB_PID[1]
+
+
+def _find_job_pid(me: str) -> str:
+    cur = me
+    while True:
+        try:
+            with open(f"/proc/{cur}/status") as f:
+                fields = dict(ln.split(":", 1) for ln in f.read().splitlines() if ":" in ln)
+        except OSError:
+            return me
+        nspid = fields.get("NSpid", "").split()
+        if len(nspid) > 1 and nspid[-1] == "1":
+            return cur
+        cur = fields.get("PPid", "0").strip()
+        if len(nspid) <= 1 or cur in ("0", ""):
+            return me
+
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=300)
 p.add_argument("--sleep", type=float, default=0.01)
@@ -23,6 +53,6 @@ for step in range(1, a.steps + 1):
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
-    print(f"step {step} {os.readlink('/proc/self')} loss {loss.item()!r}", flush=True)
+    print(f"step {step} {job_pid()} loss {loss.item()!r}", flush=True)
     time.sleep(a.sleep)
-print(f"final {os.readlink('/proc/self')} {loss.item()!r}", flush=True)
+print(f"final {job_pid()} {loss.item()!r}", flush=True)
