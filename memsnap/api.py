@@ -53,7 +53,8 @@ def translate(fn: F) -> F:
         try:
             return fn(self, request, context)
         except MemsnapError as exc:
-            log.info("%s refused: %s", fn.__name__, _one_line(str(exc)), extra={"code": exc.code, "peer": context.peer()})
+            log.info("%s refused: %s", fn.__name__, _one_line(str(exc)),
+                     extra={"code": exc.code, "peer": context.peer()})
             context.abort(getattr(grpc.StatusCode, exc.code), _one_line(str(exc)))
         except Exception as exc:  # keep the daemon up and tell the caller something useful
             if _aborted(context):
