@@ -240,9 +240,16 @@ def test_a_restore_that_fails_on_a_changed_file_shows_criu_s_cause(daemon, jobs_
     assert "hint: " in r.stderr and "/restore.log" in r.stderr
 
 
-def test_watch_calls_a_failed_dump_failed(make_daemon):
+def test_watch_calls_a_failed_dump_failed(make_daemon, jobs_to_kill, tmp_path):
     d = make_daemon("watch-failed").start()
-    r = d.ctl("checkpoint", str(os.getpid()))  # pytest itself: CRIU refuses it
+    # CRIU refuses deleted files bigger than its ghost limit (1 MiB): a real, deterministic dump failure.
+    ghost = tmp_path / "ghost.bin"
+    code = (f"import os, time\nf = open({str(ghost)!r}, 'wb+'); f.write(os.urandom(4 << 20)); f.flush()\n"
+            f"os.unlink({str(ghost)!r})\nprint('ready', flush=True)\nwhile True: time.sleep(0.1)")
+    job = json.loads(d.ctl("--json", "run", "--", sys.executable, "-c", code, check=True).stdout)
+    jobs_to_kill.append(int(job["pid"]))
+    wait_for(lambda: "ready" in Path(job["log"]).read_text(), 20, what="the ghost job to start")
+    r = d.ctl("checkpoint", job["job"])
     assert r.returncode != 0
     failed = next(c for c in json.loads(d.ctl("list", "--json", check=True).stdout) if c["state"] == "failed")
     w = d.ctl("watch", failed["id"])

@@ -2,7 +2,7 @@
 
 CUDA fails to initialise in a PID namespace that sees the host's /proc, so such jobs get a mount namespace
 with a fresh procfs; CRIU must then dump and restore that namespace without dumping the host's mounts.
-The counter workload prints the pid /proc/self names: 1 in its own procfs (the host pid otherwise), so
+The counter workload prints the pid /proc/self names: 2 (the init's child) in its own procfs (the host pid otherwise), so
 lines of an own-/proc job are told apart by their order, not by that field.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from memsnap import jobinit
 from tests.helpers import (
     NOBODY,
     REPO,
@@ -42,10 +43,15 @@ def _run(d: DaemonProc, jobs_to_kill: list[int], mib: int, name: str, *flags: st
 
 
 def _sees_own_proc(pid: int, argv: list[str]) -> None:
-    """pid is init of its PID namespace and its /proc is that namespace's: /proc/1 there is pid itself."""
+    """pid is init of its PID namespace and its /proc is that namespace's: /proc/1 there is pid itself (the
+    job's tiny init), and the command runs as its child."""
     assert os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
-    cmdline = Path(f"/proc/{pid}/root/proc/1/cmdline").read_bytes().split(b"\0")[:-1]
-    assert [a.decode() for a in cmdline] == argv
+    init = Path(f"/proc/{pid}/root/proc/1/cmdline").read_bytes().split(b"\0")[:-1]
+    assert jobinit.is_init([a.decode() for a in init])
+    assert init == Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    kids = wait_for(lambda: [c for c in psutil.Process(pid).children() if c.cmdline()[1:] == argv[1:]], 10,
+                    what="the init to start the command")
+    assert kids, argv
     mounts = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
     assert [m for m in mounts if m.split()[4] == "/proc" and " - proc " in m], "no procfs on /proc"
 
@@ -75,7 +81,7 @@ def _stop_point(d: DaemonProc, job: dict) -> tuple[dict, int, int]:
 def test_an_own_proc_job_sees_its_own_proc(daemon, jobs_to_kill):
     job = _run(daemon, jobs_to_kill, 8, "ownproc-sees", "--own-proc")
     _sees_own_proc(int(job["pid"]), job["argv"])
-    assert {t.hostpid for t in ticks(job["log"])} == {1}
+    assert {t.hostpid for t in ticks(job["log"])} == {2}  # the command, the init's child, in its own procfs
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="the default is the job's own /proc on a GPU node")
@@ -110,7 +116,7 @@ def test_checkpoint_then_restore_resumes_at_the_next_tick_with_the_same_memory(d
     resumed = _after(job["log"], count)
     assert before + 1 <= resumed[0].n <= after + 1
     assert [t.n for t in resumed[:3]] == [resumed[0].n, resumed[0].n + 1, resumed[0].n + 2]
-    assert all(t.digest == digest0 and t.hostpid == 1 for t in resumed)
+    assert all(t.digest == digest0 and t.hostpid == 2 for t in resumed)
     _sees_own_proc(pid, job["argv"])
 
 
@@ -122,7 +128,7 @@ def test_stop_then_restore_resumes_at_the_next_tick_with_the_same_memory(daemon,
     wait_for(lambda: len(_after(job["log"], count)) >= 3, 20, what="the restored job to tick")
     resumed = _after(job["log"], count)
     assert [t.n for t in resumed[:3]] == [last + 1, last + 2, last + 3]
-    assert all(t.digest == digest0 and t.hostpid == 1 for t in resumed)
+    assert all(t.digest == digest0 and t.hostpid == 2 for t in resumed)
     _sees_own_proc(pid, job["argv"])
 
 
@@ -137,7 +143,8 @@ def test_lazy_restore_resumes_at_the_next_tick_with_the_same_memory(daemon, jobs
     assert resumed[0].n == last + 1
     assert all(t.digest == digest0 for t in resumed)
     _sees_own_proc(pid, job["argv"])
-    wait_for(lambda: psutil.Process(pid).memory_info().rss >= mib << 20, 60, what="every page to arrive")
+    tree = lambda: [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]  # noqa: E731
+    wait_for(lambda: sum(p.memory_info().rss for p in tree()) >= mib << 20, 60, what="every page to arrive")
 
 
 def test_two_concurrent_restores_of_one_image_both_resume(daemon, jobs_to_kill):
