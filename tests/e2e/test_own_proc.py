@@ -2,7 +2,8 @@
 
 CUDA fails to initialise in a PID namespace that sees the host's /proc, so such jobs get a mount namespace
 with a fresh procfs; CRIU must then dump and restore that namespace without dumping the host's mounts.
-The counter workload prints the pid /proc/self names: 2 (the init's child) in its own procfs (the host pid otherwise), so
+The counter workload prints the pid /proc/self names: 2 (the init's child) in its own
+procfs (the host pid otherwise), so
 lines of an own-/proc job are told apart by their order, not by that field.
 """
 
