@@ -51,9 +51,11 @@ say "memsnapctl evict + restore: the tier copy is dropped, so restore fetches an
 ctl evict "$id"
 r=$(ctl restore "$id"); echo "$r"   # "restored ck-... as job-... (pid N) in ... (verify ..., fetched from the store in ...)"
 newpid=$(echo "$r" | sed -n 's/.*(pid \([0-9]*\)).*/\1/p'); pids="$pids $newpid"
+newjob=$(echo "$r" | sed -n 's/.* as \(job-[0-9a-f]*\) .*/\1/p')
 sleep 3
-echo "first ticks after the restore:"
-grep "^tick .* $newpid " "$log" | head -n 3
+echo "memsnapctl logs $newjob (each restore writes a log of its own):"
+ctl logs "$newjob" | head -n 4
+log=$(ctl --json jobs | python3 -c "import json,sys; print(next(j['log_path'] for j in json.load(sys.stdin) if j['id'] == '$newjob'))")
 n_last=$(echo "$last" | awk '{print $2}'); d_last=$(echo "$last" | awk '{print $4}')
 first=$(grep "^tick .* $newpid " "$log" | head -n 1)
 n_first=$(echo "$first" | awk '{print $2}'); d_first=$(echo "$first" | awk '{print $4}')
