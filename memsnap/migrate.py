@@ -505,7 +505,9 @@ class _Phases:
         return now
 
     def pb(self) -> list[pb.Phase]:
-        return [pb.Phase(name=n, ms=int(ms)) for n, ms in self.items]
+        # A phase ended at a time taken on another thread (the last page can land before the resume is
+        # heard) would be negative; the wire field is unsigned.
+        return [pb.Phase(name=n, ms=max(0, int(ms))) for n, ms in self.items]
 
 
 @dataclass
