@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -129,6 +130,7 @@ def status_cmd(obj: Ctx) -> None:
         f"tier     {s.tier_dir}: {human_bytes(s.tier_used_bytes)} used, {human_bytes(s.tier_free_bytes)} free "
         f"of {human_bytes(s.tier_capacity_bytes)}",
         f"store    {s.store}",
+        *([f"guard    {s.guard}"] if s.guard else []),
         f"jobs     {s.jobs_running} running",
         f"ckpts    {s.checkpoints} ({by_state}); drain queue {s.drain_queue_depth} "
         f"({human_bytes(s.drain_queue_bytes)})",
@@ -143,14 +145,28 @@ def status_cmd(obj: Ctx) -> None:
 @click.option("--own-proc/--host-proc", "own_proc", default=None,
               help="give the job its own /proc (a mount namespace; CUDA needs it), or the host's; "
                    "default: its own on a node with an NVIDIA GPU")
+@click.option("--memory-limit", default="", help="its own memory cgroup with this limit, e.g. 256M, 4G")
+@click.option("--priority", default="0", help="node pressure parks the lowest first: -1000..1000, or critical "
+                                               "(never parked by node pressure)")
+@click.option("--on-limit", type=click.Choice(["park", "kill"]), default="park", show_default=True,
+              help="at its memory limit: checkpoint and stop it (resume later), or let it be killed")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 @handle_errors
-def run_cmd(obj: Ctx, name: str, own_proc: bool | None, argv: tuple[str, ...]) -> None:
+def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, priority: str, on_limit: str,
+            argv: tuple[str, ...]) -> None:
     """Start CMD as a managed job in its own PID namespace: memsnapctl run -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
+    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
+    critical = priority.strip().lower() == "critical"
+    try:
+        prio = 0 if critical else int(priority)
+    except ValueError:
+        raise click.BadParameter(f"{priority!r} is not a number or critical", param_hint="--priority") from None
+    guarded = {"memory_limit": limit, "priority": prio, "critical": critical,
+               "on_limit": on_limit if (limit or prio or critical) else ""}
     with obj.client() as c:
-        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc)
+        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, **guarded)  # type: ignore[arg-type]
     obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path})
 
 
@@ -161,7 +177,8 @@ def jobs_cmd(obj: Ctx) -> None:
     """Managed jobs (launched or restored by memsnap)."""
     with obj.client() as c:
         js = c.jobs()
-    rows = [[j.id, j.name, str(j.pid), "running" if j.running else "ended", j.restored_from or "-",
+    rows = [[j.id, j.name, str(j.pid), j.guard_state if j.guard_state in ("parked", "resumed", "killed")
+             else "running" if j.running else "ended", j.restored_from or "-",
              " ".join(j.argv)[:50]] for j in js]
     obj.emit([job_dict(j) for j in js], table(rows, ["JOB", "NAME", "PID", "STATE", "FROM", "COMMAND"]))
 
@@ -290,6 +307,28 @@ def watch_cmd(obj: Ctx, checkpoint_id: str) -> None:
     if last is not None and STATE_NAMES.get(last.state) == "failed":
         click.echo(f"memsnapctl: checkpoint {checkpoint_id} failed: {last.last_error}", err=True)
         sys.exit(1)
+
+
+@cli.command("resume")
+@click.argument("job")
+@click.option("--memory-limit", default="", help="a new memory limit for it, e.g. 1G (default: its old one)")
+@click.pass_obj
+@handle_errors
+def resume_cmd(obj: Ctx, job: str, memory_limit: str) -> None:
+    """Resume a job the memory guard parked (at its limit, or under node pressure)."""
+    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
+    with obj.client() as c:
+        r = c.resume_job(job, memory_limit=limit)
+    obj.emit({"pid": int(r.pid), "job": r.job.id, "resumed": job, "memory_limit": int(r.job.memory_limit_bytes),
+              "restore_ms": int(r.restore_ms)})
+
+
+def _size_arg(text: str, hint: str) -> int:
+    """'256M', '1G', '1.5GiB', '1048576' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size such as 256M or 4G", param_hint=hint)
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
 def main() -> None:

@@ -162,6 +162,7 @@ class Engine:
         self._restoring: set[Path] = set()
         # Moves whose commit was in flight when we died (filled by recover; memsnap.migrate settles them).
         self.uncertain_moves: list[str] = []
+        self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager
@@ -241,7 +242,8 @@ class Engine:
 
     # -- jobs ---------------------------------------------------------------------
     def run_job(self, caller: Caller, argv: list[str], name: str = "", cwd: str = "",
-                env: dict[str, str] | None = None, own_proc: bool | None = None) -> JobRecord:
+                env: dict[str, str] | None = None, own_proc: bool | None = None,
+                cgroup_procs: str = "") -> JobRecord:
         """Starts argv as a managed job in its own PID namespace, as the caller's uid.
 
         own_proc gives it its own /proc too (a mount namespace); None: only on a node with an NVIDIA GPU,
@@ -259,7 +261,8 @@ class Engine:
         groups = jobs.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
         try:
             launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env,
-                                                      groups=groups, own_proc=own_proc)
+                                                      groups=groups, own_proc=own_proc,
+                                                      cgroup_procs=cgroup_procs)
         except jobs.LaunchError as exc:
             raise FailedPrecondition(str(exc)) from exc
         rec = JobRecord(id=job_id, name=name or job_id, pid=launched.pid, pid_start=launched.pid_start,
@@ -880,7 +883,7 @@ class Engine:
                 self.tier.remove(ckpt_id)
                 fixed["stray_tier"] += 1
         for rec in self.catalog.checkpoints():
-            if rec.in_tier and not self.tier.has(rec.id):
+            if rec.in_tier and not self.tier.has(rec.id) and not rec.meta.get("spill"):  # (guard's spill tier)
                 # The tier is memory: a reboot empties it. Only the stored copy remains, if any.
                 self.catalog.update_checkpoint(rec.id, in_tier=False)
                 if not rec.in_store and rec.state in (STAGED, DRAINING):
@@ -938,7 +941,8 @@ class Engine:
 
     def pending_drains(self) -> list[str]:
         """Staged or draining checkpoints that still need to reach the store."""
-        return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING)) if r.in_tier]
+        return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING))
+                if r.in_tier and not r.meta.get("spill")]
 
 
 def _resume_stopped(pid: int) -> None:

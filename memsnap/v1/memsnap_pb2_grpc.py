@@ -104,6 +104,11 @@ class MemsnapStub:
                 request_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
                 response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
                 _registered_method=True)
+        self.ResumeJob = channel.unary_unary(
+                '/memsnap.v1.Memsnap/ResumeJob',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class MemsnapServicer:
@@ -205,6 +210,14 @@ class MemsnapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """Restores a job the memory guard parked (checkpointed and stopped at its limit or under node
+        pressure), optionally with a new memory limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemsnapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +290,11 @@ def add_MemsnapServicer_to_server(servicer, server):
                     servicer.PageTunnel,
                     request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
                     response_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -657,6 +675,33 @@ class Memsnap:
             '/memsnap.v1.Memsnap/PageTunnel',
             memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
             memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memsnap.v1.Memsnap/ResumeJob',
+            memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
