@@ -119,6 +119,7 @@ class DumpHooks:
     file_table: Callable[[], dict[str, dict[str, Any]] | None] | None = None  # {name: {size, blake3}}
     notify: NotifyCallback | None = None  # CRIU notify callbacks (post-dump, ...)
     dump_opts: dict[str, Any] = field(default_factory=dict)  # extra DumpOptions fields
+    manifest: dict[str, Any] = field(default_factory=dict)  # extra signed manifest fields (memsnap.guard: parked)
 
 
 @dataclass
@@ -421,7 +422,7 @@ class Engine:
                                       (hooks.file_table() if hooks.file_table else None)
                                       or manifest.describe_files(staging),
                                       frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
-                                      dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt)
+                                      dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt, **hooks.manifest)
             signed = manifest.sign(body, self.key)
             manifest.write(staging, signed)
             failpoints.hit("before-publish")
@@ -656,6 +657,8 @@ class Engine:
             with self._lazy_lock:
                 self._restoring.discard(work)
         restore_ms = (time.monotonic() - t2) * 1000
+        if man.get("parked"):
+            _resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
         try:
             job = self._adopt_restored(rec, man, new_pid, server, work, gpu_map)
         except BaseException:

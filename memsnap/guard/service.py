@@ -61,6 +61,7 @@ class Guard:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._busy: set[str] = set()
+        self._backoff: dict[str, float] = {}  # job -> monotonic time before which a failed park is not retried
         self.cg: MemoryCgroups | None = None
         self.cg_error = ""
         try:
@@ -207,11 +208,24 @@ class Guard:
             out.append((g, job))
         return out
 
+    def _adopt_plain_restores(self) -> None:
+        """A parked job restored with plain `memsnapctl restore` (not resume) is guarded again, with its limit."""
+        with self._lock:
+            parked = {g.checkpoint: g for g in self._jobs.values() if g.state == PARKED and g.job_id not in self._busy}
+        if not parked:
+            return
+        for j in self.engine.catalog.jobs():
+            g = parked.get(j.restored_from)
+            if g is not None and j.id not in self._jobs and not j.ended and jobs.alive(j.pid, j.pid_start):
+                self._set(g.job_id, state=RESUMED, resumed_as=j.id)
+                self.adopt(j.id, g.owner_uid, g.limit, g.priority, g.on_limit, g.cgroup)
+
     def _check_limits(self, fired: set[str], t_event: float) -> None:
+        self._adopt_plain_restores()
         if self.cg is None:
             return
         for g, _job in self._running():
-            if not g.cgroup or g.job_id in self._busy:
+            if not g.cgroup or g.job_id in self._busy or self._backoff.get(g.job_id, 0) > time.monotonic():
                 continue
             try:
                 s = self.cg.sample(Path(g.cgroup))
@@ -303,7 +317,8 @@ class Guard:
         try:
             self.park(job_id, reason, t_event)
         except Exception as exc:
-            log.error("could not park %s: %s", job_id, exc, extra={"job": job_id})
+            self._backoff[job_id] = time.monotonic() + 30
+            log.error("could not park %s (retrying in 30 s): %s", job_id, exc, extra={"job": job_id})
             if self.metrics is not None:
                 self.metrics.guard_parks.labels(result="error").inc()
         finally:
@@ -345,8 +360,12 @@ class Guard:
                 wait_stopped(pids, 10.0)
             frozen_ms = (time.monotonic() - t0) * 1000
             eng = self.spill or self.engine
-            from memsnap.engine import ROOT
-            rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name)
+            from memsnap.engine import ROOT, DumpHooks
+            # signed into the manifest: a restore anywhere (memsnapctl restore, a Slurm requeue on another
+            # node) knows the job was dumped stopped, and why
+            hooks = DumpHooks(manifest={"parked": {"reason": reason, "at_ms": now_ms(), "job": job_id,
+                                                   "limit": g.limit, "priority": g.priority}})
+            rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name, hooks=hooks)
         except BaseException:
             if g.cgroup and self.cg is not None:
                 for pid in self.cg.procs(Path(g.cgroup)):  # never leave the job stopped
@@ -411,10 +430,22 @@ class Guard:
                     if rec is None or rec.state == FAILED:
                         return
                     if rec.state == DURABLE and rec.in_store:
-                        from memsnap.engine import ROOT
-                        self.engine.evict(ROOT, ckpt_id)
-                        log.info("parked image %s is durable: tier copy evicted", ckpt_id,
-                                 extra={"checkpoint_id": ckpt_id})
+                        # never under a resume that reads the tier copy (CRIU reads it without a lock)
+                        with self._lock:
+                            if job_id in self._busy:
+                                time.sleep(0.1)
+                                continue
+                            self._busy.add(job_id)
+                        try:
+                            cur = self.get(job_id)
+                            if cur is not None and cur.state == PARKED:
+                                from memsnap.engine import ROOT
+                                self.engine.evict(ROOT, ckpt_id)
+                                log.info("parked image %s is durable: tier copy evicted", ckpt_id,
+                                         extra={"checkpoint_id": ckpt_id})
+                        finally:
+                            with self._lock:
+                                self._busy.discard(job_id)
                         return
                     time.sleep(0.1)
                 log.warning("parked image %s not durable after %.0f s: the tier copy stays", ckpt_id,
@@ -452,11 +483,18 @@ class Guard:
         from memsnap.engine import ROOT
         caller = caller or ROOT
         g = self.find_parked(caller, key)
-        with self._lock:
-            if g.job_id in self._busy:
+        deadline = time.monotonic() + 60
+        while True:  # a tier eviction of its image may be under way: it is short
+            with self._lock:
+                if g.job_id not in self._busy:
+                    self._busy.add(g.job_id)
+                    busy_id = g.job_id
+                    break
+            if time.monotonic() > deadline:
                 raise FailedPrecondition(f"job {g.job_id} is being parked or resumed already")
-            self._busy.add(g.job_id)
+            time.sleep(0.05)
         try:
+            g = self.find_parked(caller, busy_id)  # still parked (not resumed by someone else meanwhile)?
             limit = new_limit or g.limit
             image = int(g.stats.get("image_bytes", 0))
             if g.cgroup:
@@ -478,12 +516,7 @@ class Guard:
             eng = self.spill if (rec is not None and rec.meta.get("spill") and self.spill is not None) \
                 else self.engine
             t0 = time.monotonic()
-            res = eng.restore(caller, g.checkpoint)
-            for p in jobs.tree(res.pid):  # it was dumped stopped (see park)
-                try:
-                    p.send_signal(signal.SIGCONT)
-                except Exception:
-                    pass
+            res = eng.restore(caller, g.checkpoint)  # (the engine sends SIGCONT: the manifest says parked)
             resume_ms = (time.monotonic() - t0) * 1000
             self._set(g.job_id, state=RESUMED, resumed_as=res.job.id)
             ng = self.adopt(res.job.id, g.owner_uid, limit, g.priority, g.on_limit, g.cgroup)
@@ -497,7 +530,7 @@ class Guard:
             return res
         finally:
             with self._lock:
-                self._busy.discard(g.job_id)
+                self._busy.discard(busy_id)
 
     def _set(self, job_id: str, **changes: Any) -> None:
         with self._lock:

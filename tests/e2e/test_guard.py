@@ -138,6 +138,40 @@ def test_on_limit_kill_ends_the_job_at_its_limit(daemon: DaemonProc, jobs_to_kil
     assert not row["running"] and not row["parked_checkpoint"]
 
 
+def test_parked_checkpoint_restored_plainly_runs_on_and_is_guarded_again(
+        daemon: DaemonProc, jobs_to_kill: list[int]) -> None:
+    job = run_job(daemon, "--memory-limit", "96M",
+                  argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "96"))
+    jobs_to_kill.append(job["pid"])
+    row = wait_state(daemon, job["job"], "parked")
+    cgroup = guard_jobs(daemon)[job["job"]]["cgroup"]
+    Path(cgroup, "memory.limit_in_bytes").write_text(str(512 * M))  # room for it, as an admin would give
+    r = json.loads(daemon.ctl("--json", "restore", row["parked_checkpoint"], check=True).stdout)
+    jobs_to_kill.append(r["pid"])
+    assert_continues(job["log"], job["pid"], r["pid"])  # dumped stopped, yet it runs on: the manifest says parked
+    wait_for(lambda: guard_jobs(daemon)[job["job"]]["resumed_as"] == r["job"], 30, 0.1, "the guard to adopt it")
+    assert guard_jobs(daemon)[r["job"]]["cgroup"] == cgroup
+    assert memory_cgroup_of(r["pid"]) == "/" + str(Path(cgroup).relative_to(V1))
+
+
+def test_spill_dir_takes_the_park_image_instead_of_the_memory_tier(
+        make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]) -> None:
+    spill = tmp_path / "spill"
+    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{spill}"\n')
+    d = make_daemon("spill", extra=["--config", cfg]).start()
+    job = run_job(d, "--memory-limit", "128M", argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "192"))
+    jobs_to_kill.append(job["pid"])
+    row = wait_state(d, job["job"], "parked")
+    image = spill / row["parked_checkpoint"]
+    assert image.is_dir() and sum(f.stat().st_size for f in image.iterdir()) > 128 * M * 3 // 4
+    assert json.loads(d.ctl("--json", "status", check=True).stdout)["tier_used_bytes"] == 0
+    r = d.ctl("--json", "resume", job["job"], "--memory-limit", "64M")
+    assert r.returncode != 0 and "cannot hold it" in r.stderr  # a limit below the image is refused up front
+    resumed = json.loads(d.ctl("--json", "resume", job["job"], "--memory-limit", "512M", check=True).stdout)
+    jobs_to_kill.append(resumed["pid"])
+    assert_continues(job["log"], job["pid"], resumed["pid"])
+
+
 # -- node pressure ---------------------------------------------------------------------------------
 
 HOG = r"""
