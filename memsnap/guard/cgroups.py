@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import select
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,17 +112,6 @@ class MemoryCgroups:
             return [int(x) for x in _read(cg / "cgroup.procs").split()]
         except CgroupError:
             return []
-
-    def freeze_signal(self, cg: Path) -> list[int]:
-        """SIGSTOPs every task of the cgroup (pending even for a task that waits at the limit; it stops as
-        soon as headroom lets it leave the kernel). Returns the pids."""
-        pids = self.procs(cg)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
-        return pids
 
     # version specific
     def set_limit(self, cg: Path, limit: int) -> None:
@@ -283,8 +271,9 @@ class CgroupV2(MemoryCgroups):
         self._events[fd] = (cg, _kv(os.pread(fd, 4096, 0).decode()).get("high", 0))
         return fd
 
-    def watch_pressure(self, cg: Path, trigger: str = "some 150000 1000000") -> int:
-        """A memory.pressure trigger (stall µs within a window µs); poll() reports POLLPRI when it fires."""
+    def watch_pressure(self, cg: Path, trigger: str = "some 150000 2000000") -> int:
+        """A memory.pressure trigger (stall µs within a window µs; without CAP_SYS_RESOURCE the window must be a
+        multiple of 2 s); poll() reports POLLPRI when it fires."""
         fd = os.open(cg / "memory.pressure", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         os.write(fd, trigger.encode() + b"\0")
         return fd

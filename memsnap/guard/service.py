@@ -167,8 +167,31 @@ class Guard:
             for g in self._jobs.values():
                 if g.state == RUNNING and g.cgroup and self.cg is not None and Path(g.cgroup).is_dir():
                     self._watch(g.job_id, Path(g.cgroup))
+        self._sweep()
         self._thread = threading.Thread(target=self._run, name="guard", daemon=True)
         self._thread.start()
+
+    def _sweep(self, min_age_s: float = 300.0) -> None:
+        """Removes empty job cgroups that no job of ours needs and that nobody touched for min_age_s (another
+        daemon sharing the parent may have just made one for a launch; a parked job's cgroup is made again on
+        resume anyway)."""
+        if self.cg is None:
+            return
+        with self._lock:
+            keep = {g.cgroup for g in self._jobs.values() if g.state in (RUNNING, PARKED)}
+        now = time.time()
+        try:
+            entries = list(self.cg.parent.iterdir())
+        except OSError:
+            return
+        for cg in entries:
+            try:
+                if not cg.is_dir() or str(cg) in keep or now - cg.stat().st_mtime < min_age_s:
+                    continue
+            except OSError:
+                continue
+            if not self.cg.procs(cg):
+                self.cg.remove(cg)
 
     def stop(self) -> None:
         self._stop.set()
@@ -265,6 +288,9 @@ class Guard:
             self.engine.catalog.update_job(job.id, ended=True)
         self._unwatch(g.job_id)
         self._set(g.job_id, state=KILLED, reason="killed at its memory limit (on-limit kill)")
+        if job is not None:
+            jobs.wait_gone(job.pid, 5)
+        self.forget_cgroup(g.cgroup)
 
     def _check_node(self) -> None:
         th = self.policy.th
@@ -340,23 +366,24 @@ class Guard:
         sampler.start()
         frozen_ms = 0.0
         headroom_to = 0
+        pids: list[int] = []
         try:
             at_trigger = None
+            # only the job's own tree: its launcher (unshare, in the cgroup too) must stay free to exit
+            pids = [p.pid for p in jobs.tree(job.pid)]
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
             if g.cgroup and self.cg is not None:
                 cg = Path(g.cgroup)
                 at_trigger = self.cg.sample(cg)
-                pids = self.cg.freeze_signal(cg)
                 extra = self.cfg.headroom or (16 << 20) + g.limit // 20
                 headroom_to = self.cg.give_headroom(cg, extra)
                 if not wait_stopped(pids, 10.0):
                     log.warning("%s: not every task stopped within 10 s; dumping anyway", job_id)
             else:
-                pids = [p.pid for p in jobs.tree(job.pid)]
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGSTOP)
-                    except ProcessLookupError:
-                        pass
                 wait_stopped(pids, 10.0)
             frozen_ms = (time.monotonic() - t0) * 1000
             eng = self.spill or self.engine
@@ -367,12 +394,11 @@ class Guard:
                                                    "limit": g.limit, "priority": g.priority}})
             rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name, hooks=hooks)
         except BaseException:
-            if g.cgroup and self.cg is not None:
-                for pid in self.cg.procs(Path(g.cgroup)):  # never leave the job stopped
-                    try:
-                        os.kill(pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+            for pid in pids:  # never leave the job stopped
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
             sampler.stop()
             raise
         park_ms = (time.monotonic() - t0) * 1000
@@ -414,6 +440,8 @@ class Guard:
             g = self._jobs.get(job_id)
             if g is not None:
                 g.stats["peak_node_used_bytes"] = peak
+                g.stats["node_used_at_park_start_bytes"] = sampler.first
+                g.stats["node_used_after_park_bytes"] = psi.read_node("/nonexistent").used
                 self._save()
         if self.metrics is not None:
             self.metrics.guard_peak_node_bytes.set(peak)
@@ -438,15 +466,20 @@ class Guard:
                             self._busy.add(job_id)
                         try:
                             cur = self.get(job_id)
-                            if cur is not None and cur.state == PARKED:
-                                from memsnap.engine import ROOT
-                                self.engine.evict(ROOT, ckpt_id)
-                                log.info("parked image %s is durable: tier copy evicted", ckpt_id,
-                                         extra={"checkpoint_id": ckpt_id})
+                            # under the checkpoint's lock, and not while a plain restore reads the tier copy
+                            # (CRIU reads it after the engine let go of that lock; its work dir marks it)
+                            with self.engine._ckpt_lock(ckpt_id):
+                                restoring = self._being_restored(ckpt_id)
+                                if not restoring and cur is not None and cur.state == PARKED:
+                                    from memsnap.engine import ROOT
+                                    self.engine.evict(ROOT, ckpt_id)
+                                    log.info("parked image %s is durable: tier copy evicted", ckpt_id,
+                                             extra={"checkpoint_id": ckpt_id})
                         finally:
                             with self._lock:
                                 self._busy.discard(job_id)
-                        return
+                        if not restoring:
+                            return
                     time.sleep(0.1)
                 log.warning("parked image %s not durable after %.0f s: the tier copy stays", ckpt_id,
                             self.cfg.durable_wait_s)
@@ -455,6 +488,18 @@ class Guard:
             finally:
                 self._finish_peak(job_id, sampler)
         threading.Thread(target=wait, name=f"evict-{ckpt_id}", daemon=True).start()
+
+    def _being_restored(self, ckpt_id: str) -> bool:
+        """Whether a restore of ckpt_id is under way (its work dir exists and its log moved in the last 60 s)."""
+        now = time.time()
+        for work in self.engine.work_root.glob(f"{ckpt_id}.restore-*"):
+            try:
+                log_file = work / "restore.log"
+                if now - (log_file if log_file.exists() else work).stat().st_mtime < 60:
+                    return True
+            except OSError:
+                continue
+        return False
 
     # -- resume ---------------------------------------------------------------------------
     def find_parked(self, caller: Any, key: str) -> GuardedJob:
@@ -547,6 +592,7 @@ class _PeakSampler:
 
     def __init__(self) -> None:
         self.peak = 0
+        self.first = 0  # at the start of the park
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, name="peak", daemon=True)
 
@@ -555,7 +601,9 @@ class _PeakSampler:
 
     def _run(self) -> None:
         while True:
-            self.peak = max(self.peak, psi.read_node("/nonexistent").used)
+            used = psi.read_node("/nonexistent").used
+            self.first = self.first or used
+            self.peak = max(self.peak, used)
             if self._stop.wait(0.02):
                 return
 

@@ -199,7 +199,7 @@ class Hog:
         self.file = base / "hog.bin"
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, readers: int = 2) -> None:
+    def start(self, readers: int = 2, also: str = "") -> None:
         with open(self.file, "wb") as f:
             for _ in range(2 * self.limit // M):
                 f.write(os.urandom(M))
@@ -209,10 +209,10 @@ class Hog:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # its cache was charged to us: drop it
         os.close(fd)
-        procs = str(self.cg / "cgroup.procs")
+        enter = f"echo $$ > {self.cg / 'cgroup.procs'}" + (f" && echo $$ > {also}" if also else "")
         for _ in range(readers):
             self.procs.append(subprocess.Popen(
-                ["sh", "-c", f'echo $$ > {procs} && exec "$0" -c "$1" "$2"', sys.executable, HOG, str(self.file)]))
+                ["sh", "-c", f'{enter} && exec "$0" -c "$1" "$2"', sys.executable, HOG, str(self.file)]))
 
     def stop(self) -> None:
         for p in self.procs:
@@ -223,6 +223,38 @@ class Hog:
             self.cg.rmdir()
         except OSError:
             pass
+
+
+UNIFIED = Path("/sys/fs/cgroup/unified")
+
+
+@pytest.mark.skipif(not (UNIFIED / "cgroup.procs").exists(), reason="no cgroup2 hierarchy mounted")
+def test_v2_memory_pressure_trigger_fires_on_real_pressure(tmp_path: Path) -> None:
+    """The v2 per-cgroup PSI watcher (CgroupV2.watch_pressure) on this node's real cgroup2 hierarchy, which
+    has PSI files though not the memory controller: the hog's stalls fire the trigger (POLLPRI)."""
+    import select
+
+    from memsnap.guard.cgroups import CgroupV2
+
+    v2 = CgroupV2(UNIFIED, f"memsnap-test-{os.getpid()}")
+    v2.parent.mkdir(exist_ok=True)
+    child = v2.parent / "hog"
+    child.mkdir(exist_ok=True)
+    hog = Hog(tmp_path)
+    fd = v2.watch_pressure(child, "some 50000 2000000")
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLPRI)
+        assert p.poll(0) == []  # nothing runs there yet
+        hog.start(also=str(child / "cgroup.procs"))
+        events = wait_for(lambda: p.poll(200), 60, 0, "the memory.pressure trigger to fire")
+        assert events[0][1] & select.POLLPRI  # type: ignore[index]
+    finally:
+        os.close(fd)
+        hog.stop()
+        for c in (child, v2.parent):
+            wait_for(lambda c=c: not c.exists() or not Path(c, "cgroup.procs").read_text().strip(), 10, 0.05)
+            c.rmdir()
 
 
 def psi_some() -> float:
