@@ -14,7 +14,7 @@ import grpc
 from memsnap import validate as v
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord, JobRecord
 from memsnap.engine import ROOT, Caller, Engine
-from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, Unauthenticated
+from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.guard.policy import CRITICAL
 from memsnap.remote import tcp_authenticated
 from memsnap.v1 import memsnap_pb2 as pb
@@ -301,6 +301,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
             raise InvalidArgument(f"priority {request.priority} is out of range: use -1000..1000, or critical")
         if request.on_limit not in ("", "park", "kill"):
             raise InvalidArgument(f"on_limit {v.clip(request.on_limit)} is not park or kill")
+        if request.critical and not caller.is_root:
+            raise PermissionDenied("only root may mark a job critical (never parked under node pressure)")
         priority = CRITICAL if request.critical else request.priority
         cgroup, procs = guard.prepare(limit) if limit else ("", "")
         try:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import DaemonProc, counter_argv, start_digest, ticks, wait_for
+from tests.helpers import NOBODY, DaemonProc, counter_argv, start_digest, ticks, wait_for
 
 V1 = Path("/sys/fs/cgroup/memory")
 pytestmark = pytest.mark.skipif(not (V1 / "memory.oom_control").exists(),
@@ -170,6 +170,31 @@ def test_spill_dir_takes_the_park_image_instead_of_the_memory_tier(
     resumed = json.loads(d.ctl("--json", "resume", job["job"], "--memory-limit", "512M", check=True).stdout)
     jobs_to_kill.append(resumed["pid"])
     assert_continues(job["log"], job["pid"], resumed["pid"])
+
+
+def test_parked_job_resumes_after_a_daemon_restart(make_daemon: Any, jobs_to_kill: list[int]) -> None:
+    d = make_daemon("restart").start()
+    job = run_job(d, "--memory-limit", "96M", argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "96"))
+    jobs_to_kill.append(job["pid"])
+    wait_state(d, job["job"], "parked")
+    assert d.stop() == 0
+    d.start()
+    assert "1 parked" in d.ctl("status", check=True).stdout
+    resumed = json.loads(d.ctl("--json", "resume", job["job"], "--memory-limit", "512M", check=True).stdout)
+    jobs_to_kill.append(resumed["pid"])
+    assert_continues(job["log"], job["pid"], resumed["pid"])
+
+
+def test_only_root_may_mark_a_job_critical_and_others_resume_only_their_own(
+        open_daemon: DaemonProc, jobs_to_kill: list[int]) -> None:
+    r = open_daemon.ctl("run", "--priority", "critical", "--", "sleep", "60", user=NOBODY)
+    assert r.returncode != 0 and "PERMISSION_DENIED" in r.stderr and "critical" in r.stderr
+    job = run_job(open_daemon, "--memory-limit", "64M", argv=counter_argv(8, 0.2, "--grow-mib", "32"))
+    jobs_to_kill.append(job["pid"])
+    wait_state(open_daemon, job["job"], "parked")
+    r = open_daemon.ctl("resume", job["job"], user=NOBODY)
+    assert r.returncode != 0 and ("PERMISSION_DENIED" in r.stderr or "NOT_FOUND" in r.stderr), r.stderr
+    assert job_row(open_daemon, job["job"])["guard_state"] == "parked"  # type: ignore[index]
 
 
 # -- node pressure ---------------------------------------------------------------------------------
