@@ -208,6 +208,8 @@ def report(r: dict[str, Any]) -> str:
         "would have lost, restarting from the checkpoint taken at the first tick.",
         "Tier after: what the memory tier still holds once the park settled: the periodic checkpoint taken at "
         "the first tick (the parked image itself is evicted, or was never there). "
+        "Node columns come from a machine shared with other work (other test runs here swung its use by a GiB "
+        "or more within seconds): the 1 GiB rows' node freed is lost in that noise; the cgroup column is exact. "
         "For the tmpfs tier, node used after = after the drain made the image durable and the guard evicted "
         "the tier copy; the peak covers the dump into tmpfs (job and image both in RAM). For the disk spill "
         "tier the image never enters RAM (page cache aside).",
