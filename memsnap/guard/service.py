@@ -362,6 +362,16 @@ class Guard:
         job = self.engine.catalog.get_job(job_id)
         if g is None or job is None:
             raise NotFound(f"job {job_id} is not guarded")
+        if self.spill is None and getattr(self.engine.tier, "kind", "tmpfs") != "devdax":
+            try:
+                rss = jobs.tree_rss(job.pid)
+            except jobs.ProcessNotFound:
+                rss = 0
+            avail = psi.read_node(self.cfg.psi_path).mem_available
+            if rss > avail - (256 << 20):
+                log.warning("parking %s puts %d MiB into the memory tier with %d MiB available: the dump may push "
+                            "the node into the OOM killer; set guard.spill_dir to a disk directory", job_id,
+                            rss >> 20, avail >> 20, extra={"job": job_id})
         sampler = _PeakSampler()
         sampler.start()
         frozen_ms = 0.0
