@@ -14,7 +14,8 @@ import grpc
 from memsnap import validate as v
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord, JobRecord
 from memsnap.engine import ROOT, Caller, Engine
-from memsnap.errors import InvalidArgument, MemsnapError, Unauthenticated
+from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
+from memsnap.guard.policy import CRITICAL
 from memsnap.remote import tcp_authenticated
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
@@ -104,13 +105,25 @@ def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
         drain_attempts=_u32(r.drain_attempts), argv=[str(a) for a in m.get("argv", []) or []],
         hostname=str(m.get("host", "")), criu_version=str(m.get("criu_version", "")), gpus=gpus,
         durable_unix_ms=r.durable_ms,
+        parked_reason=str((m.get("parked") or {}).get("reason", "")),
+        parked_unix_ms=int((m.get("parked") or {}).get("at_ms", 0)),
     )
 
 
-def job_pb(j: JobRecord, running: bool) -> pb.Job:
-    """A job record as a proto message."""
-    return pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=_u32(j.owner_uid), log_path=j.log_path,
-                  started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
+def job_pb(j: JobRecord, running: bool, g: Any = None) -> pb.Job:
+    """A job record as a proto message (g: what the memory guard knows of it, if anything)."""
+    out = pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=_u32(j.owner_uid), log_path=j.log_path,
+                 started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
+    if g is not None:
+        out.guard_state, out.parked_reason, out.parked_unix_ms = g.state, g.reason, g.parked_ms
+        out.parked_checkpoint, out.memory_limit_bytes, out.priority = g.checkpoint, _u64(g.limit), g.priority
+        out.resumed_as = g.resumed_as
+    return out
+
+
+def _guard_of(engine: Engine, job_id: str) -> Any:
+    guard = getattr(engine, "guard", None)
+    return guard.get(job_id) if guard is not None else None
 
 
 class MemsnapServicer(pb_grpc.MemsnapServicer):
@@ -137,13 +150,17 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         caller = caller_of(context)
         argv, env = v.argv(request.argv), v.env(request.env)
         v.exec_size(argv, env)
+        own_proc = request.own_proc if request.HasField("own_proc") else None
+        if request.memory_limit_bytes or request.priority or request.critical or request.on_limit:
+            return self._run_guarded(caller, request, argv, env, own_proc)
         job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
-                                  own_proc=request.own_proc if request.HasField("own_proc") else None)
+                                  own_proc=own_proc)
         return pb.RunJobResponse(job=job_pb(job, True))
 
     @translate
     def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[job_pb(j, r) for j, r in self.engine.list_jobs(caller_of(context))])
+        return pb.ListJobsResponse(jobs=[job_pb(j, r, _guard_of(self.engine, j.id))
+                                         for j, r in self.engine.list_jobs(caller_of(context))])
 
     @translate
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
@@ -309,6 +326,53 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         yield pb.LogChunk(job=job.id, path=job.log_path)
         for _, data in chunks:
             yield pb.LogChunk(data=data)
+
+    # -- memory guard (memsnap.guard) ------------------------------------------------------
+    def _run_guarded(self, caller: Caller, request: pb.RunJobRequest, argv: list[str], env: dict[str, str],
+                     own_proc: bool | None) -> pb.RunJobResponse:
+        """RunJob with --memory-limit/--priority/--on-limit: the job starts inside its own memory cgroup."""
+        guard = self._guard()
+        limit = request.memory_limit_bytes
+        if limit and not MIN_LIMIT <= limit <= v.MAX_BYTES:
+            raise InvalidArgument(f"memory_limit_bytes {limit} is out of range: give at least 32M")
+        if not -1000 <= request.priority <= 1000:
+            raise InvalidArgument(f"priority {request.priority} is out of range: use -1000..1000, or critical")
+        if request.on_limit not in ("", "park", "kill"):
+            raise InvalidArgument(f"on_limit {v.clip(request.on_limit)} is not park or kill")
+        if request.critical and not caller.is_root:
+            raise PermissionDenied("only root may mark a job critical (never parked under node pressure)")
+        priority = CRITICAL if request.critical else request.priority
+        cgroup, procs = guard.prepare(limit) if limit else ("", "")
+        try:
+            job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
+                                      own_proc=own_proc, cgroup_procs=procs)
+        except BaseException:
+            guard.forget_cgroup(cgroup)
+            raise
+        g = guard.adopt(job.id, caller.uid, limit, priority, request.on_limit or "park", cgroup)
+        return pb.RunJobResponse(job=job_pb(job, True, g))
+
+    def _guard(self) -> Any:
+        guard = getattr(self.engine, "guard", None)
+        if guard is None or not guard.cfg.enabled:
+            raise FailedPrecondition("the memory guard is off on this node ([guard] enabled = false)")
+        return guard
+
+    @translate
+    def ResumeJob(self, request: pb.ResumeJobRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
+        caller = caller_of(context)
+        v.key("job", request.job)
+        limit = request.memory_limit_bytes
+        if limit and not MIN_LIMIT <= limit <= v.MAX_BYTES:
+            raise InvalidArgument(f"memory_limit_bytes {limit} is out of range: give at least 32M")
+        res = self._guard().resume(request.job, caller=caller, new_limit=limit)
+        return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True, _guard_of(self.engine, res.job.id)),
+                                  restore_ms=int(res.restore_ms), verify_ms=int(res.verify_ms),
+                                  fetch_ms=int(res.fetch_ms), from_store=res.from_store)
+
+
+MIN_LIMIT = 32 << 20
+
 
 def _checked_chunks(chunks: Iterator[pb.ImageChunk]) -> Iterator[pb.ImageChunk]:
     """An image stream whose every chunk passes the edge checks (ids, names, offsets, sizes)."""

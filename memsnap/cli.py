@@ -298,6 +298,7 @@ def status_cmd(obj: Ctx) -> None:
         f"tier     {s.tier_dir}: {human_bytes(s.tier_used_bytes)} used, {human_bytes(s.tier_free_bytes)} free "
         f"of {human_bytes(s.tier_capacity_bytes)}",
         f"store    {s.store}",
+        *([f"guard    {s.guard}"] if s.guard else []),
         f"jobs     {s.jobs_running} running",
         f"ckpts    {s.checkpoints} ({by_state}); drain queue {s.drain_queue_depth} "
         f"({human_bytes(s.drain_queue_bytes)})",
@@ -312,16 +313,30 @@ def status_cmd(obj: Ctx) -> None:
 @click.option("--own-proc/--host-proc", "own_proc", default=None,
               help="give the job its own /proc (a mount namespace; CUDA needs it), or the host's; "
                    "default: its own on a node with an NVIDIA GPU")
+@click.option("--memory-limit", default="", help="its own memory cgroup with this limit, e.g. 256M, 4G")
+@click.option("--priority", default="0", help="node pressure parks the lowest first: -1000..1000, or critical "
+                                               "(never parked by node pressure)")
+@click.option("--on-limit", type=click.Choice(["park", "kill"]), default="park", show_default=True,
+              help="at its memory limit: checkpoint and stop it (resume later), or let it be killed")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 @handle_errors
-def run_cmd(obj: Ctx, name: str, own_proc: bool | None, argv: tuple[str, ...]) -> None:
+def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, priority: str, on_limit: str,
+            argv: tuple[str, ...]) -> None:
     """Start CMD as a managed job in its own PID namespace: memsnapctl run [--name N] -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
+    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
+    critical = priority.strip().lower() == "critical"
+    try:
+        prio = 0 if critical else int(priority)
+    except ValueError:
+        raise click.BadParameter(f"{priority!r} is not a number or critical", param_hint="--priority") from None
+    guarded: dict[str, Any] = {"memory_limit": limit, "priority": prio, "critical": critical,
+                               "on_limit": on_limit if (limit or prio or critical) else ""}
     if not obj.address:
         _check_command(argv[0], env.get("PATH", os.defpath))
     with obj.client() as c:
-        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc)
+        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, **guarded)
     obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path},
              f"started {job.id} ({job.name}) as pid {job.pid}; output: memsnapctl logs -f {job.id}")
 
@@ -351,7 +366,9 @@ def jobs_cmd(obj: Ctx) -> None:
     rows, wide = [], []
     for j in js:
         cmd = " ".join(command_of(list(j.argv)))
-        row = [j.id, j.name, str(j.pid), "running" if j.running else "ended", age(j.started_unix_ms),
+        state = j.guard_state if j.guard_state in ("parked", "resumed", "killed") else \
+            "running" if j.running else "ended"
+        row = [j.id, j.name, str(j.pid), state, age(j.started_unix_ms),
                j.restored_from or "-"]
         argv = command_of(list(j.argv))
         short = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else ""
@@ -723,6 +740,33 @@ def fail(code: str, message: str, output: str = "table") -> NoReturn:
     else:
         click.echo(f"memsnapctl: {code}: {message}", err=True)
     sys.exit(f.exit_code)
+
+
+@cli.command("resume")
+@click.argument("job")
+@click.option("--memory-limit", default="", help="a new memory limit for it, e.g. 1G (default: its old one)")
+@click.pass_obj
+@handle_errors
+def resume_cmd(obj: Ctx, job: str, memory_limit: str) -> None:
+    """Resume a job the memory guard parked (at its limit, or under node pressure)."""
+    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
+    with obj.client() as c:
+        r = c.resume_job(job, memory_limit=limit)
+    lim = int(r.job.memory_limit_bytes)
+    obj.emit({"pid": int(r.pid), "job": r.job.id, "resumed": job, "memory_limit": lim,
+              "restore_ms": int(r.restore_ms)},
+             f"resumed {job} as {r.job.id} (pid {r.pid}) in {human_ms(r.restore_ms)}"
+             + (f", memory limit {human_bytes(lim)}" if lim else ""))
+
+
+def _size_arg(text: str, hint: str) -> int:
+    """'256M', '1G', '1.5GiB', '1048576' -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size such as 256M or 4G", param_hint=hint)
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
 def main(argv: list[str] | None = None) -> None:

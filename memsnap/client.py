@@ -89,9 +89,13 @@ class MemsnapClient:
         return self._call("Status", pb.StatusRequest(), timeout)  # type: ignore[return-value]
 
     def run(self, argv: list[str], name: str = "", cwd: str = "", env: dict[str, str] | None = None,
-            timeout: float = 30.0, own_proc: bool | None = None) -> pb.Job:
-        """Starts a managed job (own_proc None: the node decides whether it gets its own /proc)."""
-        req = pb.RunJobRequest(argv=argv, name=name, cwd=cwd, env=env or {}, own_proc=own_proc)
+            timeout: float = 30.0, own_proc: bool | None = None, memory_limit: int = 0, priority: int = 0,
+            critical: bool = False, on_limit: str = "") -> pb.Job:
+        """Starts a managed job (own_proc None: the node decides whether it gets its own /proc); memory_limit,
+        priority, critical and on_limit are the memory guard's."""
+        req = pb.RunJobRequest(argv=argv, name=name, cwd=cwd, env=env or {}, own_proc=own_proc,
+                               memory_limit_bytes=memory_limit, priority=priority, critical=critical,
+                               on_limit=on_limit)
         return self._call("RunJob", req, timeout).job  # type: ignore[attr-defined,no-any-return]
 
     def jobs(self, timeout: float = QUICK_S) -> list[pb.Job]:
@@ -160,6 +164,12 @@ class MemsnapClient:
         """Ends a job: SIGTERM, then SIGKILL after timeout_s (kill: SIGKILL at once)."""
         req = pb.StopJobRequest(job=job, timeout_s=timeout_s, kill=kill)
         return self._call("StopJob", req, timeout)  # type: ignore[return-value]
+
+    def resume_job(self, job: str, memory_limit: int = 0, timeout: float = LONG_S) -> pb.RestoreResponse:
+        """Resumes a job the memory guard parked (memory_limit 0: its old limit)."""
+        req = pb.ResumeJobRequest(job=job, memory_limit_bytes=memory_limit)
+        return self._call("ResumeJob", req, timeout)  # type: ignore[return-value]
+
 
     def delete_job(self, job: str, force: bool = False, timeout: float = 60.0) -> pb.Job:
         """Forgets an ended job and removes its log."""

@@ -376,6 +376,60 @@ class PeerConfig:
         return self.identity or self.name
 
 
+def _fraction(value: object) -> float:
+    """A number from 0 to 1."""
+    number = _as_float(value)
+    if number is None or not 0.0 <= number <= 1.0:
+        raise _Bad("a fraction from 0 to 1 such as 0.05")
+    return number
+
+
+def _percent(value: object) -> float:
+    """A PSI percentage from 0 to 100 (0 = off)."""
+    number = _as_float(value)
+    if number is None or not 0.0 <= number <= 100.0:
+        raise _Bad("a percentage from 0 to 100 (0 = off)")
+    return number
+
+
+def _bool(value: object) -> bool:
+    """true or false."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    raise _Bad("true or false")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """[guard]: the memory-pressure guard (memsnap.guard): park jobs instead of letting them be OOM killed."""
+
+    enabled: bool = _opt(True, _bool, "watch job memory limits and node pressure")
+    mode: str = _opt("enforce", _choice("enforce", "observe"), "enforce parks; observe only logs what it would park")
+    cgroup_root: str = _opt("", _string, "memory cgroup mount; empty = detect (v1 /sys/fs/cgroup/memory, else v2)")
+    cgroup_parent: str = _opt("memsnap", _name, "cgroup under the root that holds one cgroup per limited job")
+    headroom: int | None = _opt(None, _size, "extra bytes given to a job stuck at its limit while it is dumped; "
+                                "empty = 16M + 5% of the limit")
+    poll_interval_s: float = _opt(0.2, _POSITIVE_SECONDS, "how often usage, PSI and MemAvailable are sampled")
+    psi_path: str = _opt("/proc/pressure/memory", _path, "PSI file the node policy reads")
+    psi_some_avg10: float = _opt(0.0, _percent, "park when PSI some avg10 stays above this (0 = off)")
+    psi_full_avg10: float = _opt(0.0, _percent, "park when PSI full avg10 stays above this (0 = off)")
+    mem_available_min: int | None = _opt(None, _size, "park when MemAvailable stays below this; empty = off")
+    sustain_s: float = _opt(10.0, _POSITIVE_SECONDS, "pressure must last this long before a park (T)")
+    cooldown_s: float = _opt(10.0, _POSITIVE_SECONDS, "wait this long after a park before parking another")
+    auto_resume: bool = _opt(True, _bool, "resume parked jobs, highest priority first, once pressure is gone")
+    resume_below_some_avg10: float = _opt(5.0, _percent, "resume only while PSI some avg10 stays below this")
+    resume_below_full_avg10: float = _opt(1.0, _percent, "resume only while PSI full avg10 stays below this")
+    resume_sustain_s: float = _opt(30.0, _POSITIVE_SECONDS, "pressure must stay low this long before a resume (T')")
+    resume_margin: int | None = _opt(None, _size, "MemAvailable must exceed image size + mem_available_min + this; "
+                                     "empty = 1G")
+    spill_dir: str = _opt("", _string, "park images go here (a disk directory, DAX or NUMA tmpfs) instead of the "
+                          "memory tier; empty = the tier, evicted once durable")
+    durable_wait_s: float = _opt(600.0, _POSITIVE_SECONDS, "how long a park into the tier waits for the drain "
+                                 "before keeping the tier copy")
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole effective memsnapd configuration."""
@@ -386,6 +440,7 @@ class Config:
     drain: DrainConfig = field(default_factory=DrainConfig)
     state: StateConfig = field(default_factory=StateConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     peers: tuple[PeerConfig, ...] = ()
 
     def peer(self, to: str) -> PeerConfig | None:
@@ -420,6 +475,7 @@ SECTIONS: dict[str, type[Any]] = {
     "drain": DrainConfig,
     "state": StateConfig,
     "security": SecurityConfig,
+    "guard": GuardConfig,
 }
 
 

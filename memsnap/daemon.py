@@ -88,11 +88,27 @@ class Daemon:
         )
         if self.drain is not None:
             self.drain.attach(self.engine)
+        self.engine.guard = self.guard = self._make_guard(state, key)
         self.notifier = Notifier.from_env(unset=True)
         self._stopped = threading.Event()
         self._servers: list[Any] = []
         self._threads: list[Any] = []
         self.migrator: Any = None
+
+    def _make_guard(self, state: Path, key: bytes) -> Any:
+        """The memory guard (memsnap.guard), with its spill tier's engine when guard.spill_dir is set."""
+        from memsnap.guard.service import Guard
+
+        spill = None
+        if self.cfg.guard.spill_dir:
+            try:
+                tier = MemoryTier(self.cfg.guard.spill_dir, 0, "tmpfs")
+            except safefs.UnsafePath as exc:
+                raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
+            spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin),
+                           self.catalog, tier, self.criu, key, drain=None, gpu=self.engine.gpu,
+                           observe=self._observe)
+        return Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
 
     def _make_drain(self, key: bytes) -> Any:
         try:
@@ -110,7 +126,8 @@ class Daemon:
             self.metrics.observe_phase("dump" if kind == "checkpoint" else "restore", seconds)
 
     def _status_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"store": self.drain.describe() if self.drain else "none"}
+        extra: dict[str, Any] = {"store": self.drain.describe() if self.drain else "none",
+                                 "guard": self.guard.describe()}
         if self.drain is not None:
             extra["drain_queue_depth"], extra["drain_queue_bytes"] = self.drain.queue_stats()
         if self.migrator is not None:
@@ -171,6 +188,7 @@ class Daemon:
                                               lambda: float(self.drain.queue_stats()[1]))
             self._servers.append(serve(self.metrics, host.strip("[]") or "127.0.0.1", int(port)))
 
+        self.guard.start()
         self.notifier.ready()
         self._start_background()
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
@@ -236,6 +254,7 @@ class Daemon:
                 s.stop(grace=5).wait(6)
             else:
                 s.shutdown()
+        self.guard.stop()
         if self.drain is not None:
             self.drain.stop()
         self.heartbeat.stop()

@@ -119,6 +119,7 @@ class DumpHooks:
     file_table: Callable[[], dict[str, dict[str, Any]] | None] | None = None  # {name: {size, blake3}}
     notify: NotifyCallback | None = None  # CRIU notify callbacks (post-dump, ...)
     dump_opts: dict[str, Any] = field(default_factory=dict)  # extra DumpOptions fields
+    manifest: dict[str, Any] = field(default_factory=dict)  # extra signed manifest fields (memsnap.guard: parked)
 
 
 @dataclass
@@ -162,6 +163,7 @@ class Engine:
         self._restoring: set[Path] = set()
         # Moves whose commit was in flight when we died (filled by recover; memsnap.migrate settles them).
         self.uncertain_moves: list[str] = []
+        self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager
@@ -241,7 +243,8 @@ class Engine:
 
     # -- jobs ---------------------------------------------------------------------
     def run_job(self, caller: Caller, argv: list[str], name: str = "", cwd: str = "",
-                env: dict[str, str] | None = None, own_proc: bool | None = None) -> JobRecord:
+                env: dict[str, str] | None = None, own_proc: bool | None = None,
+                cgroup_procs: str = "") -> JobRecord:
         """Starts argv as a managed job in its own PID namespace, as the caller's uid.
 
         own_proc gives it its own /proc too (a mount namespace); None: only on a node with an NVIDIA GPU,
@@ -259,7 +262,8 @@ class Engine:
         groups = jobs.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
         try:
             launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env,
-                                                      groups=groups, own_proc=own_proc)
+                                                      groups=groups, own_proc=own_proc,
+                                                      cgroup_procs=cgroup_procs)
         except jobs.LaunchError as exc:
             raise FailedPrecondition(str(exc)) from exc
         rec = JobRecord(id=job_id, name=name or job_id, pid=launched.pid, pid_start=launched.pid_start,
@@ -418,7 +422,7 @@ class Engine:
                                       (hooks.file_table() if hooks.file_table else None)
                                       or manifest.describe_files(staging),
                                       frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
-                                      dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt)
+                                      dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt, **hooks.manifest)
             signed = manifest.sign(body, self.key)
             manifest.write(staging, signed)
             failpoints.hit("before-publish")
@@ -653,6 +657,8 @@ class Engine:
             with self._lazy_lock:
                 self._restoring.discard(work)
         restore_ms = (time.monotonic() - t2) * 1000
+        if man.get("parked"):
+            _resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
         try:
             job = self._adopt_restored(rec, man, new_pid, server, work, gpu_map)
         except BaseException:
@@ -880,7 +886,7 @@ class Engine:
                 self.tier.remove(ckpt_id)
                 fixed["stray_tier"] += 1
         for rec in self.catalog.checkpoints():
-            if rec.in_tier and not self.tier.has(rec.id):
+            if rec.in_tier and not self.tier.has(rec.id) and not rec.meta.get("spill"):  # (guard's spill tier)
                 # The tier is memory: a reboot empties it. Only the stored copy remains, if any.
                 self.catalog.update_checkpoint(rec.id, in_tier=False)
                 if not rec.in_store and rec.state in (STAGED, DRAINING):
@@ -938,7 +944,8 @@ class Engine:
 
     def pending_drains(self) -> list[str]:
         """Staged or draining checkpoints that still need to reach the store."""
-        return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING)) if r.in_tier]
+        return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING))
+                if r.in_tier and not r.meta.get("spill")]
 
     # -- job lifecycle: memsnapctl stop, kill, rm, prune, logs ----------------------------
     def find_job(self, caller: Caller, key: str) -> JobRecord:

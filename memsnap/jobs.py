@@ -163,6 +163,15 @@ for p, flags, to in ((path, os.O_WRONLY | os.O_APPEND, fd), ("/dev/null", os.O_R
 os.execv(sys.argv[4], sys.argv[4:])
 """
 
+# Run as root (ROOT_ENV only) before unshare when the job has a memory limit: enters the cgroup
+# (argv: CGROUP_PROCS CMD...), then execs CMD.
+_ENTER_CGROUP = """import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_NOFOLLOW)
+os.write(fd, str(os.getpid()).encode())
+os.close(fd)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
 # Runs as the job's owner, after setpriv dropped privileges: reads the caller's environment from a
 # memfd, enters the caller's cwd, becomes a session leader, points stdout/stderr at the job log, and
 # execs the command. It reports "ok" (or why not) on a status pipe just before exec.
@@ -287,9 +296,10 @@ class Launcher:
 
     def launch(self, job_id: str, argv: list[str], uid: int, gid: int, cwd: str | None,
                env: dict[str, str] | None, groups: list[int] | None = None,
-               own_proc: bool = False) -> tuple[Launched, Path]:
+               own_proc: bool = False, cgroup_procs: str = "") -> tuple[Launched, Path]:
         """Starts argv as uid:gid (and groups), logging to log_dir/<job_id>.log; own_proc: with its own
-        /proc (a mount namespace)."""
+        /proc (a mount namespace); cgroup_procs: a memory cgroup's cgroup.procs, which the launch enters
+        before unshare runs, so that every process of the job is in it from the start (memsnap.guard)."""
         if not argv:
             raise LaunchError("no command given; usage: memsnapctl run -- CMD ARGS...")
         log_path = self.log_dir / f"{job_id}.log"
@@ -307,6 +317,8 @@ class Launcher:
             os.lseek(env_fd, 0, os.SEEK_SET)
             cmd = self.job_command(uid, gid, groups, env_fd, fd, wr, cwd or "/", argv, own_proc=own_proc,
                                    log_path=str(log_path))
+            if cgroup_procs:
+                cmd = [os.path.realpath(sys.executable), "-I", "-S", "-c", _ENTER_CGROUP, cgroup_procs, *cmd]
             proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,

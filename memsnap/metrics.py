@@ -82,6 +82,32 @@ class Metrics:
         self.drained_bytes = Counter(
             "memsnap_drained_bytes_total", "Bytes written to the store by drains.", registry=r
         )
+        # memsnap.guard: parks instead of OOM kills
+        self.guard_events = Counter(
+            "memsnap_guard_events_total", "Memory events the guard acted on (limit: a job at its cgroup "
+            "limit; node: node pressure policy decisions).", ["kind"], registry=r
+        )
+        self.guard_parks = Counter(
+            "memsnap_guard_parks_total", "Jobs parked by the guard, by result (observed: observe mode, "
+            "nothing parked).", ["result"], registry=r
+        )
+        self.guard_resumes = Counter(
+            "memsnap_guard_resumes_total", "Parked jobs resumed, by trigger.", ["trigger"], registry=r
+        )
+        self.guard_park_seconds = Histogram(
+            "memsnap_guard_park_seconds", "Trigger to parked (image staged, job stopped).",
+            buckets=PHASE_BUCKETS, registry=r
+        )
+        self.guard_peak_node_bytes = Gauge(
+            "memsnap_guard_peak_node_bytes", "Peak node memory in use (MemTotal - MemAvailable) during the "
+            "last park.", registry=r
+        )
+        for kind in ("limit", "node"):
+            self.guard_events.labels(kind=kind)
+        for result in ("ok", "error", "observed"):
+            self.guard_parks.labels(result=result)
+        for trigger in ("auto", "manual"):
+            self.guard_resumes.labels(trigger=trigger)
         for result in RESULTS:  # export zeros so rate() works before the first event
             for counter in (self.checkpoints, self.restores, self.migrations):
                 counter.labels(result=result)

@@ -304,11 +304,35 @@ class Launcher:
                 if rc is not None:
                     return rc
             if not self._alive():
-                return self._ended()
+                parked = self._parked()
+                return self._requeue_parked(parked) if parked else self._ended()
             if time.monotonic() >= next_ckpt:
                 self._periodic()
                 next_ckpt = time.monotonic() + self.opts.interval
             time.sleep(POLL_S)
+
+    def _parked(self) -> str:
+        """Why memsnapd's memory guard parked the workload (checkpointed and stopped it), or ""."""
+        w = self.workload
+        try:
+            rows = self._c().jobs()
+        except (ClientError, DaemonDown):
+            return ""
+        j = next((r for r in rows if w is not None and r.id == w.job_id), None)
+        return j.parked_reason or "parked" if j is not None and j.guard_state == "parked" else ""
+
+    def _requeue_parked(self, why: str) -> int:
+        """A parked workload goes back to the scheduler, which can place it where memory is free; the next
+        run restores it (the checkpoint says it was parked, so it runs on at once)."""
+        if self.slurm is not None:
+            err = slurm_env.requeue(self.slurm.job_id)
+            if not err:
+                self.note(f"the memory guard parked {self.key} ({why}); requeued Slurm job {self.slurm.job_id}")
+                return 0
+            self.warn(f"the memory guard parked {self.key} ({why}) and scontrol requeue failed ({err})")
+        w = self.workload
+        self.warn(f"the workload stays parked: memsnapctl resume {w.job_id if w else self.key}")
+        return 1
 
     def _alive(self) -> bool:
         w = self.workload

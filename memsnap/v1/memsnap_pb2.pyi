@@ -36,7 +36,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt")
+    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard")
     class CheckpointsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class StatusResponse(_message.Message):
     DRAIN_QUEUE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     MOVES_IN_DOUBT_FIELD_NUMBER: _ClassVar[int]
+    GUARD_FIELD_NUMBER: _ClassVar[int]
     version: str
     criu_version: str
     hostname: str
@@ -74,10 +75,11 @@ class StatusResponse(_message.Message):
     drain_queue_bytes: int
     kernel: str
     moves_in_doubt: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ...) -> None: ...
+    guard: str
+    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "pid", "argv", "owner_uid", "log_path", "started_unix_ms", "running", "restored_from")
+    __slots__ = ("id", "name", "pid", "argv", "owner_uid", "log_path", "started_unix_ms", "running", "restored_from", "guard_state", "parked_reason", "parked_unix_ms", "parked_checkpoint", "memory_limit_bytes", "priority", "resumed_as")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,13 @@ class Job(_message.Message):
     STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    GUARD_STATE_FIELD_NUMBER: _ClassVar[int]
+    PARKED_REASON_FIELD_NUMBER: _ClassVar[int]
+    PARKED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     pid: int
@@ -96,10 +105,17 @@ class Job(_message.Message):
     started_unix_ms: int
     running: bool
     restored_from: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ...) -> None: ...
+    guard_state: str
+    parked_reason: str
+    parked_unix_ms: int
+    parked_checkpoint: str
+    memory_limit_bytes: int
+    priority: int
+    resumed_as: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ..., guard_state: _Optional[str] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., parked_checkpoint: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., resumed_as: _Optional[str] = ...) -> None: ...
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("argv", "name", "cwd", "env", "own_proc")
+    __slots__ = ("argv", "name", "cwd", "env", "own_proc", "memory_limit_bytes", "priority", "critical", "on_limit")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,12 +128,20 @@ class RunJobRequest(_message.Message):
     CWD_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     OWN_PROC_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CRITICAL_FIELD_NUMBER: _ClassVar[int]
+    ON_LIMIT_FIELD_NUMBER: _ClassVar[int]
     argv: _containers.RepeatedScalarFieldContainer[str]
     name: str
     cwd: str
     env: _containers.ScalarMap[str, str]
     own_proc: bool
-    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., own_proc: _Optional[bool] = ...) -> None: ...
+    memory_limit_bytes: int
+    priority: int
+    critical: bool
+    on_limit: str
+    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., own_proc: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., critical: _Optional[bool] = ..., on_limit: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
     __slots__ = ("job",)
@@ -150,7 +174,7 @@ class GpuInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., uuid: _Optional[str] = ..., driver_version: _Optional[str] = ..., device_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms")
+    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms", "parked_reason", "parked_unix_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +196,8 @@ class CheckpointInfo(_message.Message):
     CRIU_VERSION_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_REASON_FIELD_NUMBER: _ClassVar[int]
+    PARKED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: CheckpointState
     pid: int
@@ -193,7 +219,9 @@ class CheckpointInfo(_message.Message):
     criu_version: str
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     durable_unix_ms: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ...) -> None: ...
+    parked_reason: str
+    parked_unix_ms: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("target", "stop", "wait", "tcp_established", "name")
@@ -487,3 +515,11 @@ class LogChunk(_message.Message):
     job: str
     path: str
     def __init__(self, data: _Optional[bytes] = ..., job: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ResumeJobRequest(_message.Message):
+    __slots__ = ("job", "memory_limit_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    memory_limit_bytes: int
+    def __init__(self, job: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...

@@ -124,6 +124,11 @@ class MemsnapStub:
                 request_serializer=memsnap_dot_v1_dot_memsnap__pb2.JobLogsRequest.SerializeToString,
                 response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.LogChunk.FromString,
                 _registered_method=True)
+        self.ResumeJob = channel.unary_unary(
+                '/memsnap.v1.Memsnap/ResumeJob',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class MemsnapServicer:
@@ -255,6 +260,14 @@ class MemsnapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """Restores a job the memory guard parked (checkpointed and stopped at its limit or under node
+        pressure), optionally with a new memory limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemsnapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -347,6 +360,11 @@ def add_MemsnapServicer_to_server(servicer, server):
                     servicer.JobLogs,
                     request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.JobLogsRequest.FromString,
                     response_serializer=memsnap_dot_v1_dot_memsnap__pb2.LogChunk.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -835,6 +853,33 @@ class Memsnap:
             '/memsnap.v1.Memsnap/JobLogs',
             memsnap_dot_v1_dot_memsnap__pb2.JobLogsRequest.SerializeToString,
             memsnap_dot_v1_dot_memsnap__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memsnap.v1.Memsnap/ResumeJob',
+            memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

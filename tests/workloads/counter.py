@@ -46,6 +46,9 @@ p.add_argument("--interval", type=float, default=0.1)
 p.add_argument("--digest-every", type=int, default=1)
 p.add_argument("--ticks", type=int, default=0, help="exit after this many ticks (0 = forever)")
 p.add_argument("--compressible", action="store_true", help="repetitive memory instead of random")
+p.add_argument("--grow-mib", type=int, default=0, help="allocate and touch this much more memory every tick "
+               "(the digest stays that of the first --mib, so a restore is still checked)")
+p.add_argument("--grow-max-mib", type=int, default=0, help="stop growing at this many MiB grown (0 = never)")
 a = p.parse_args()
 
 if a.compressible:
@@ -61,9 +64,18 @@ def digest() -> str:
 
 d = digest()
 print(f"start {job_pid()} {d}", flush=True)
+grown: list[bytearray] = []
+# Growth is written from user space (slice assignment), never by the kernel on our behalf (os.urandom into
+# a buffer): at a memory cgroup's limit a user page fault waits, where a kernel copy would fail.
+pattern = os.urandom(1 << 20)
 n = 0
 while True:
     n += 1
+    if a.grow_mib and (not a.grow_max_mib or len(grown) * a.grow_mib < a.grow_max_mib):
+        chunk = bytearray(a.grow_mib << 20)
+        for off in range(0, len(chunk), 1 << 20):
+            chunk[off:off + (1 << 20)] = pattern
+        grown.append(chunk)
     if n % a.digest_every == 0:
         d = digest()
     print(f"tick {n} {job_pid()} {d}", flush=True)
