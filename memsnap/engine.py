@@ -156,6 +156,8 @@ class Engine:
         self._evict_lock = threading.Lock()
         self._ckpt_locks: dict[str, threading.RLock] = {}
         self._ckpt_locks_lock = threading.Lock()
+        # Restores whose CRIU still reads a tier copy, by checkpoint id: evict and delete must wait for them.
+        self._reading: dict[str, int] = {}
         self._lazy: list[tuple[str, Any, Path]] = []
         self._lazy_lock = threading.Lock()
         # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
@@ -334,7 +336,7 @@ class Engine:
                         continue
                     try:
                         cur = self.catalog.get_checkpoint(victim.id)
-                        if cur is not None and cur.in_tier:
+                        if cur is not None and cur.in_tier and not self.tier_copy_in_use(cur.id):
                             log.info("evicting durable tier copy to make room", extra={"checkpoint_id": victim.id})
                             self._evict(cur)
                     finally:
@@ -343,12 +345,12 @@ class Engine:
     def _fits_after_evicting(self, nbytes: int) -> bool:
         """Whether evicting every evictable tier copy would make room for nbytes (else evict nothing)."""
         evictable = sum(r.size_bytes for r in self.catalog.checkpoints(states=(DURABLE,))
-                        if r.in_tier and r.in_store and not self.lazy_in_use(r.id))
+                        if r.in_tier and r.in_store and not self.tier_copy_in_use(r.id))
         return self.tier.free_bytes() + evictable >= nbytes
 
     def _lru_evictable(self, skip: set[str] | None = None) -> CheckpointRecord | None:
         durable = [r for r in self.catalog.checkpoints(states=(DURABLE,))
-                   if r.in_tier and r.in_store and r.id not in (skip or ()) and not self.lazy_in_use(r.id)]
+                   if r.in_tier and r.in_store and r.id not in (skip or ()) and not self.tier_copy_in_use(r.id)]
         return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
 
     def _lock_for(self, ckpt_id: str) -> threading.RLock:
@@ -616,6 +618,33 @@ class Engine:
             except manifest.IntegrityError as exc:
                 self.observe("restore", "integrity", time.monotonic() - t0)
                 raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
+            self._mark_reading(rec.id, +1)  # until CRIU is done with the tier copy (evict/delete refuse)
+        try:
+            return self._restore_verified(rec, man, images, t0, t1, fetch_ms, from_store, lazy, gpu_map,
+                                          tcp_established, notify, restore_opts, lazy_ps_socket)
+        finally:
+            self._mark_reading(rec.id, -1)
+
+    def _mark_reading(self, ckpt_id: str, delta: int) -> None:
+        with self._ckpt_locks_lock:
+            n = self._reading.get(ckpt_id, 0) + delta
+            if n > 0:
+                self._reading[ckpt_id] = n
+            else:
+                self._reading.pop(ckpt_id, None)
+
+    def tier_copy_in_use(self, ckpt_id: str) -> bool:
+        """Whether a restore (CRIU, or a lazy restore's pager) still reads this checkpoint's tier copy."""
+        with self._ckpt_locks_lock:
+            if self._reading.get(ckpt_id):
+                return True
+        return self.lazy_in_use(ckpt_id)
+
+    def _restore_verified(self, rec: CheckpointRecord, man: dict[str, Any], images: Path, t0: float, t1: float,
+                          fetch_ms: float, from_store: bool, lazy: bool, gpu_map: dict[str, str] | None,
+                          tcp_established: bool, notify: NotifyCallback | None,
+                          restore_opts: dict[str, Any] | None, lazy_ps_socket: int) -> RestoreResult:
+        """restore() once the image is verified: CRIU puts the tree back, then it is recorded as a job."""
         verify_ms = (time.monotonic() - t1) * 1000
         if man.get("pages_remote") and lazy_ps_socket < 0:
             raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
@@ -628,6 +657,7 @@ class Engine:
             jobs.wait_pid_free(rec.pid, 10)
         work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
+        failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
         t2 = time.monotonic()
         server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket) if lazy else None
         new_pid = 0
@@ -763,9 +793,8 @@ class Engine:
         rec = self.get(caller, ckpt_id)
         if rec.state == DUMPING:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
-        if self.lazy_in_use(ckpt_id):
-            raise FailedPrecondition(f"a lazy restore is still paging from {ckpt_id}; try again when it is done")
         with self._ckpt_lock(ckpt_id):
+            self._refuse_in_use(ckpt_id)
             if rec.in_store and self.drain is not None:
                 self.drain.delete(rec)
             self.tier.remove(ckpt_id)
@@ -777,13 +806,18 @@ class Engine:
         if rec.state != DURABLE or not rec.in_store:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is {rec.state}, not durable: evicting its tier copy "
                                      "would lose it; wait for the drain ('memsnapctl watch')")
-        if self.lazy_in_use(ckpt_id):
-            raise FailedPrecondition(f"a lazy restore is still paging from {ckpt_id}; try again when it is done")
         with self._ckpt_lock(ckpt_id):
+            self._refuse_in_use(ckpt_id)
             self._evict(rec)
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out
+
+    def _refuse_in_use(self, ckpt_id: str) -> None:
+        """Refuses to drop a tier copy that a restore still reads (the caller holds _ckpt_lock)."""
+        if self.tier_copy_in_use(ckpt_id):
+            raise FailedPrecondition(f"a restore is still reading the tier copy of {ckpt_id}; try again when it "
+                                     "is done")
 
     def _evict(self, rec: CheckpointRecord) -> None:
         """Drops a tier copy; the caller holds _ckpt_lock(rec.id)."""

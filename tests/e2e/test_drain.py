@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -241,3 +242,30 @@ def test_another_node_restores_by_job_name_from_the_shared_store(make_daemon, jo
     # A node with a different key refuses the stored copy instead of restoring it.
     other = make_daemon("node-c", extra=["--store-dir", str(shared)]).start()
     assert other.ctl("restore", "slurm-4242").returncode != 0
+
+
+def test_evict_and_delete_wait_for_a_restore_that_still_reads_the_tier_copy(make_daemon, jobs_to_kill):
+    # slow-restore holds a restore for 3 s after it verified the tier copy and before CRIU reads it: an
+    # evict or delete arriving then must be refused, and the restore must still succeed from that copy.
+    d = make_daemon("reading", env={"MEMSNAP_FAILPOINTS": "slow-restore"}).start()
+    jid, pid, log = _job(d, jobs_to_kill, 16)
+    digest = start_digest(log)
+    ck = json.loads(d.ctl("--json", "checkpoint", jid, "--stop", "--wait", "durable", check=True).stdout)
+    last = ticks(log, pid)[-1].n
+    env = {**os.environ, "MEMSNAP_SOCKET": d.socket}
+    restore = subprocess.Popen([sys.executable, "-m", "memsnap.cli", "--json", "restore", ck["id"]], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(p.name.startswith(ck["id"] + ".restore-") for p in (d.state / "work").iterdir()), 10,
+             what="the restore to pass verification")
+    for verb in ("evict", "delete"):
+        r = d.ctl(verb, ck["id"])
+        assert r.returncode == 8 and "still reading" in r.stderr, (verb, r.stderr)
+    out, err = restore.communicate(timeout=120)
+    assert restore.returncode == 0, err
+    new = int(json.loads(out)["pid"])
+    jobs_to_kill.append(new)
+    wait_for(lambda: len(ticks(log, new)) >= 2, 30, what="the restored job to tick")
+    got = ticks(log, new)
+    assert got[0].n == last + 1 and all(t.digest == digest for t in got)
+    # Once the restore is done, the tier copy may go.
+    assert json.loads(d.ctl("--json", "evict", ck["id"], check=True).stdout)["in_tier"] is False
