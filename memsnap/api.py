@@ -225,7 +225,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                 return
             rec = found
 
-    # Migration RPCs are served by memsnap.migrate when that module is wired in.
+    # Move RPCs are served by memsnap.move (Mover).
     @translate
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> pb.MigrateResponse:
         if self.migrator is None:

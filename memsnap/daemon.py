@@ -26,6 +26,7 @@ from memsnap.criu import Criu, CriuError
 from memsnap.engine import Engine, EngineConfig
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
+from memsnap.move import Mover
 from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
@@ -90,7 +91,7 @@ class Daemon:
         self._stopped = threading.Event()
         self._servers: list[Any] = []
         self._threads: list[Any] = []
-        self.migrator: Any = None
+        self.migrator: Mover | None = None
 
     def _make_drain(self, key: bytes) -> Any:
         try:
@@ -121,14 +122,13 @@ class Daemon:
             version = self.criu.version()
         except CriuError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
-        fixed = self.engine.recover()
+        migrator = self.migrator = Mover(self.engine, self.cfg)
+        fixed = self.engine.recover(moves=migrator)
         log.info("memsnapd starting: criu %s, tier %s, recovered %s", version, self.tier.root, fixed)
         if self.drain is not None:
             self.drain.start(self.engine.pending_drains())
 
-        migrator = self.migrator = self._migrator()
-        if migrator is not None:
-            migrator.recover()
+        migrator.recover()
         servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20),
@@ -172,13 +172,6 @@ class Daemon:
         self.notifier.ready()
         self._start_background()
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
-
-    def _migrator(self) -> Any:
-        try:
-            from memsnap.migrate import Migrator
-        except ImportError:
-            return None
-        return Migrator(self.engine, self.cfg)
 
     def _interceptors(self) -> list[Any]:
         """TCP authentication and roles (memsnap.remote); it also refuses the reserved auth header on any socket."""

@@ -96,6 +96,19 @@ class GpuHook(Protocol):
         """GPU model/uuid/driver/device bytes per CUDA process of the tree."""
 
 
+class MoveRecovery(Protocol):
+    """What Engine.recover hands to the move code (memsnap.move.Mover) after a crash."""
+
+    def in_doubt(self, rec: CheckpointRecord) -> None:
+        """The source died while asking the target to keep the job: ask again (the copy stays stopped)."""
+
+    def abandon(self, rec: CheckpointRecord) -> None:
+        """Target: a move restored here that the source never committed (the source runs the job)."""
+
+    def lazy_target_interrupted(self, rec: CheckpointRecord) -> None:
+        """Target: the first half of a lazy move that was in flight."""
+
+
 @dataclass
 class RestoreResult:
     """A restored job and what the restore cost."""
@@ -112,7 +125,7 @@ class RestoreResult:
 
 @dataclass
 class DumpHooks:
-    """Extras for a dump that feeds a move to another node (memsnap.migrate); all optional."""
+    """Extras for a dump that feeds a move to another node (memsnap.move); all optional."""
 
     hold: bool = False  # leave the tree stopped after staging; end_held() or resume_held() decides
     before_dump: Callable[[Path], None] | None = None  # gets the staging dir just before CRIU starts
@@ -160,12 +173,11 @@ class Engine:
         # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
         # every page already (small jobs), but reap_lazy must not remove the dir under the restore.
         self._restoring: set[Path] = set()
-        # Moves whose commit was in flight when we died (filled by recover; memsnap.migrate settles them).
-        self.uncertain_moves: list[str] = []
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager
-    def _exclusive(self, pid: int) -> Iterator[None]:
+    def exclusive(self, pid: int) -> Iterator[None]:
+        """No other checkpoint of pid meanwhile (Aborted if one runs)."""
         with self._busy_lock:
             if pid in self._busy:
                 raise Aborted(f"pid {pid} is already being checkpointed; wait for that to finish")
@@ -175,6 +187,10 @@ class Engine:
         finally:
             with self._busy_lock:
                 self._busy.discard(pid)
+
+    def extra_dump_opts(self) -> dict[str, Any]:
+        """DumpOptions fields from the daemon's configuration (for dumps the engine does not run itself)."""
+        return dict(self.cfg.extra_dump_opts)
 
     def _authorize_uid(self, caller: Caller, owner: int, what: str) -> None:
         if not caller.is_root and caller.uid != owner:
@@ -281,7 +297,7 @@ class Engine:
                    name: str = "", hooks: DumpHooks | None = None) -> CheckpointRecord:
         """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop.
 
-        hooks (memsnap.migrate) can hold the tree stopped instead, watch the staging dir while CRIU
+        hooks (memsnap.move) can hold the tree stopped instead, watch the staging dir while CRIU
         writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
         """
         pid, job = self.resolve_pid(target, caller)
@@ -291,12 +307,12 @@ class Engine:
             raise NotFound(str(exc)) from exc
         self._authorize_uid(caller, owner, f"pid {pid}")
         t_start = time.monotonic()
-        with self._exclusive(pid):
+        with self.exclusive(pid):
             try:
                 estimate = int(jobs.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
             except jobs.ProcessNotFound as exc:
                 raise NotFound(str(exc)) from exc
-            reservation = self._reserve(estimate)
+            reservation = self.reserve(estimate)
             try:
                 rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, hooks)
             except Exception:
@@ -309,7 +325,7 @@ class Engine:
             self.drain.enqueue(rec.id)
         return rec
 
-    def _reserve(self, nbytes: int) -> Any:
+    def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
 
         A checkpoint whose lock someone holds (a fetch, restore, delete) is skipped, never waited for: the
@@ -472,55 +488,6 @@ class Engine:
                 "own_mntns": own_mount_ns(rec.pid) if "own_mntns" not in fields else fields["own_mntns"],
                 "log_path": job.log_path if job else "", "gpus": [], "files": files, **fields}
 
-    # -- lazy dumps (the source side of a lazy move, memsnap.lazymove) -----------------------
-    def lazy_dump(self, rec: CheckpointRecord, ps_socket: int,
-                  notify: Callable[[str, Path], bool]) -> CriuError | None:
-        """Dumps rec.pid without its memory, whose pages CRIU then serves over ps_socket until the peer has
-        them all; the tree is left stopped (end_held / resume_held decide). rec is journaled first, with
-        hold set, so recovery resumes the tree if we die. notify gets CRIU's callbacks and the staging
-        dir. Returns CRIU's error, if any; raises (job untouched) when the pid is busy or the tier full."""
-        rec.meta = {**rec.meta, "stop": False, "hold": True, "pid_start": _start_or_zero(rec.pid)}
-        self.catalog.add_checkpoint(rec)
-        staging = self.tier.new_staging(rec.id)
-        work = self.work_root / rec.id
-        work.mkdir(parents=True, exist_ok=True, mode=0o700)
-        opts = DumpOptions(leave_running=False, leave_stopped=True, lazy_pages=True, ps_socket=ps_socket,
-                           shell_job=not jobs.is_session_leader(rec.pid), own_mntns=own_mount_ns(rec.pid),
-                           **self.cfg.extra_dump_opts)
-        try:
-            with self._exclusive(rec.pid):
-                reservation = self._reserve(_RESERVE_SLACK)
-                try:
-                    self.criu.dump(rec.pid, staging, work, opts, notify=lambda script, p: notify(script, staging))
-                except CriuError as exc:
-                    return exc
-                finally:
-                    reservation.release()
-        except Exception as exc:
-            self.end_lazy_dump(rec.id, error=str(exc))
-            raise
-        finally:
-            self.tier.discard_staging(rec.id)  # what the move needed of it has been sent
-        return None
-
-    def end_lazy_dump(self, ckpt_id: str, error: str = "") -> None:
-        """A failed lazy dump stays in the catalog as FAILED, with its logs; a moved one goes."""
-        self.tier.discard_staging(ckpt_id)
-        if error:
-            self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=error)
-            return
-        self.catalog.delete_checkpoint(ckpt_id)
-        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
-            shutil.rmtree(self.work_root / ckpt_id, ignore_errors=True)
-
-    def mark_moved(self, ckpt_id: str, to: str, target_job: str = "") -> None:
-        """Journals that the target keeps the job: from here on, recovery ends the held copy here."""
-        cur = self.catalog.get_checkpoint(ckpt_id)
-        if cur is not None:
-            meta = {k: v for k, v in cur.meta.items() if k != "committing_to"}
-            self.catalog.update_checkpoint(ckpt_id, meta={**meta, "moved_to": to,
-                                                          **({"moved_job": target_job} if target_job else {})})
-
     # -- restore --------------------------------------------------------------------
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord:
         """A checkpoint id, or a job id/name -> the checkpoint to restore.
@@ -592,7 +559,7 @@ class Engine:
         """Verifies a checkpoint against its signed manifest, then restores it detached.
 
         notify gets CRIU's callbacks (post-restore, ...); restore_opts adds RestoreOptions fields.
-        lazy_ps_socket (a lazy move, memsnap.lazymove): the pages come from the source over that socket.
+        lazy_ps_socket (a lazy move, memsnap.move.lazy): the pages come from the source over that socket.
         """
         if not key:
             raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
@@ -730,7 +697,7 @@ class Engine:
         if not rec.in_store or self.drain is None:
             raise FailedPrecondition(f"checkpoint {rec.id} has no tier copy and no stored copy; it is lost")
         t0 = time.monotonic()
-        reservation = self._reserve(rec.size_bytes + _RESERVE_SLACK)
+        reservation = self.reserve(rec.size_bytes + _RESERVE_SLACK)
         try:
             staging = self.tier.new_staging(rec.id, unique=True)  # never shared with another fetch
             try:
@@ -823,21 +790,34 @@ class Engine:
         }
 
     # -- crash recovery ---------------------------------------------------------------
-    def recover(self) -> dict[str, int]:
-        """Reconciles the catalog with the tier after a (possibly unclean) stop."""
+    def recover(self, moves: MoveRecovery | None = None) -> dict[str, int]:
+        """Reconciles the catalog with the tier after a (possibly unclean) stop.
+
+        Checkpoints with move marks (catalog.MoveMarks) go to moves (memsnap.move.Mover): a commit in doubt
+        on the source, or a restored move the source never committed on the target. Without moves, held
+        copies in doubt stay stopped and restored moves stay as they are.
+        """
         fixed = {"failed_dumps": 0, "stray_staging": 0, "stray_tier": 0, "lost_tier": 0}
+        in_doubt: set[str] = set()
+
+        def doubt(rec: CheckpointRecord) -> None:
+            in_doubt.add(rec.id)  # the mover asks the target; the copy here stays stopped meanwhile
+            if moves is not None:
+                moves.in_doubt(rec)
+
         for rec in self.catalog.checkpoints(states=(DUMPING,)):
             # A dump was cut short: roll back. CRIU unfreezes on its own failure, but a --stop dump that
             # had finished left the tree stopped: never leave a job frozen.
             self.tier.discard_staging(rec.id)
             self.catalog.update_checkpoint(rec.id, state=FAILED, last_error="daemon stopped during the dump")
-            if (rec.meta.get("stop") or rec.meta.get("hold")) and \
+            marks = rec.marks
+            if (rec.meta.get("stop") or marks.hold) and \
                     jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                if rec.meta.get("moved_to"):
+                if marks.moved_to:
                     # A lazy move the target had confirmed complete: the job runs there now.
                     self.end_held(rec.pid, rec.job, rec.id)
-                elif rec.meta.get("committing_to"):
-                    self.uncertain_moves.append(rec.id)  # the migrator asks the target (still stopped)
+                elif marks.committing_to:
+                    doubt(rec)
                 else:
                     # A lazy dump's CRIU may still hold the tree for a moment after we died; SIGCONT
                     # only helps once it let go.
@@ -845,22 +825,25 @@ class Engine:
                     _resume_stopped(rec.pid)
             fixed["failed_dumps"] += 1
         for rec in self.catalog.checkpoints(states=RESTORABLE):
-            if rec.meta.get("pages_remote"):
-                self._recover_lazy_target(rec)
+            marks = rec.marks
+            if marks.pages_remote:
+                if moves is not None:
+                    moves.lazy_target_interrupted(rec)
                 continue
-            if rec.meta.get("move_pending"):
+            if marks.move_pending:
                 # Restored here for a move that the source never committed: it runs the job itself.
-                self.abandon_move(rec)
+                if moves is not None:
+                    moves.abandon(rec)
                 continue
-            if rec.meta.get("hold"):
+            if marks.hold:
                 # A move was in flight: the target confirmed it (moved_to) or the job runs on here.
                 if jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                    if rec.meta.get("moved_to"):
+                    if marks.moved_to:
                         self.end_held(rec.pid, rec.job, rec.id)
-                    elif rec.meta.get("committing_to"):
+                    elif marks.committing_to:
                         # We died while telling the target to keep the job: whether it runs there is
-                        # the target's to say. The migrator asks it; the copy here stays stopped meanwhile.
-                        self.uncertain_moves.append(rec.id)
+                        # the target's to say.
+                        doubt(rec)
                     else:
                         self.resume_held(rec.pid, rec.id)
                 continue
@@ -890,7 +873,7 @@ class Engine:
         # CUDA state a killed daemon left locked or checkpointed (journaled before the GPU step): jobs that
         # run on by now (SIGCONT above) must get it back, or they hang in their next CUDA call forever.
         for rec in self.catalog.checkpoints():
-            if rec.meta.get("gpu") and self.gpu is not None and rec.id not in self.uncertain_moves:
+            if rec.meta.get("gpu") and self.gpu is not None and rec.id not in in_doubt:
                 log.warning("CUDA recovery for %s: %s", rec.id, self.gpu.recover(rec.meta["gpu"]))
                 self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
         for job in self.catalog.jobs():
@@ -898,43 +881,10 @@ class Engine:
                 self.catalog.update_job(job.id, ended=True)
         return fixed
 
-    def _recover_lazy_target(self, rec: CheckpointRecord) -> None:
-        """The target half of a lazy move that was in flight (a committed one has no row left): whether or
-        not every page arrived, the source never let go of its copy, so this one goes."""
-        for job in self.live_jobs_restored_from(rec.id):
-            log.warning("killing %s: its lazy move was never committed by the source", job.id)
-            jobs.kill_tree(job.pid)
-            self.catalog.update_job(job.id, ended=True)
-        self.forget_lazy_image(rec.id)
-
     def live_jobs_restored_from(self, ckpt_id: str) -> list[JobRecord]:
         """The jobs restored here from ckpt_id that still run."""
         return [j for j in self.catalog.jobs()
                 if j.restored_from == ckpt_id and not j.ended and jobs.alive(j.pid, j.pid_start)]
-
-    def abandon_move(self, rec: CheckpointRecord) -> None:
-        """Kills the job restored here for a move that the source did not commit (it resumed its copy)."""
-        job_id = rec.meta.get("move_pending", "")
-        job = self.catalog.get_job(job_id) if job_id else None
-        if job is not None and not job.ended and jobs.alive(job.pid, job.pid_start):
-            log.warning("killing %s: its move was never committed, the source runs the job", job.id,
-                        extra={"checkpoint_id": rec.id})
-            jobs.kill_tree(job.pid)
-        if job is not None:
-            self.catalog.update_job(job.id, ended=True)
-        if rec.meta.get("pages_remote"):
-            self.forget_lazy_image(rec.id)
-        else:
-            self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items()
-                                                         if k != "move_pending"})
-
-    def forget_lazy_image(self, ckpt_id: str) -> None:
-        """Drops the small first half of a lazy move (its memory never was here) and its work dirs."""
-        self.catalog.delete_checkpoint(ckpt_id)
-        self.tier.remove(ckpt_id)
-        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
-            for work in self.work_root.glob(f"{ckpt_id}.restore-*"):
-                shutil.rmtree(work, ignore_errors=True)
 
     def pending_drains(self) -> list[str]:
         """Staged or draining checkpoints that still need to reach the store."""
