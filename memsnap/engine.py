@@ -29,7 +29,15 @@ from memsnap.catalog import (
     JobRecord,
     now_ms,
 )
-from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions, guard_lazy_restore, own_mount_ns
+from memsnap.criu import (
+    CriuApi,
+    CriuError,
+    DumpOptions,
+    NotifyCallback,
+    RestoreOptions,
+    guard_lazy_restore,
+    own_mount_ns,
+)
 from memsnap.errors import (
     Aborted,
     FailedPrecondition,
@@ -39,7 +47,8 @@ from memsnap.errors import (
     PermissionDenied,
     TierExhausted,
 )
-from memsnap.tier import MemoryTier, TierFull
+from memsnap.manifest import Manifest
+from memsnap.tier import MemoryTier, TierFull, publish_image
 
 log = logging.getLogger("memsnap.engine")
 
@@ -147,7 +156,7 @@ class EngineConfig:
 class Engine:
     """Checkpoint, restore and catalog operations with authorization and crash-safe ordering."""
 
-    def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: Criu, hmac_key: bytes,
+    def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: CriuApi, hmac_key: bytes,
                  drain: DrainHook | None = None, gpu: GpuHook | None = None,
                  observe: Callable[[str, str, float], None] | None = None) -> None:
         self.cfg = cfg
@@ -430,15 +439,14 @@ class Engine:
                                          f"{reason} (log: {exc.log_path})") from exc
             raise
         try:
-            body = self.manifest_body(rec, argv, own_ns, job,
-                                      (hooks.file_table() if hooks.file_table else None)
-                                      or manifest.describe_files(staging),
-                                      frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
-                                      dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt)
-            signed = manifest.sign(body, self.key)
-            manifest.write(staging, signed)
-            failpoints.hit("before-publish")
-            self.tier.publish(staging, ckpt_id)
+            man = self.new_manifest(rec, argv, own_ns, job,
+                                    (hooks.file_table() if hooks.file_table else None)
+                                    or manifest.describe_files(staging),
+                                    frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
+                                    dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt)
+            size = publish_image(self.tier, self.catalog, self.key, staging, man, keep_meta=rec.meta,
+                                 failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
+                                 dump_ms=int(stats.wall_ms))
         except Exception as exc:
             # The dump worked but the image is not safely staged: the job must go on.
             if frozen_after:
@@ -448,13 +456,6 @@ class Engine:
             self.tier.discard_staging(ckpt_id)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
-        size = sum(int(m["size"]) for m in signed["files"].values())
-        meta = {**rec.meta, **{k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "own_mntns",
-                                                      "log_path", "gpus", "freezing_ms")}}
-        meta["fingerprint"] = manifest.fingerprint(self.tier.path(ckpt_id))
-        self.catalog.update_checkpoint(ckpt_id, state=STAGED, in_tier=True, size_bytes=size,
-                                       frozen_ms=int(stats.frozen_ms), dump_ms=int(stats.wall_ms),
-                                       last_used_ms=now_ms(), meta=meta)
         failpoints.hit("after-publish")
         if hooks.hold:
             pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
@@ -474,19 +475,19 @@ class Engine:
         assert out is not None
         return out
 
-    def manifest_body(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
-                      files: dict[str, dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        """The unsigned manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, ...).
+    def new_manifest(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
+                     files: dict[str, dict[str, Any]], **fields: Any) -> Manifest:
+        """The manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, pages_remote, ...).
 
         own_mntns (the tree has its own mount namespace) tells every later restore, here or on another
         node, to restore that namespace; unless given, it is read from the (still frozen) tree.
         """
-        return {"id": rec.id, "pid": rec.pid, "job": rec.job, "name": rec.name, "uid": rec.owner_uid,
-                "argv": argv, "host": self.hostname, "kernel": platform.release(),
-                "criu_version": self.criu.version(), "memsnap_version": __version__, "created_ms": rec.created_ms,
-                "frozen_ms": 0, "freezing_ms": 0, "dump_ms": 0, "own_pidns": own_ns,
-                "own_mntns": own_mount_ns(rec.pid) if "own_mntns" not in fields else fields["own_mntns"],
-                "log_path": job.log_path if job else "", "gpus": [], "files": files, **fields}
+        if "own_mntns" not in fields:
+            fields["own_mntns"] = own_mount_ns(rec.pid)
+        return Manifest(id=rec.id, pid=rec.pid, job=rec.job, name=rec.name, uid=rec.owner_uid, files=files,
+                        argv=argv, host=self.hostname, kernel=platform.release(),
+                        criu_version=self.criu.version(), memsnap_version=__version__, created_ms=rec.created_ms,
+                        own_pidns=own_ns, log_path=job.log_path if job else "", **fields)
 
     # -- restore --------------------------------------------------------------------
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord:
@@ -541,13 +542,12 @@ class Engine:
                 log.warning("store index %r lists %s, whose signed manifest names %r of uid %s: not adopted",
                             name, m.get("id"), m.get("name"), m.get("uid"))
                 continue
-            size = sum(int(f["size"]) for f in m["files"].values())
-            meta = {k: m.get(k) for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus")}
-            rec = CheckpointRecord(id=m["id"], state=DURABLE, pid=int(m["pid"]), owner_uid=m_owner,
-                                   created_ms=int(m["created_ms"]), job=str(m.get("job", "")), name=name,
-                                   size_bytes=size, frozen_ms=int(m.get("frozen_ms", 0)),
-                                   dump_ms=int(m.get("dump_ms", 0)), in_tier=False, in_store=True,
-                                   durable_ms=now_ms(), meta=meta)
+            man = Manifest.from_dict(m)
+            rec = CheckpointRecord(id=man.id, state=DURABLE, pid=int(man.pid), owner_uid=m_owner,
+                                   created_ms=int(man.created_ms), job=str(man.job), name=name,
+                                   size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms),
+                                   dump_ms=int(man.dump_ms), in_tier=False, in_store=True,
+                                   durable_ms=now_ms(), meta=man.catalog_meta())
             self.catalog.add_checkpoint(rec)
             log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.get("host"))
             return rec
@@ -563,6 +563,9 @@ class Engine:
         """
         if not key:
             raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
+        if lazy and not self.criu.lazy_pages_supported():
+            raise FailedPrecondition("CRIU cannot restore lazily on this node (no userfaultfd; see 'criu check "
+                                     "--feature lazy_pages'); restore without --lazy")
         rec = self.latest_restorable(caller, key)
         if rec.state not in RESTORABLE:
             why = f": {rec.last_error}" if rec.last_error else ""

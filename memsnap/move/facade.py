@@ -36,6 +36,7 @@ from memsnap import jobs, manifest, net
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.config import Config, parse_host_port
+from memsnap.criu import NotifyHooks
 from memsnap.drain import bulk_transfer
 from memsnap.engine import ROOT, Caller, DumpHooks
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, TierExhausted
@@ -177,7 +178,7 @@ class Mover:
         if not caller.is_root and caller.uid != owner:
             raise PermissionDenied(f"uid {caller.uid} may not move pid {pid} owned by uid {owner}")
         if req.lazy:
-            lazy_preflight(req)
+            lazy_preflight(req, self.engine.criu)
         if self.engine.gpu is not None and self.engine.gpu.describe(pid):
             raise FailedPrecondition("jobs that use CUDA cannot be moved yet")
         moved_ip = network.parse_moved_ip(req.move_ip)
@@ -212,13 +213,12 @@ class Mover:
             move.lock = network.source_lock(move.pid, move.moved_ip)
             hooks.dump_opts["network_lock_skip"] = True
 
-        def notify(script: str, _pid: int) -> bool:
-            # post-dump: the image is complete and the tree still frozen; the address may leave now.
-            if script == "post-dump" and move.moved_ip is not None:
+        def dumped() -> None:
+            # The image is complete and the tree still frozen: the address may leave now.
+            if move.moved_ip is not None:
                 move.ip_removed_from = net.remove_address(move.moved_ip, req.move_ip_dev_source)
-            return True
 
-        hooks.notify = notify
+        hooks.notify = NotifyHooks(post_dump=dumped)
         hooks.hold = True
         try:
             if move.lock is not None:

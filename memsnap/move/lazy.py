@@ -35,14 +35,14 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from memsnap import failpoints, jobs, manifest, net
 from memsnap.catalog import DUMPING, FAILED, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient
-from memsnap.criu import CriuError, DumpOptions, own_mount_ns, pipe_size_problem
+from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyHooks, own_mount_ns, pipe_size_problem
 from memsnap.engine import Caller
 from memsnap.errors import (
     FailedPrecondition,
@@ -86,10 +86,10 @@ class _SourceState:
 
 # -- the lazy dump (source) ------------------------------------------------------------------------
 def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
-              notify: Any) -> CriuError | None:
+              hooks: Callable[[Path], NotifyHooks]) -> CriuError | None:
     """Dumps rec.pid without its memory, whose pages CRIU then serves over ps_socket until the peer has
     them all; the tree is left stopped (end_held / resume_held decide). rec is journaled first, with
-    hold set, so recovery resumes the tree if we die. notify(script, staging) gets CRIU's callbacks.
+    hold set, so recovery resumes the tree if we die. hooks(staging) answers CRIU's callbacks.
     Returns CRIU's error, if any; raises (job untouched) when the pid is busy or the tier full."""
     try:
         pid_start = jobs.start_time(rec.pid)
@@ -107,7 +107,7 @@ def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
         with host.exclusive(rec.pid):
             reservation = host.reserve(RESERVE_SLACK)
             try:
-                host.criu.dump(rec.pid, staging, work, opts, notify=lambda script, p: notify(script, staging))
+                host.criu.dump(rec.pid, staging, work, opts, notify=hooks(staging))
             except CriuError as exc:
                 return exc
             finally:
@@ -165,7 +165,7 @@ def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.
         if move.moved_ip is not None:
             move.ip_removed_from = net.remove_address(move.moved_ip, req.move_ip_dev_source)
         files = manifest.describe_files(staging)
-        body = engine.manifest_body(rec, argv, own_ns, job, files, dump_ms=stats_ms, pages_remote=True)
+        body = engine.new_manifest(rec, argv, own_ns, job, files, dump_ms=stats_ms, pages_remote=True).body()
         state.image_bytes = sum(int(f["size"]) for f in files.values())
         streamer = ImageStreamer(client, state.image_bytes, pipelined=False)
         streamer.start(staging)
@@ -187,10 +187,11 @@ def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.
     criu_done = threading.Event()
     t_dump = time.monotonic()
 
-    def notify(script: str, staging: Path) -> bool:
-        if script == "pre-dump":
+    def hooks(staging: Path) -> NotifyHooks:
+        def frozen() -> None:
             state.t_freeze = time.monotonic()
-        elif script == "post-dump":
+
+        def dumped() -> bool:
             state.t_post_dump = time.monotonic()
             try:
                 post_dump(staging, (state.t_post_dump - t_dump) * 1000)
@@ -200,10 +201,12 @@ def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.
                 state.failure_code = code if isinstance(code, str) else "UNAVAILABLE"
                 shutdown(tunnel.criu_end)  # CRIU's page server starts anyway; let it end at once
                 return False  # CRIU resumes the tree
-        return True
+            return True
+
+        return NotifyHooks(pre_dump=frozen, post_dump=dumped)
 
     try:
-        dump_error = lazy_dump(engine, rec, tunnel.criu_end.fileno(), notify)
+        dump_error = lazy_dump(engine, rec, tunnel.criu_end.fileno(), hooks)
     except MemsnapError as exc:  # busy, or no room for even the small images: the job was not touched
         tunnel.close()
         raise move_error(exc.code, f"migration failed at dump: {exc}; the job runs on here") from exc
@@ -270,7 +273,7 @@ def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.
                               downtime_ms=int(resume_ms), bytes_sent=sent, target_job=moved_job)
 
 
-def lazy_preflight(req: pb.MigrateRequest) -> None:
+def lazy_preflight(req: pb.MigrateRequest, criu: CriuApi) -> None:
     """What a lazy move cannot do, refused before the job is touched."""
     if req.via_store:
         raise InvalidArgument("--lazy and --via-store exclude each other: a lazy move serves the memory from "
@@ -278,6 +281,9 @@ def lazy_preflight(req: pb.MigrateRequest) -> None:
     if req.tcp_established:
         raise InvalidArgument("--lazy cannot keep TCP connections (--tcp-established): a failed lazy move "
                               "could not give them back here; move without --lazy")
+    if not criu.lazy_pages_supported():
+        raise FailedPrecondition("migration failed at preflight: CRIU cannot do lazy pages on this node "
+                                 "(no userfaultfd; see 'criu check --feature lazy_pages'); move without --lazy")
     problem = pipe_size_problem()
     if problem:
         raise FailedPrecondition(f"migration failed at preflight: {problem}; the job was not touched")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from memsnap import net
-from memsnap.criu import NotifyCallback
+from memsnap.criu import NotifyCallback, NotifyHooks
 from memsnap.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("memsnap.move")
@@ -56,12 +56,11 @@ def unlock_after_restore(lock: net.ConnectionLock | None) -> NotifyCallback:
     """A CRIU notify callback: post-restore, the sockets exist again (still in repair mode), so packets
     find them now and the lock may go."""
 
-    def notify(script: str, _pid: int) -> bool:
-        if script == "post-restore" and lock is not None:
+    def restored(_pid: int) -> None:
+        if lock is not None:
             lock.release()
-        return True
 
-    return notify
+    return NotifyHooks(post_restore=restored)
 
 
 class IncomingAddress:

@@ -31,9 +31,10 @@ from memsnap import failpoints, net
 from memsnap.catalog import Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError, MemsnapClient
 from memsnap.config import Config
-from memsnap.criu import Criu, NotifyCallback
+from memsnap.criu import CriuApi, NotifyCallback
 from memsnap.engine import ROOT, Caller, DumpHooks, RestoreResult
 from memsnap.errors import MemsnapError
+from memsnap.manifest import Manifest
 from memsnap.move import network
 from memsnap.tier import MemoryTier
 from memsnap.v1 import memsnap_pb2 as pb
@@ -51,7 +52,7 @@ class MoveHost(Protocol):
 
     catalog: Catalog
     tier: MemoryTier
-    criu: Criu
+    criu: CriuApi
     drain: Any
     gpu: Any
     hostname: str
@@ -86,9 +87,9 @@ class MoveHost(Protocol):
     def exclusive(self, pid: int) -> AbstractContextManager[None]:
         """No other checkpoint of pid meanwhile."""
 
-    def manifest_body(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
-                      files: dict[str, dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        """The unsigned manifest of an image dumped here."""
+    def new_manifest(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
+                     files: dict[str, dict[str, Any]], **fields: Any) -> Manifest:
+        """The manifest of an image dumped here."""
 
     def extra_dump_opts(self) -> dict[str, Any]:
         """DumpOptions fields from the daemon's configuration."""

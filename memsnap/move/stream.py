@@ -33,11 +33,11 @@ import blake3
 import grpc
 
 from memsnap import manifest
-from memsnap.catalog import DUMPING, STAGED, CheckpointRecord, now_ms
+from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
 from memsnap.client import MemsnapClient
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument
 from memsnap.move.plan import MoveHost, chain, move_error
-from memsnap.tier import INCOMING
+from memsnap.tier import INCOMING, publish_image
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -434,21 +434,15 @@ class ImageReceiver:
 
     def _publish(self, ckpt_id: str, body: dict[str, Any], d: Path) -> int:
         body["received_at"] = {"host": self.host.hostname, "unix_ms": now_ms()}
-        signed = manifest.sign(body, self.host.key)
-        manifest.write(d, signed)
-        self.host.tier.publish(d, ckpt_id)
-        size = sum(int(x["size"]) for x in signed["files"].values())
-        meta = {k: signed.get(k) for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus",
-                                           "freezing_ms", "pages_remote")}
-        # Every byte was hashed as it arrived: restore need not read the files again.
-        meta["fingerprint"] = manifest.fingerprint(self.host.tier.path(ckpt_id))
-        self.host.catalog.update_checkpoint(
-            ckpt_id, state=STAGED, in_tier=True, size_bytes=size, pid=int(signed.get("pid", 0)),
-            owner_uid=int(signed.get("uid", 0)), job=str(signed.get("job", "")),
-            name=str(signed.get("name", "")),
-            frozen_ms=int(signed.get("frozen_ms", 0)), dump_ms=int(signed.get("dump_ms", 0)),
-            last_used_ms=now_ms(), meta=meta)
-        return size
+        try:
+            man = manifest.Manifest.from_dict(body)
+        except manifest.IntegrityError as exc:
+            raise IntegrityFailure(str(exc)) from exc
+        # Re-signed with this node's key; every byte was hashed as it arrived, so restore need not read
+        # the files again (publish_image records their fingerprint).
+        return publish_image(self.host.tier, self.host.catalog, self.host.key, d, man, pid=int(man.pid),
+                             owner_uid=int(man.uid), job=str(man.job), name=str(man.name),
+                             frozen_ms=int(man.frozen_ms), dump_ms=int(man.dump_ms))
 
 
 __all__ = ["CHUNK_BYTES", "ImageReceiver", "ImageStreamer", "StreamBroken"]

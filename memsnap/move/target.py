@@ -71,7 +71,8 @@ class MoveTarget:
         if req.commit:
             return self.commit(req.checkpoint_id)
         tunnel = None
-        early = req.early_resume and not req.lazy and not req.tcp_established
+        early = req.early_resume and not req.lazy and not req.tcp_established and \
+            self.engine.criu.lazy_pages_supported()  # (else a plain restore: the reply comes later)
         if req.lazy:
             if req.tcp_established or req.HasField("from_store"):
                 raise InvalidArgument("a lazy move keeps no TCP connections and reads nothing from the store")
