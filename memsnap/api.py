@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 import grpc
 
 from memsnap import validate as v
+from memsnap.auth import tcp_authenticated
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord, JobRecord
 from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import InvalidArgument, MemsnapError, Unauthenticated
-from memsnap.remote import tcp_authenticated
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 
@@ -39,7 +39,7 @@ def caller_of(context: grpc.ServicerContext) -> Caller:
     if m:
         return Caller(uid=int(m.group(1)), gid=int(m.group(2)), pid=int(m.group(3)))
     if tcp_authenticated():
-        # Set only by memsnap.remote's interceptor, for this call, after checking the token or client
+        # Set only by memsnap.auth's interceptor, for this call, after checking the token or client
         # certificate; no request header can set it.
         return ROOT
     raise Unauthenticated("caller identity unknown; connect through the daemon's Unix socket")
@@ -116,6 +116,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
     def __init__(self, engine: Engine, status_extra: Callable[[], dict[str, Any]] | None = None,
                  migrator: Any = None) -> None:
+        # migrator: the daemon's memsnap.move.Mover (Any: api must not import the move package, which
+        # imports api's converters).
         self.engine = engine
         self.status_extra = status_extra or (lambda: {})
         self.migrator = migrator
@@ -228,8 +230,6 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     # Move RPCs are served by memsnap.move (Mover).
     @translate
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> pb.MigrateResponse:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         caller = caller_of(context)
         v.key("target", request.target)
         v.addr("to", request.to)
@@ -243,8 +243,6 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     @translate
     def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],
                      context: grpc.ServicerContext) -> pb.ReceiveImageResponse:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         got: pb.ReceiveImageResponse = self.migrator.receive(caller_of(context), _checked_chunks(request_iterator),
                                                              context)
         return got
@@ -252,16 +250,12 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     @translate
     def PageTunnel(self, request_iterator: Iterator[pb.TunnelChunk],
                    context: grpc.ServicerContext) -> Iterator[pb.TunnelChunk]:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         out: Iterator[pb.TunnelChunk] = self.migrator.tunnels.serve(caller_of(context), request_iterator, context)
         return out
 
     @translate
     def RestoreReceived(self, request: pb.RestoreReceivedRequest,
                         context: grpc.ServicerContext) -> pb.RestoreResponse:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         caller = caller_of(context)
         v.ckpt_id("checkpoint_id", request.checkpoint_id)
         v.key("lazy_tunnel", request.lazy_tunnel, allow_empty=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from memsnap import knobs
 from memsnap.criurpc import criu_rpc_pb2 as rpc
 from memsnap.criurpc import criu_stats_pb2 as stats_pb
 
@@ -184,7 +185,7 @@ def own_mount_ns(pid: int) -> bool:
 
 def find_binary() -> str:
     """The criu binary memsnap uses: $MEMSNAP_CRIU, else /usr/local/sbin/criu, else PATH."""
-    env = os.environ.get("MEMSNAP_CRIU")
+    env = knobs.criu_binary()
     if env:
         return env
     if os.access("/usr/local/sbin/criu", os.X_OK):

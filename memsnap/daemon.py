@@ -23,6 +23,7 @@ from memsnap.api import MemsnapServicer
 from memsnap.catalog import Catalog
 from memsnap.config import Config, ConfigError, load_config
 from memsnap.criu import Criu, CriuError
+from memsnap.drain import build_drain
 from memsnap.engine import Engine, EngineConfig
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
@@ -85,8 +86,6 @@ class Daemon:
             self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),
             observe=self._observe,
         )
-        if self.drain is not None:
-            self.drain.attach(self.engine)
         self.notifier = Notifier.from_env(unset=True)
         self._stopped = threading.Event()
         self._servers: list[Any] = []
@@ -94,10 +93,6 @@ class Daemon:
         self.migrator: Mover | None = None
 
     def _make_drain(self, key: bytes) -> Any:
-        try:
-            from memsnap.drain import build_drain
-        except ImportError:
-            return None
         return build_drain(self.cfg, self.catalog, self.tier, key, self.metrics)
 
     def _observe(self, kind: str, result: str, seconds: float) -> None:
@@ -174,8 +169,8 @@ class Daemon:
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
 
     def _interceptors(self) -> list[Any]:
-        """TCP authentication and roles (memsnap.remote); it also refuses the reserved auth header on any socket."""
-        from memsnap.remote import RemoteConfigError, interceptors
+        """TCP authentication and roles (memsnap.auth); it also refuses the reserved auth header on any socket."""
+        from memsnap.auth import RemoteConfigError, interceptors
 
         try:
             return interceptors(self.cfg)
@@ -185,7 +180,7 @@ class Daemon:
     def _add_tcp(self, server: grpc.Server) -> None:
         if not self.cfg.daemon.listen:
             return
-        from memsnap.remote import RemoteConfigError, add_tcp_port
+        from memsnap.auth import RemoteConfigError, add_tcp_port
 
         try:
             add_tcp_port(server, self.cfg)
@@ -273,10 +268,8 @@ def single_instance(state: Path, sock: Path, listen: str) -> int:
 
 def _load_gpu() -> Any:
     """The GPU hook when the NVIDIA driver is present, else None (CPU nodes)."""
-    try:
-        from memsnap.gpu.hook import load_hook
-    except ImportError:
-        return None
+    from memsnap.gpu.hook import load_hook  # (imported late: CPU-only tools never load memsnap.gpu)
+
     return load_hook()
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, failpoints, jobs, manifest
+from memsnap import __version__, failpoints, jobs, knobs, manifest, proc
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -219,7 +219,7 @@ class Engine:
             pid = int(target)
             if pid <= 0 or pid > 1 << 22:
                 raise InvalidArgument(f"{_clip(target)!r} is not a valid PID")
-            if not jobs.alive(pid):
+            if not proc.alive(pid):
                 raise NotFound(f"no process with pid {pid}; check the pid with 'ps' or 'memsnapctl jobs'")
             refuse_uncheckpointable(pid)
             return pid, self.catalog.job_by_pid(pid)
@@ -228,7 +228,7 @@ class Engine:
         job = self.catalog.get_job(target)
         if job is None:
             job = self._job_by_name(caller, target)
-        if job.ended or not jobs.alive(job.pid, job.pid_start):
+        if job.ended or not proc.alive(job.pid, job.pid_start):
             raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
         refuse_uncheckpointable(job.pid)
         return job.pid, job
@@ -238,7 +238,7 @@ class Engine:
         owner, name, explicit = scoped_name(caller, target)
         named = self.catalog.jobs_named(name, owner)
         if named:
-            running = [j for j in named if not j.ended and jobs.alive(j.pid, j.pid_start)]
+            running = [j for j in named if not j.ended and proc.alive(j.pid, j.pid_start)]
             return max(running or named, key=lambda j: (j.started_ms, j.id))
         if caller.is_root and not explicit:
             others = sorted({j.owner_uid for j in self.catalog.jobs_named(name)})
@@ -250,7 +250,7 @@ class Engine:
 
     def _refuse_live_duplicate(self, owner: int, name: str) -> None:
         for j in self.catalog.jobs_named(name, owner):
-            if not j.ended and jobs.alive(j.pid, j.pid_start):
+            if not j.ended and proc.alive(j.pid, j.pid_start):
                 raise FailedPrecondition(f"uid {owner} already runs a job named {_clip(name)!r} ({j.id}); pick "
                                          "another name, or stop that job first")
 
@@ -281,7 +281,7 @@ class Engine:
             self._refuse_live_duplicate(caller.uid, name)
         # The job gets the caller's supplementary groups too, as its shell would (read from the caller's
         # process; none if that process is gone or its ids changed).
-        groups = jobs.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
+        groups = proc.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
         try:
             launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env,
                                                       groups=groups, own_proc=own_proc)
@@ -298,7 +298,7 @@ class Engine:
         out = []
         for j in self.catalog.jobs():
             if caller.is_root or caller.uid == j.owner_uid:
-                out.append((j, not j.ended and jobs.alive(j.pid, j.pid_start)))
+                out.append((j, not j.ended and proc.alive(j.pid, j.pid_start)))
         return out
 
     # -- checkpoint -----------------------------------------------------------------
@@ -311,15 +311,15 @@ class Engine:
         """
         pid, job = self.resolve_pid(target, caller)
         try:
-            owner = jobs.owner_uid(pid)
-        except jobs.ProcessNotFound as exc:
+            owner = proc.owner_uid(pid)
+        except proc.ProcessNotFound as exc:
             raise NotFound(str(exc)) from exc
         self._authorize_uid(caller, owner, f"pid {pid}")
         t_start = time.monotonic()
         with self.exclusive(pid):
             try:
-                estimate = int(jobs.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
-            except jobs.ProcessNotFound as exc:
+                estimate = int(proc.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
+            except proc.ProcessNotFound as exc:
                 raise NotFound(str(exc)) from exc
             reservation = self.reserve(estimate)
             try:
@@ -387,8 +387,8 @@ class Engine:
                              hooks: DumpHooks | None = None) -> CheckpointRecord:
         hooks = hooks or DumpHooks()
         ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-        argv = jobs.cmdline(pid)
-        own_ns = jobs.in_own_pidns(pid)
+        argv = proc.cmdline(pid)
+        own_ns = proc.in_own_pidns(pid)
         own_mnt = own_mount_ns(pid)
         # The intent (stop or not) and the process identity are journaled too, so that recovery after a
         # crash can finish or roll back a --stop whose job CRIU left stopped.
@@ -403,7 +403,7 @@ class Engine:
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         frozen_after = stop or hooks.hold
         opts = DumpOptions(leave_running=not frozen_after, leave_stopped=frozen_after,
-                           tcp_established=tcp_established, shell_job=not jobs.is_session_leader(pid),
+                           tcp_established=tcp_established, shell_job=not proc.is_session_leader(pid),
                            own_mntns=own_mnt, **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = None
@@ -463,12 +463,12 @@ class Engine:
             # The image is safely staged: now the job may end.
             if suspension is not None:
                 suspension.release()
-            jobs.kill_tree(pid)
+            proc.kill_tree(pid)
             if job is not None:
                 self.catalog.update_job(job.id, ended=True)
         elif suspension is not None:
             suspension.resume()
-        shutil.rmtree(work, ignore_errors=True) if not os.environ.get("MEMSNAP_KEEP_LOGS") else None
+        shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
         clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
                   stats.wall_ms)
         out = self.catalog.get_checkpoint(ckpt_id)
@@ -517,7 +517,7 @@ class Engine:
                     raise InvalidArgument(f"root has no checkpoint named {_clip(name)!r}; uid "
                                           f"{', '.join(map(str, others))} has: name it as UID:NAME, "
                                           f"e.g. {others[0]}:{_clip(name)}")
-            adopted = self._adopt_from_store(name, owner)
+            adopted = self._catalog_from_store(name, owner)
             if adopted is None:
                 raise NotFound(f"no checkpoint {_clip(key)!r}; 'memsnapctl list' shows the checkpoints")
             cands = [adopted]
@@ -525,7 +525,7 @@ class Engine:
         self._authorize_uid(caller, rec.owner_uid, f"checkpoint {rec.id}")
         return rec
 
-    def _adopt_from_store(self, name: str, owner: int) -> CheckpointRecord | None:
+    def _catalog_from_store(self, name: str, owner: int) -> CheckpointRecord | None:
         """Catalogs the newest durable checkpoint another node stored under this job name (shared store and
         key). The store's name index is only a hint: the signed manifest must carry this name and owner."""
         find = getattr(self.drain, "find_stored", None)
@@ -586,12 +586,12 @@ class Engine:
         if man.get("pages_remote") and lazy_ps_socket < 0:
             raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
                                      "on the source node, so it cannot be restored on its own")
-        if not man.get("own_pidns", False) and jobs.alive(rec.pid):
+        if not man.get("own_pidns", False) and proc.alive(rec.pid):
             raise FailedPrecondition(
                 f"pid {rec.pid} is in use, and this checkpoint needs it back: stop that process first, "
                 "or start jobs with 'memsnapctl run' (own PID namespace) so that restores never collide")
         if not man.get("own_pidns", False):
-            jobs.wait_pid_free(rec.pid, 10)
+            proc.wait_pid_free(rec.pid, 10)
         work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
         t2 = time.monotonic()
@@ -617,16 +617,16 @@ class Engine:
                                              f"{work}/lazy-pages.log); the restored copy was killed")
         except BaseException:
             if new_pid:
-                jobs.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
+                proc.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
             raise
         finally:
             with self._lazy_lock:
                 self._restoring.discard(work)
         restore_ms = (time.monotonic() - t2) * 1000
         try:
-            job = self._adopt_restored(rec, man, new_pid, server, work, gpu_map)
+            job = self._record_restored(rec, man, new_pid, server, work, gpu_map)
         except BaseException:
-            jobs.kill_tree(new_pid)
+            proc.kill_tree(new_pid)
             self.observe("restore", "error", time.monotonic() - t0)
             raise
         self.observe("restore", "ok", time.monotonic() - t0)
@@ -634,7 +634,7 @@ class Engine:
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
                              fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
 
-    def _adopt_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
+    def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
                         gpu_map: Any) -> JobRecord:
         """Brings a restored tree's GPU state back and records it as a job (the caller kills it on error)."""
         if failpoints.armed("record-restored-fails"):
@@ -647,7 +647,7 @@ class Engine:
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
-        if server is None and not os.environ.get("MEMSNAP_KEEP_LOGS"):
+        if server is None and not knobs.keep_logs():
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=rec.name or rec.job or rec.id, pid=new_pid,
                         pid_start=_start_or_zero(new_pid), owner_uid=rec.owner_uid,
@@ -660,18 +660,18 @@ class Engine:
     def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int = -1) -> Any:
         """Starts `criu lazy-pages` on the tier copy (or the source's, over ps_socket); it serves faults
         and pushes the rest, then exits."""
-        proc = self.criu.start_lazy_pages(images, work, ps_socket)
+        server = self.criu.start_lazy_pages(images, work, ps_socket)
         sock = work / "lazy-pages.socket"
         deadline = time.monotonic() + 10
         while not sock.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
                 raise FailedPrecondition(f"lazy-pages server for {ckpt_id} did not start; see {work}/lazy-pages.log")
             time.sleep(0.002)
         with self._lazy_lock:
-            self._lazy.append((ckpt_id, proc, work))
+            self._lazy.append((ckpt_id, server, work))
             self._restoring.add(work)
-        return proc
+        return server
 
     def lazy_in_use(self, ckpt_id: str) -> bool:
         """Whether a lazy restore still pages from this checkpoint's tier copy (so it must stay)."""
@@ -683,10 +683,10 @@ class Engine:
         """Forgets lazy-pages servers that have served every page."""
         with self._lazy_lock:
             alive = []
-            for ckpt_id, proc, work in self._lazy:
-                if proc.poll() is None or work in self._restoring:
-                    alive.append((ckpt_id, proc, work))
-                elif not os.environ.get("MEMSNAP_KEEP_LOGS"):
+            for ckpt_id, server, work in self._lazy:
+                if server.poll() is None or work in self._restoring:
+                    alive.append((ckpt_id, server, work))
+                elif not knobs.keep_logs():
                     shutil.rmtree(work, ignore_errors=True)
             self._lazy = alive
 
@@ -758,7 +758,7 @@ class Engine:
     # -- held trees (a move in progress) ------------------------------------------------
     def end_held(self, pid: int, job_id: str = "", ckpt_id: str = "") -> None:
         """Ends a tree held stopped by checkpoint(hooks=DumpHooks(hold=True)) once it runs elsewhere."""
-        jobs.kill_tree(pid)
+        proc.kill_tree(pid)
         if job_id:
             self.catalog.update_job(job_id, ended=True)
         self._release_hold(ckpt_id)
@@ -783,7 +783,7 @@ class Engine:
                 if r.owner_uid == caller.uid:
                     counts[r.state] = counts.get(r.state, 0) + 1
         running = sum(1 for j in self.catalog.jobs() if (caller.is_root or j.owner_uid == caller.uid)
-                      and not j.ended and jobs.alive(j.pid, j.pid_start))
+                      and not j.ended and proc.alive(j.pid, j.pid_start))
         return {
             "version": __version__, "criu_version": self.criu.version(), "hostname": self.hostname,
             "kernel": platform.release(), "tier_dir": str(self.tier.root),
@@ -815,7 +815,7 @@ class Engine:
             self.catalog.update_checkpoint(rec.id, state=FAILED, last_error="daemon stopped during the dump")
             marks = rec.marks
             if (rec.meta.get("stop") or marks.hold) and \
-                    jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                    proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
                 if marks.moved_to:
                     # A lazy move the target had confirmed complete: the job runs there now.
                     self.end_held(rec.pid, rec.job, rec.id)
@@ -840,7 +840,7 @@ class Engine:
                 continue
             if marks.hold:
                 # A move was in flight: the target confirmed it (moved_to) or the job runs on here.
-                if jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                if proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
                     if marks.moved_to:
                         self.end_held(rec.pid, rec.job, rec.id)
                     elif marks.committing_to:
@@ -852,8 +852,8 @@ class Engine:
                 continue
             # Published, but the daemon died before ending a --stop job: finish what was asked.
             if rec.meta.get("stop") and rec.in_tier and self.tier.has(rec.id) and \
-                    jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                jobs.kill_tree(rec.pid)
+                    proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                proc.kill_tree(rec.pid)
                 if rec.job:
                     self.catalog.update_job(rec.job, ended=True)
         for ckpt_id in list(self.tier.staging_ids()):
@@ -880,14 +880,14 @@ class Engine:
                 log.warning("CUDA recovery for %s: %s", rec.id, self.gpu.recover(rec.meta["gpu"]))
                 self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
         for job in self.catalog.jobs():
-            if not job.ended and not jobs.alive(job.pid, job.pid_start):
+            if not job.ended and not proc.alive(job.pid, job.pid_start):
                 self.catalog.update_job(job.id, ended=True)
         return fixed
 
     def live_jobs_restored_from(self, ckpt_id: str) -> list[JobRecord]:
         """The jobs restored here from ckpt_id that still run."""
         return [j for j in self.catalog.jobs()
-                if j.restored_from == ckpt_id and not j.ended and jobs.alive(j.pid, j.pid_start)]
+                if j.restored_from == ckpt_id and not j.ended and proc.alive(j.pid, j.pid_start)]
 
     def pending_drains(self) -> list[str]:
         """Staged or draining checkpoints that still need to reach the store."""
@@ -897,7 +897,7 @@ class Engine:
 def _resume_stopped(pid: int) -> None:
     import signal
 
-    for p in jobs.tree(pid):
+    for p in proc.tree(pid):
         try:
             p.send_signal(signal.SIGCONT)
         except Exception:  # the process may be gone already
@@ -983,8 +983,8 @@ def refuse_uncheckpointable(pid: int) -> None:
 
 def _start_or_zero(pid: int) -> float:
     try:
-        return jobs.start_time(pid)
-    except jobs.ProcessNotFound:
+        return proc.start_time(pid)
+    except proc.ProcessNotFound:
         return 0.0
 
 

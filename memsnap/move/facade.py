@@ -11,10 +11,10 @@ goes last -> the target verifies and restores -> once the target says the job ru
 here is killed. Any failure before that resumes the job here and names the step that failed.
 
 Trust: the source sends only to a configured peer ([[peers]]), with that peer's credential: the token
-shared with it (peers.token_file) or one derived from the node token for it (remote.peer_credential);
+shared with it (peers.token_file) or one derived from the node token for it (auth.peer_credential);
 the node token itself never leaves. Only root may name another address, with a credential of its own
 (to_token). The manifest that crosses the wire is signed with a key derived from that credential
-(remote.transfer_key), and every chunk and file carries a blake3 checksum. The target checks both, with
+(auth.transfer_key), and every chunk and file carries a blake3 checksum. The target checks both, with
 the key of the credential the call authenticated with (a move without one is refused), then re-signs
 the manifest with its own node key: node HMAC keys never leave their node. A move via shared storage
 (--via-store) reads the copy the drain wrote, signed with the source's node key, so both nodes must
@@ -25,21 +25,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
 
-from memsnap import jobs, manifest, net
+from memsnap import knobs, manifest, net, proc
+from memsnap.auth import RemoteConfigError, load_credentials, transfer_key
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.config import Config, parse_host_port
 from memsnap.criu import NotifyHooks
-from memsnap.drain import bulk_transfer
 from memsnap.engine import ROOT, Caller, DumpHooks
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, TierExhausted
+from memsnap.malloc import bulk_transfer
 from memsnap.move import network
 from memsnap.move.lazy import lazy_preflight, move_lazily
 from memsnap.move.plan import (
@@ -57,7 +57,6 @@ from memsnap.move.plan import (
 )
 from memsnap.move.stream import RESERVE_SLACK, ImageStreamer, StreamBroken
 from memsnap.move.target import MoveTarget, abandon_move, recover_lazy_target
-from memsnap.remote import RemoteConfigError, load_credentials, transfer_key
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -172,8 +171,8 @@ class Mover:
         phases = Phases()
         pid, job = self.engine.resolve_pid(req.target, caller)
         try:
-            owner = jobs.owner_uid(pid)
-        except jobs.ProcessNotFound as exc:
+            owner = proc.owner_uid(pid)
+        except proc.ProcessNotFound as exc:
             raise move_error("NOT_FOUND", str(exc)) from exc
         if not caller.is_root and caller.uid != owner:
             raise PermissionDenied(f"uid {caller.uid} may not move pid {pid} owned by uid {owner}")
@@ -185,7 +184,7 @@ class Mover:
         if req.tcp_established:
             network.require_nft()
         # A lazy move puts only the small images into the target's tier; the memory goes to the job.
-        estimate = 0 if req.lazy else int(jobs.tree_rss(pid) * (1 + self.cfg.tier.reserve_margin))
+        estimate = 0 if req.lazy else int(proc.tree_rss(pid) * (1 + self.cfg.tier.reserve_margin))
         client, token = self._target_client(req, caller)
         with client:
             try:
@@ -237,7 +236,7 @@ class Mover:
     def _streamed(self, caller: Caller, req: pb.MigrateRequest, client: MemsnapClient, token: str,
                   move: Move, estimate: int, phases: Phases) -> pb.MigrateResponse:
         # MEMSNAP_MIGRATE_SERIAL=1 on the source turns pipelining off: the benchmark's baseline.
-        streamer = ImageStreamer(client, estimate, pipelined=not os.environ.get("MEMSNAP_MIGRATE_SERIAL"))
+        streamer = ImageStreamer(client, estimate, pipelined=not knobs.migrate_serial())
         hooks = DumpHooks(before_dump=streamer.start, file_table=streamer.file_table)
         t_dump = time.monotonic()
         try:
@@ -300,7 +299,7 @@ class Mover:
         # Early resume: the job runs on the target as soon as its state is back, and pages its memory in
         # from the target's verified copy; the reply comes once all of it is in place. Off for the
         # serial baseline, and with --tcp-established (kept to the plain path that its tests cover).
-        early = not (req.plain_restore or req.tcp_established or os.environ.get("MEMSNAP_MIGRATE_SERIAL"))
+        early = not (req.plain_restore or req.tcp_established or knobs.migrate_serial())
         rreq = pb.RestoreReceivedRequest(checkpoint_id=rec.id, tcp_established=req.tcp_established,
                                          add_ip=str(move.moved_ip) if move.moved_ip else "",
                                          add_ip_dev=req.move_ip_dev_target, from_store=from_store,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import shutil
 import threading
@@ -39,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memsnap import failpoints, jobs, manifest, net
+from memsnap import failpoints, knobs, manifest, net, proc
+from memsnap.auth import transfer_key
 from memsnap.catalog import DUMPING, FAILED, CheckpointRecord, now_ms
 from memsnap.client import ClientError, MemsnapClient
 from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyHooks, own_mount_ns, pipe_size_problem
@@ -62,7 +62,6 @@ from memsnap.move.plan import (
 )
 from memsnap.move.stream import RESERVE_SLACK, ImageStreamer, StreamBroken
 from memsnap.move.tunnel import VERDICT_S, SourceTunnel, ask_verdict, shutdown, watch_stall
-from memsnap.remote import transfer_key
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -92,8 +91,8 @@ def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
     hold set, so recovery resumes the tree if we die. hooks(staging) answers CRIU's callbacks.
     Returns CRIU's error, if any; raises (job untouched) when the pid is busy or the tier full."""
     try:
-        pid_start = jobs.start_time(rec.pid)
-    except jobs.ProcessNotFound:
+        pid_start = proc.start_time(rec.pid)
+    except proc.ProcessNotFound:
         pid_start = 0.0
     rec.meta = {**rec.meta, "stop": False, "hold": True, "pid_start": pid_start}
     host.catalog.add_checkpoint(rec)
@@ -101,7 +100,7 @@ def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
     work = host.work_root / rec.id
     work.mkdir(parents=True, exist_ok=True, mode=0o700)
     opts = DumpOptions(leave_running=False, leave_stopped=True, lazy_pages=True, ps_socket=ps_socket,
-                       shell_job=not jobs.is_session_leader(rec.pid), own_mntns=own_mount_ns(rec.pid),
+                       shell_job=not proc.is_session_leader(rec.pid), own_mntns=own_mount_ns(rec.pid),
                        **host.extra_dump_opts())
     try:
         with host.exclusive(rec.pid):
@@ -127,7 +126,7 @@ def end_lazy_dump(host: MoveHost, ckpt_id: str, error: str = "") -> None:
         host.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=error)
         return
     host.catalog.delete_checkpoint(ckpt_id)
-    if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+    if not knobs.keep_logs():
         shutil.rmtree(host.work_root / ckpt_id, ignore_errors=True)
 
 
@@ -136,11 +135,11 @@ def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.
     """The source side of `migrate --lazy` (preflight already done)."""
     pid = move.pid
     job = engine.catalog.get_job(move.job_id) if move.job_id else None
-    owner = jobs.owner_uid(pid)
+    owner = proc.owner_uid(pid)
     ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
     tunnel_id = secrets.token_hex(16)
     state = _SourceState()
-    argv, own_ns = jobs.cmdline(pid), jobs.in_own_pidns(pid)
+    argv, own_ns = proc.cmdline(pid), proc.in_own_pidns(pid)
     rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
                            job=job.id if job else "", name=job.name if job else "", meta={"lazy_move": req.to})
     move.ckpt_id = ckpt_id

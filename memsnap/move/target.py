@@ -17,16 +17,16 @@ from collections.abc import Iterator
 
 import grpc
 
-from memsnap import failpoints, jobs
+from memsnap import failpoints, proc
+from memsnap.auth import call_token, transfer_key
 from memsnap.catalog import DURABLE, CheckpointRecord
-from memsnap.drain import bulk_transfer
 from memsnap.engine import ROOT, Caller, RestoreResult
 from memsnap.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from memsnap.malloc import bulk_transfer
 from memsnap.move.network import IncomingAddress
 from memsnap.move.plan import MoveHost, set_mark
 from memsnap.move.stream import CKPT_ID, ImageReceiver
 from memsnap.move.tunnel import TunnelHost, forget_lazy_image
-from memsnap.remote import call_token, transfer_key
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -78,7 +78,7 @@ class MoveTarget:
                 raise InvalidArgument("a lazy move keeps no TCP connections and reads nothing from the store")
             tunnel = self.tunnels.claim(req.lazy_tunnel, req.checkpoint_id)
         if req.HasField("from_store"):
-            self._adopt_stored(req.from_store)
+            self._catalog_stored(req.from_store)
         address = IncomingAddress(req.add_ip, req.add_ip_dev, req.tcp_established)
         try:
             address.bring_up()
@@ -95,7 +95,7 @@ class MoveTarget:
             # which never heard back, resumes its own).
             self._journal_pending(req.checkpoint_id, res.job.id)
             paged_ms = self._wait_paged_in(res) if early else 0
-            if not jobs.alive(res.pid):
+            if not proc.alive(res.pid):
                 raise FailedPrecondition(f"the restored job (pid {res.pid}) exited at once; see its log")
         except BaseException as exc:
             if tunnel is not None:
@@ -140,7 +140,7 @@ class MoveTarget:
             if not job_id:
                 job_id = self._committed.get(ckpt_id, "") or self._kept_before(ckpt_id)
             job = self.engine.catalog.get_job(job_id) if job_id else None
-            if job is None or job.ended or not jobs.alive(job.pid, job.pid_start):
+            if job is None or job.ended or not proc.alive(job.pid, job.pid_start):
                 raise FailedPrecondition(f"no job moved from {ckpt_id} runs here; the source keeps its copy")
             self._committed[ckpt_id] = job_id  # (a retried commit whose reply was lost is answered too)
             while len(self._committed) > 256:
@@ -182,13 +182,13 @@ class MoveTarget:
         self.engine.reap_lazy()
         if rc != 0:
             # Its supervisor killed the job already (missing pages would read as zeros).
-            jobs.kill_tree(res.pid)
+            proc.kill_tree(res.pid)
             self.engine.catalog.update_job(res.job.id, ended=True)
             raise FailedPrecondition(f"paging in the restored job's memory failed (lazy-pages exit {rc}, see "
                                      f"{res.work_dir}/lazy-pages.log); the copy there was killed")
         return max(1, int((time.monotonic() - t0) * 1000))
 
-    def _adopt_stored(self, info: pb.CheckpointInfo) -> None:
+    def _catalog_stored(self, info: pb.CheckpointInfo) -> None:
         """Catalogs a durable checkpoint another node wrote to the shared store, so restore can fetch it."""
         if not CKPT_ID.match(info.id):
             raise InvalidArgument(f"{info.id!r} is not a checkpoint id")
@@ -211,10 +211,10 @@ def abandon_move(host: MoveHost, rec: CheckpointRecord) -> None:
     """Kills the job restored here for a move that the source did not commit (it resumed its copy)."""
     job_id = rec.marks.move_pending
     job = host.catalog.get_job(job_id) if job_id else None
-    if job is not None and not job.ended and jobs.alive(job.pid, job.pid_start):
+    if job is not None and not job.ended and proc.alive(job.pid, job.pid_start):
         log.warning("killing %s: its move was never committed, the source runs the job", job.id,
                     extra={"checkpoint_id": rec.id})
-        jobs.kill_tree(job.pid)
+        proc.kill_tree(job.pid)
     if job is not None:
         host.catalog.update_job(job.id, ended=True)
     if rec.marks.pages_remote:
@@ -228,7 +228,7 @@ def recover_lazy_target(host: MoveHost, rec: CheckpointRecord) -> None:
     not every page arrived, the source never let go of its copy, so this one goes."""
     for job in host.live_jobs_restored_from(rec.id):
         log.warning("killing %s: its lazy move was never committed by the source", job.id)
-        jobs.kill_tree(job.pid)
+        proc.kill_tree(job.pid)
         host.catalog.update_job(job.id, ended=True)
     forget_lazy_image(host, rec.id)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import re
 import shutil
 import socket
@@ -28,12 +27,12 @@ from typing import Any
 import blake3
 import grpc
 
-from memsnap import failpoints, jobs
+from memsnap import failpoints, knobs, proc
+from memsnap.auth import call_token, transfer_key
 from memsnap.client import MemsnapClient
 from memsnap.engine import Caller
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied
 from memsnap.move.plan import MoveHost
-from memsnap.remote import call_token, transfer_key
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -52,10 +51,7 @@ def stall_limit() -> float:
     silence means a hung peer or a black-holed link: the source resumes its frozen copy, and the target
     kills its half-restored one. MEMSNAP_TUNNEL_STALL_S overrides it (tests).
     """
-    try:
-        return float(os.environ.get("MEMSNAP_TUNNEL_STALL_S", "30"))
-    except ValueError:
-        return 30.0
+    return knobs.tunnel_stall_s()
 
 
 def watch_stall(name: str, last: Any, done: Any, give_up: Any) -> None:
@@ -374,7 +370,7 @@ class TunnelHost:
                          extra={"checkpoint_id": t.ckpt_id})
             else:
                 # The supervisor shell killed the job already; make sure, and say so.
-                jobs.kill_tree(pid)
+                proc.kill_tree(pid)
                 self.engine.catalog.update_job(job_id, ended=True)
                 cause = t.broken or f"lazy-pages failed on the target (exit {rc})"
                 t.verdict = (False, f"{cause}; the half-restored job there was killed")
@@ -418,7 +414,7 @@ def forget_lazy_image(host: MoveHost, ckpt_id: str) -> None:
     dirs."""
     host.catalog.delete_checkpoint(ckpt_id)
     host.tier.remove(ckpt_id)
-    if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+    if not knobs.keep_logs():
         for work in host.work_root.glob(f"{ckpt_id}.restore-*"):
             shutil.rmtree(work, ignore_errors=True)
 

@@ -38,7 +38,7 @@ import grpc
 
 from memsnap.config import Config, PeerConfig, ip_host_port
 
-log = logging.getLogger("memsnap.remote")
+log = logging.getLogger("memsnap.auth")
 
 # A client must never be able to claim authentication; this header did that once, so it is refused.
 FORGED_HEADER = "x-memsnap-authenticated"
