@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -13,11 +12,12 @@ import grpc
 
 from memsnap import validate as v
 from memsnap.auth import tcp_authenticated
-from memsnap.catalog import DURABLE, FAILED, CheckpointRecord, JobRecord
+from memsnap.catalog import CheckpointRecord, JobRecord
 from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import InvalidArgument, MemsnapError, Unauthenticated
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
+from memsnap.v1 import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("memsnap.api")
 
@@ -154,18 +154,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
                                      tcp_established=request.tcp_established, name=request.name)
         if request.wait == pb.WAIT_FOR_DURABLE:
-            rec = self._wait_durable(caller, rec.id, context)
+            rec = self.engine.wait_settled(caller, rec.id, context.is_active)
         return pb.CheckpointResponse(checkpoint=ckpt_pb(rec))
-
-    def _wait_durable(self, caller: Caller, ckpt_id: str, context: grpc.ServicerContext) -> CheckpointRecord:
-        if self.engine.drain is None:
-            raise InvalidArgument("this daemon has no store configured, so nothing becomes durable")
-        while context.is_active():
-            rec = self.engine.get(caller, ckpt_id)
-            if rec.state in (DURABLE, FAILED):
-                return rec
-            time.sleep(0.1)
-        return self.engine.get(caller, ckpt_id)
 
     @translate
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
@@ -208,24 +198,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def WatchCheckpoint(self, request: pb.WatchCheckpointRequest,
                         context: grpc.ServicerContext) -> Iterator[pb.CheckpointInfo]:
         caller = caller_of(context)
-        rec = self.engine.get(caller, v.ckpt_id("id", request.id))
-        return self._watch(caller, rec, context)
-
-    def _watch(self, caller: Caller, rec: CheckpointRecord,
-               context: grpc.ServicerContext) -> Iterator[pb.CheckpointInfo]:
-        last: tuple[Any, ...] = ()
-        while context.is_active():
-            key = (rec.state, rec.drained_bytes, rec.stored_bytes, rec.last_error, rec.in_tier)
-            if key != last:
-                yield ckpt_pb(rec)
-                last = key
-            if rec.state in (DURABLE, FAILED):
-                return
-            time.sleep(0.1)
-            found = self.engine.catalog.get_checkpoint(rec.id)
-            if found is None:
-                return
-            rec = found
+        return (ckpt_pb(r) for r in self.engine.watch(caller, v.ckpt_id("id", request.id), context.is_active))
 
     # Move RPCs are served by memsnap.move (Mover).
     @translate
@@ -257,14 +230,56 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def RestoreReceived(self, request: pb.RestoreReceivedRequest,
                         context: grpc.ServicerContext) -> pb.RestoreResponse:
         caller = caller_of(context)
-        v.ckpt_id("checkpoint_id", request.checkpoint_id)
-        v.key("lazy_tunnel", request.lazy_tunnel, allow_empty=True)
-        v.addr("add_ip", request.add_ip)
-        v.ifname("add_ip_dev", request.add_ip_dev)
-        if request.HasField("from_store"):
-            v.ckpt_id("from_store.id", request.from_store.id)
+        _check_restore_received(request)
         res: pb.RestoreResponse = self.migrator.restore_received(caller, request, context)
         return res
+
+
+class PeerServicer(peer_pb2_grpc.PeerServicer):
+    """The memsnap.v1.Peer service (daemon-to-daemon calls of a move) over the daemon's Mover; translation
+    only (who may call it is auth.py's PEER_METHODS, plus the Mover's root check for local callers)."""
+
+    def __init__(self, mover: Any) -> None:
+        self.mover = mover
+
+    @translate
+    def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],
+                     context: grpc.ServicerContext) -> pb.ReceiveImageResponse:
+        got: pb.ReceiveImageResponse = self.mover.receive(caller_of(context), _checked_chunks(request_iterator),
+                                                          context)
+        return got
+
+    @translate
+    def PageTunnel(self, request_iterator: Iterator[pb.TunnelChunk],
+                   context: grpc.ServicerContext) -> Iterator[pb.TunnelChunk]:
+        out: Iterator[pb.TunnelChunk] = self.mover.tunnels.serve(caller_of(context), request_iterator, context)
+        return out
+
+    @translate
+    def RestoreReceived(self, request: pb.RestoreReceivedRequest,
+                        context: grpc.ServicerContext) -> pb.RestoreResponse:
+        caller = caller_of(context)
+        _check_restore_received(request)
+        if request.commit:
+            raise InvalidArgument("commit is Peer.CommitMove's job on the Peer service")
+        res: pb.RestoreResponse = self.mover.restore_received(caller, request, context)
+        return res
+
+    @translate
+    def CommitMove(self, request: peer_pb2.CommitMoveRequest,
+                   context: grpc.ServicerContext) -> peer_pb2.CommitMoveResponse:
+        caller = caller_of(context)
+        res: pb.RestoreResponse = self.mover.commit_move(caller, v.ckpt_id("checkpoint_id", request.checkpoint_id))
+        return peer_pb2.CommitMoveResponse(job=res.job)
+
+
+def _check_restore_received(request: pb.RestoreReceivedRequest) -> None:
+    v.ckpt_id("checkpoint_id", request.checkpoint_id)
+    v.key("lazy_tunnel", request.lazy_tunnel, allow_empty=True)
+    v.addr("add_ip", request.add_ip)
+    v.ifname("add_ip_dev", request.add_ip_dev)
+    if request.HasField("from_store"):
+        v.ckpt_id("from_store.id", request.from_store.id)
 
 
 def _checked_chunks(chunks: Iterator[pb.ImageChunk]) -> Iterator[pb.ImageChunk]:

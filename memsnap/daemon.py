@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memsnap import manifest, safefs
-from memsnap.api import MemsnapServicer
+from memsnap.api import MemsnapServicer, PeerServicer
 from memsnap.catalog import Catalog
 from memsnap.config import Config, ConfigError, load_config
 from memsnap.criu import Criu, CriuError
@@ -32,7 +32,7 @@ from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.tier import MemoryTier
-from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc
+from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("memsnap.daemon")
 
@@ -131,10 +131,12 @@ class Daemon:
                                       ("grpc.so_reuseport", 0)],
                              interceptors=self._interceptors())
         memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(migrator), server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"].full_name,
-                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+                 peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name)
         reflection.enable_server_reflection(names, server)
 
         private_dir = Path(self.cfg.state.dir) / "private"

@@ -264,6 +264,39 @@ class Engine:
         self._authorize_uid(caller, rec.owner_uid, f"checkpoint {ckpt_id}")
         return rec
 
+    def wait_settled(self, caller: Caller, ckpt_id: str, active: Callable[[], bool]) -> CheckpointRecord:
+        """Waits until a checkpoint is durable or failed (or active() turns false); its latest record."""
+        if self.drain is None:
+            raise InvalidArgument("this daemon has no store configured, so nothing becomes durable")
+        while active():
+            rec = self.get(caller, ckpt_id)
+            if rec.state in (DURABLE, FAILED):
+                return rec
+            time.sleep(0.1)
+        return self.get(caller, ckpt_id)
+
+    def watch(self, caller: Caller, ckpt_id: str, active: Callable[[], bool]) -> Iterator[CheckpointRecord]:
+        """A checkpoint's record at every change of its progress, until durable or failed (or active()
+        turns false). Authorization happens before the first record."""
+        rec = self.get(caller, ckpt_id)
+
+        def changes(rec: CheckpointRecord) -> Iterator[CheckpointRecord]:
+            last: tuple[Any, ...] = ()
+            while active():
+                key = (rec.state, rec.drained_bytes, rec.stored_bytes, rec.last_error, rec.in_tier)
+                if key != last:
+                    yield rec
+                    last = key
+                if rec.state in (DURABLE, FAILED):
+                    return
+                time.sleep(0.1)
+                found = self.catalog.get_checkpoint(rec.id)
+                if found is None:
+                    return
+                rec = found
+
+        return changes(rec)
+
     # -- jobs ---------------------------------------------------------------------
     def run_job(self, caller: Caller, argv: list[str], name: str = "", cwd: str = "",
                 env: dict[str, str] | None = None, own_proc: bool | None = None) -> JobRecord:

@@ -42,6 +42,7 @@ from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, Pe
 from memsnap.malloc import bulk_transfer
 from memsnap.move import network
 from memsnap.move.lazy import lazy_preflight, move_lazily
+from memsnap.move.peer import PeerClient
 from memsnap.move.plan import (
     CONFIRM_S,
     TRANSPORT_CODES,
@@ -111,7 +112,7 @@ class Mover:
         self.commits.settle(ids, self._connect)
 
     @contextmanager
-    def _connect(self, to: str) -> Iterator[MemsnapClient]:
+    def _connect(self, to: str) -> Iterator[PeerClient]:
         with self._target_client(pb.MigrateRequest(to=to), ROOT)[0] as client:
             yield client
 
@@ -126,8 +127,12 @@ class Mover:
         """RestoreReceived: see MoveTarget.restore_received."""
         return self.target.restore_received(caller, req, context)
 
+    def commit_move(self, caller: Caller, ckpt_id: str) -> pb.RestoreResponse:
+        """CommitMove: see MoveTarget.commit."""
+        return self.target.commit_move(caller, ckpt_id)
+
     # -- source ---------------------------------------------------------------------------------
-    def _target_client(self, req: pb.MigrateRequest, caller: Caller) -> tuple[MemsnapClient, str]:
+    def _target_client(self, req: pb.MigrateRequest, caller: Caller) -> tuple[PeerClient, str]:
         """A client for the move's target and the credential it carries (which also keys the transfer).
 
         The target must be a configured peer (by name or address), and gets that peer's credential.
@@ -152,7 +157,7 @@ class Mover:
                 "the image; set daemon.auth_token_file (the same node token on both nodes) or peers.token_file")
         # Node certificates serve as client certificates between daemons (mutual TLS clusters).
         tls = {"tls_ca": d.tls_ca, "tls_cert": d.tls_cert, "tls_key": d.tls_key} if d.tls_ca else {}
-        return MemsnapClient(Target(address=address, token=token, **tls)), token
+        return PeerClient(MemsnapClient(Target(address=address, token=token, **tls))), token
 
     def migrate(self, caller: Caller, req: pb.MigrateRequest,
                 context: grpc.ServicerContext) -> pb.MigrateResponse:
@@ -233,7 +238,7 @@ class Mover:
                 raise move_error(exc.code, f"migration failed at dump: {exc}") from exc
             raise
 
-    def _streamed(self, caller: Caller, req: pb.MigrateRequest, client: MemsnapClient, token: str,
+    def _streamed(self, caller: Caller, req: pb.MigrateRequest, client: PeerClient, token: str,
                   move: Move, estimate: int, phases: Phases) -> pb.MigrateResponse:
         # MEMSNAP_MIGRATE_SERIAL=1 on the source turns pipelining off: the benchmark's baseline.
         streamer = ImageStreamer(client, estimate, pipelined=not knobs.migrate_serial())
@@ -265,7 +270,7 @@ class Mover:
                  received.bytes, extra={"checkpoint_id": rec.id})
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, received.bytes)
 
-    def _via_store(self, caller: Caller, req: pb.MigrateRequest, client: MemsnapClient, move: Move,
+    def _via_store(self, caller: Caller, req: pb.MigrateRequest, client: PeerClient, move: Move,
                    phases: Phases) -> pb.MigrateResponse:
         from memsnap.api import ckpt_pb
 
@@ -293,7 +298,7 @@ class Mover:
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, 0,
                                        from_store=ckpt_pb(rec))
 
-    def _restore_on_target(self, req: pb.MigrateRequest, client: MemsnapClient, move: Move,
+    def _restore_on_target(self, req: pb.MigrateRequest, client: PeerClient, move: Move,
                            rec: CheckpointRecord, phases: Phases, freeze_start: float, sent: int,
                            from_store: pb.CheckpointInfo | None = None) -> pb.MigrateResponse:
         # Early resume: the job runs on the target as soon as its state is back, and pages its memory in

@@ -41,7 +41,7 @@ from pathlib import Path
 from memsnap import failpoints, knobs, manifest, net, proc
 from memsnap.auth import transfer_key
 from memsnap.catalog import DUMPING, FAILED, CheckpointRecord, now_ms
-from memsnap.client import ClientError, MemsnapClient
+from memsnap.client import ClientError
 from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyHooks, own_mount_ns, pipe_size_problem
 from memsnap.engine import Caller
 from memsnap.errors import (
@@ -49,6 +49,7 @@ from memsnap.errors import (
     InvalidArgument,
     MemsnapError,
 )
+from memsnap.move.peer import PeerClient
 from memsnap.move.plan import (
     Commitments,
     Move,
@@ -131,7 +132,7 @@ def end_lazy_dump(host: MoveHost, ckpt_id: str, error: str = "") -> None:
 
 
 def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.MigrateRequest,
-                client: MemsnapClient, token: str, move: Move, phases: Phases) -> pb.MigrateResponse:
+                client: PeerClient, token: str, move: Move, phases: Phases) -> pb.MigrateResponse:
     """The source side of `migrate --lazy` (preflight already done)."""
     pid = move.pid
     job = engine.catalog.get_job(move.job_id) if move.job_id else None

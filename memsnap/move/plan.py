@@ -29,13 +29,14 @@ import grpc
 
 from memsnap import failpoints, net
 from memsnap.catalog import Catalog, CheckpointRecord, JobRecord
-from memsnap.client import ClientError, MemsnapClient
+from memsnap.client import ClientError
 from memsnap.config import Config
 from memsnap.criu import CriuApi, NotifyCallback
 from memsnap.engine import ROOT, Caller, DumpHooks, RestoreResult
 from memsnap.errors import MemsnapError
 from memsnap.manifest import Manifest
 from memsnap.move import network
+from memsnap.move.peer import PeerClient
 from memsnap.tier import MemoryTier
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -208,7 +209,7 @@ def _resume_here(host: MoveHost, move: Move) -> str:
 
 
 # -- asking the target ----------------------------------------------------------------------------------
-def target_job(client: MemsnapClient, ckpt_id: str, tries: int = 3) -> pb.Job | None:
+def target_job(client: PeerClient, ckpt_id: str, tries: int = 3) -> pb.Job | None:
     """The running job restored from ckpt_id on the target, or None (a lost link is retried)."""
     for attempt in range(tries):
         try:
@@ -236,7 +237,7 @@ class Commitments:
         """"JOB -> HOST:PORT" for every outgoing move whose commit is unanswered (status, metrics)."""
         return sorted(self._in_doubt.values())
 
-    def commit_on(self, client: MemsnapClient, move: Move, ckpt_id: str, to: str) -> None:
+    def commit_on(self, client: PeerClient, move: Move, ckpt_id: str, to: str) -> None:
         """Tells the target to keep the job. Refused: the job runs on here (and dies there). Unanswered:
         the move is in doubt (see ask); past daemon.move_in_doubt_s it runs on here too."""
         # A crash from here until moved_to is journaled leaves the question to the target (recovery).
@@ -246,7 +247,7 @@ class Commitments:
             rollback(self.host, move, "commit", why, code)
         failpoints.hit("after-commit")
 
-    def ask(self, client: MemsnapClient, ckpt_id: str, to: str, job: str) -> tuple[bool, str, str]:
+    def ask(self, client: PeerClient, ckpt_id: str, to: str, job: str) -> tuple[bool, str, str]:
         """Asks the target to keep the job restored from ckpt_id until it answers; (kept, why, code).
 
         The commit is idempotent and the target remembers it across its own restart, so asking again is
@@ -259,13 +260,13 @@ class Commitments:
         finally:
             self._in_doubt.pop(ckpt_id, None)
 
-    def _ask_until_answered(self, client: MemsnapClient, ckpt_id: str, to: str, job: str) -> tuple[bool, str, str]:
+    def _ask_until_answered(self, client: PeerClient, ckpt_id: str, to: str, job: str) -> tuple[bool, str, str]:
         limit = self.cfg.daemon.move_in_doubt_s
         deadline = time.monotonic() + limit if limit > 0 else float("inf")
         attempt = 0
         while True:
             try:
-                client.restore_received(pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, commit=True), timeout=10)
+                client.commit_move(ckpt_id, timeout=10)
                 return True, "", "OK"
             except ClientError as exc:
                 why = f"{exc.code.name}: {exc.message}"
@@ -283,7 +284,7 @@ class Commitments:
             attempt += 1
 
     # -- after a crash mid-commit ------------------------------------------------------------------
-    def settle(self, ckpt_ids: list[str], connect: Callable[[str], AbstractContextManager[MemsnapClient]]) -> None:
+    def settle(self, ckpt_ids: list[str], connect: Callable[[str], AbstractContextManager[PeerClient]]) -> None:
         """After a crash mid-commit: asks each target again whether it keeps the job (ask: while it
         cannot be reached, the copy here stays stopped). Kept there -> the stopped copy here ends;
         refused, or no answer within daemon.move_in_doubt_s -> it runs on here. A thread per move.
@@ -292,7 +293,7 @@ class Commitments:
             threading.Thread(target=self._settle, args=(ckpt_id, connect), name=f"settle-{ckpt_id}",
                              daemon=True).start()
 
-    def _settle(self, ckpt_id: str, connect: Callable[[str], AbstractContextManager[MemsnapClient]]) -> None:
+    def _settle(self, ckpt_id: str, connect: Callable[[str], AbstractContextManager[PeerClient]]) -> None:
         host = self.host
         rec = host.catalog.get_checkpoint(ckpt_id)
         if rec is None:

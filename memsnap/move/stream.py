@@ -34,8 +34,8 @@ import grpc
 
 from memsnap import manifest
 from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
-from memsnap.client import MemsnapClient
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument
+from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost, chain, move_error
 from memsnap.tier import INCOMING, publish_image
 from memsnap.v1 import memsnap_pb2 as pb
@@ -129,7 +129,7 @@ class ImageStreamer:
     and a file that changed after it was sent (its inode, size, mtime or ctime moved) is sent again.
     """
 
-    def __init__(self, client: MemsnapClient, expected_bytes: int, pipelined: bool = True) -> None:
+    def __init__(self, client: PeerClient, expected_bytes: int, pipelined: bool = True) -> None:
         self.client = client
         self.expected_bytes = expected_bytes
         self.pipelined = pipelined

@@ -129,6 +129,12 @@ class MoveTarget:
         timer.daemon = True
         timer.start()
 
+    def commit_move(self, caller: Caller, ckpt_id: str) -> pb.RestoreResponse:
+        """Peer.CommitMove: the source confirmed and let go of its copy (see commit)."""
+        if not caller.is_root:
+            raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may commit moves")
+        return self.commit(ckpt_id)
+
     def commit(self, ckpt_id: str) -> pb.RestoreResponse:
         """The source confirmed and lets go of its copy: the job restored from ckpt_id stays (idempotent)."""
         from memsnap.api import job_pb  # (step 5 moves the translation into api.py)

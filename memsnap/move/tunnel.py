@@ -29,9 +29,9 @@ import grpc
 
 from memsnap import failpoints, knobs, proc
 from memsnap.auth import call_token, transfer_key
-from memsnap.client import MemsnapClient
 from memsnap.engine import Caller
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied
+from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -112,7 +112,7 @@ TO_TARGET, TO_SOURCE = "to-target", "to-source"
 class SourceTunnel:
     """The source end: CRIU's page server on one end of a socketpair, a PageTunnel call on the other."""
 
-    def __init__(self, client: MemsnapClient, tunnel_id: str, ckpt_id: str, token: str) -> None:
+    def __init__(self, client: PeerClient, tunnel_id: str, ckpt_id: str, token: str) -> None:
         self.tunnel_id = tunnel_id
         self._out, self._in = Seal(token, tunnel_id, TO_TARGET), Seal(token, tunnel_id, TO_SOURCE)
         self.criu_end, self._end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -193,7 +193,7 @@ def shutdown(s: socket.socket) -> None:
         pass
 
 
-def ask_verdict(client: MemsnapClient, tunnel_id: str, token: str) -> tuple[bool, str] | None:
+def ask_verdict(client: PeerClient, tunnel_id: str, token: str) -> tuple[bool, str] | None:
     """Asks the target, on a fresh (freshly sealed) call, how the lazy transfer ended (its verdict got lost)."""
     for attempt in range(3):
         query = Seal(token, tunnel_id, TO_TARGET).seal(pb.TunnelChunk(tunnel_id=tunnel_id, done=True))

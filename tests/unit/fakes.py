@@ -140,7 +140,7 @@ class FakePeer:
         self.answers = list(answers)  # None: the commit is applied; a code: that error
         self.asked = 0
 
-    def restore_received(self, req: Any, timeout: float = 0) -> Any:
+    def commit_move(self, ckpt_id: str, timeout: float = 0) -> Any:
         self.asked += 1
         code = self.answers.pop(0) if self.answers else None
         if code is not None:
