@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -12,20 +13,16 @@ import grpc
 
 from memsnap import validate as v
 from memsnap.auth import tcp_authenticated
-from memsnap.catalog import CheckpointRecord, JobRecord
+from memsnap.convert import ckpt_pb, job_pb
 from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import InvalidArgument, MemsnapError, Unauthenticated
+from memsnap.move.plan import MoveRequest, MoveResult
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 from memsnap.v1 import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("memsnap.api")
 
-STATE_TO_PB = {
-    "dumping": pb.CHECKPOINT_STATE_DUMPING, "staged": pb.CHECKPOINT_STATE_STAGED,
-    "draining": pb.CHECKPOINT_STATE_DRAINING, "durable": pb.CHECKPOINT_STATE_DURABLE,
-    "failed": pb.CHECKPOINT_STATE_FAILED,
-}
 # The relay binds its upstream socket to this abstract name, so grpc's peer string carries SO_PEERCRED.
 PEER_RE = re.compile(r"^unix-abstract:memsnap-peer/(\d+)/(\d+)/(\d+)/")
 
@@ -73,42 +70,9 @@ def _one_line(msg: str) -> str:
     return msg if len(msg) <= _MAX_MESSAGE else msg[:_MAX_MESSAGE] + "..."
 
 
-def _u32(x: int) -> int:
-    """A value for a uint32 field (never one that makes a whole listing fail)."""
-    return x if 0 <= x < 1 << 32 else (1 << 32) - 1
-
-
-def _u64(x: int) -> int:
-    return x if 0 <= x < 1 << 64 else 0
-
-
 def _aborted(context: grpc.ServicerContext) -> bool:
     code = context.code() if hasattr(context, "code") else None
     return code is not None and code != grpc.StatusCode.OK
-
-
-def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
-    """A catalog record as a proto message."""
-    m = r.meta
-    gpus = [pb.GpuInfo(model=str(g.get("model", "")), uuid=str(g.get("uuid", "")),
-                       driver_version=str(g.get("driver_version", "")),
-                       device_bytes=int(g.get("device_bytes", 0)), pid=int(g.get("pid", 0)))
-            for g in m.get("gpus", []) or []]
-    return pb.CheckpointInfo(
-        id=r.id, state=STATE_TO_PB.get(r.state, pb.CHECKPOINT_STATE_UNSPECIFIED), pid=r.pid, job=r.job,
-        name=r.name, owner_uid=_u32(r.owner_uid), created_unix_ms=r.created_ms, size_bytes=_u64(r.size_bytes),
-        frozen_ms=_u64(r.frozen_ms), dump_ms=_u64(r.dump_ms), in_tier=r.in_tier, in_store=r.in_store,
-        drained_bytes=_u64(r.drained_bytes), stored_bytes=_u64(r.stored_bytes), last_error=r.last_error,
-        drain_attempts=_u32(r.drain_attempts), argv=[str(a) for a in m.get("argv", []) or []],
-        hostname=str(m.get("host", "")), criu_version=str(m.get("criu_version", "")), gpus=gpus,
-        durable_unix_ms=r.durable_ms,
-    )
-
-
-def job_pb(j: JobRecord, running: bool) -> pb.Job:
-    """A job record as a proto message."""
-    return pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=_u32(j.owner_uid), log_path=j.log_path,
-                  started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
 
 
 class MemsnapServicer(pb_grpc.MemsnapServicer):
@@ -210,8 +174,11 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.ifname("move_ip_dev_source", request.move_ip_dev_source)
         v.ifname("move_ip_dev_target", request.move_ip_dev_target)
         v.token("to_token", request.to_token)
-        resp: pb.MigrateResponse = self.migrator.migrate(caller, request, context)
-        return resp
+        req = MoveRequest(**{f.name: getattr(request, f.name) for f in dataclasses.fields(MoveRequest)})
+        res: MoveResult = self.migrator.migrate(caller, req)
+        return pb.MigrateResponse(target_pid=res.target_pid, checkpoint_id=res.checkpoint_id,
+                                  phases=[pb.Phase(name=n, ms=int(ms)) for n, ms in res.phases],
+                                  downtime_ms=res.downtime_ms, bytes_sent=res.bytes_sent, target_job=res.target_job)
 
     @translate
     def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],

@@ -36,6 +36,7 @@ from memsnap.auth import RemoteConfigError, load_credentials, transfer_key
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.config import Config, parse_host_port
+from memsnap.convert import ckpt_pb
 from memsnap.criu import NotifyHooks
 from memsnap.engine import ROOT, Caller, DumpHooks
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, TierExhausted
@@ -49,6 +50,8 @@ from memsnap.move.plan import (
     Commitments,
     Move,
     MoveHost,
+    MoveRequest,
+    MoveResult,
     Phases,
     mark_moved,
     move_error,
@@ -113,7 +116,7 @@ class Mover:
 
     @contextmanager
     def _connect(self, to: str) -> Iterator[PeerClient]:
-        with self._target_client(pb.MigrateRequest(to=to), ROOT)[0] as client:
+        with self._target_client(MoveRequest(target="", to=to), ROOT)[0] as client:
             yield client
 
     # -- the target side (the servicer calls these) ---------------------------------------------------
@@ -132,7 +135,7 @@ class Mover:
         return self.target.commit_move(caller, ckpt_id)
 
     # -- source ---------------------------------------------------------------------------------
-    def _target_client(self, req: pb.MigrateRequest, caller: Caller) -> tuple[PeerClient, str]:
+    def _target_client(self, req: MoveRequest, caller: Caller) -> tuple[PeerClient, str]:
         """A client for the move's target and the credential it carries (which also keys the transfer).
 
         The target must be a configured peer (by name or address), and gets that peer's credential.
@@ -159,8 +162,7 @@ class Mover:
         tls = {"tls_ca": d.tls_ca, "tls_cert": d.tls_cert, "tls_key": d.tls_key} if d.tls_ca else {}
         return PeerClient(MemsnapClient(Target(address=address, token=token, **tls))), token
 
-    def migrate(self, caller: Caller, req: pb.MigrateRequest,
-                context: grpc.ServicerContext) -> pb.MigrateResponse:
+    def migrate(self, caller: Caller, req: MoveRequest) -> MoveResult:
         """Moves a job to req.to; on failure the job runs on here and the error names the step."""
         t0 = time.monotonic()
         try:
@@ -172,7 +174,7 @@ class Mover:
         self.engine.observe("migrate", "ok", time.monotonic() - t0)
         return resp
 
-    def _migrate(self, caller: Caller, req: pb.MigrateRequest) -> pb.MigrateResponse:
+    def _migrate(self, caller: Caller, req: MoveRequest) -> MoveResult:
         phases = Phases()
         pid, job = self.engine.resolve_pid(req.target, caller)
         try:
@@ -210,7 +212,7 @@ class Mover:
                 return self._via_store(caller, req, client, move, phases)
             return self._streamed(caller, req, client, token, move, estimate, phases)
 
-    def _dump_held(self, caller: Caller, req: pb.MigrateRequest, move: Move,
+    def _dump_held(self, caller: Caller, req: MoveRequest, move: Move,
                    hooks: DumpHooks) -> CheckpointRecord:
         """Dumps with the job left stopped; locks its connections and moves the address off this node."""
         if req.tcp_established:
@@ -238,8 +240,8 @@ class Mover:
                 raise move_error(exc.code, f"migration failed at dump: {exc}") from exc
             raise
 
-    def _streamed(self, caller: Caller, req: pb.MigrateRequest, client: PeerClient, token: str,
-                  move: Move, estimate: int, phases: Phases) -> pb.MigrateResponse:
+    def _streamed(self, caller: Caller, req: MoveRequest, client: PeerClient, token: str,
+                  move: Move, estimate: int, phases: Phases) -> MoveResult:
         # MEMSNAP_MIGRATE_SERIAL=1 on the source turns pipelining off: the benchmark's baseline.
         streamer = ImageStreamer(client, estimate, pipelined=not knobs.migrate_serial())
         hooks = DumpHooks(before_dump=streamer.start, file_table=streamer.file_table)
@@ -270,10 +272,8 @@ class Mover:
                  received.bytes, extra={"checkpoint_id": rec.id})
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, received.bytes)
 
-    def _via_store(self, caller: Caller, req: pb.MigrateRequest, client: PeerClient, move: Move,
-                   phases: Phases) -> pb.MigrateResponse:
-        from memsnap.api import ckpt_pb
-
+    def _via_store(self, caller: Caller, req: MoveRequest, client: PeerClient, move: Move,
+                   phases: Phases) -> MoveResult:
         if self.engine.drain is None:
             raise FailedPrecondition("--via-store needs a store on this node (store.dir or store.url)")
         t_dump = time.monotonic()
@@ -298,9 +298,9 @@ class Mover:
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, 0,
                                        from_store=ckpt_pb(rec))
 
-    def _restore_on_target(self, req: pb.MigrateRequest, client: PeerClient, move: Move,
+    def _restore_on_target(self, req: MoveRequest, client: PeerClient, move: Move,
                            rec: CheckpointRecord, phases: Phases, freeze_start: float, sent: int,
-                           from_store: pb.CheckpointInfo | None = None) -> pb.MigrateResponse:
+                           from_store: pb.CheckpointInfo | None = None) -> MoveResult:
         # Early resume: the job runs on the target as soon as its state is back, and pages its memory in
         # from the target's verified copy; the reply comes once all of it is in place. Off for the
         # serial baseline, and with --tcp-established (kept to the plain path that its tests cover).
@@ -350,7 +350,7 @@ class Mover:
         phases.mark("cleanup")
         log.info("moved %s to %s as pid %d: downtime %.0f ms, %d bytes", move.job_id or move.pid, req.to,
                  target_pid, downtime_ms, sent, extra={"checkpoint_id": rec.id})
-        return pb.MigrateResponse(target_pid=target_pid, checkpoint_id=rec.id, phases=phases.pb(),
+        return MoveResult(target_pid=target_pid, checkpoint_id=rec.id, phases=list(phases.items),
                                   downtime_ms=int(downtime_ms), bytes_sent=sent, target_job=moved_job)
 
 

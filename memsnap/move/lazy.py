@@ -54,6 +54,8 @@ from memsnap.move.plan import (
     Commitments,
     Move,
     MoveHost,
+    MoveRequest,
+    MoveResult,
     Phases,
     mark_moved,
     move_error,
@@ -131,8 +133,8 @@ def end_lazy_dump(host: MoveHost, ckpt_id: str, error: str = "") -> None:
         shutil.rmtree(host.work_root / ckpt_id, ignore_errors=True)
 
 
-def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.MigrateRequest,
-                client: PeerClient, token: str, move: Move, phases: Phases) -> pb.MigrateResponse:
+def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: MoveRequest,
+                client: PeerClient, token: str, move: Move, phases: Phases) -> MoveResult:
     """The source side of `migrate --lazy` (preflight already done)."""
     pid = move.pid
     job = engine.catalog.get_job(move.job_id) if move.job_id else None
@@ -269,11 +271,11 @@ def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: pb.
              "%d messages out, %d in carrying %d bytes)", move.job_id or pid, req.to, target_pid, resume_ms, sent,
              (t_criu_done - (state.t_freeze or t_dump)) * 1000, tunnel.msgs_out, tunnel.msgs_in, tunnel.bytes_in,
              extra={"checkpoint_id": ckpt_id})
-    return pb.MigrateResponse(target_pid=target_pid, checkpoint_id=ckpt_id, phases=phases.pb(),
+    return MoveResult(target_pid=target_pid, checkpoint_id=ckpt_id, phases=list(phases.items),
                               downtime_ms=int(resume_ms), bytes_sent=sent, target_job=moved_job)
 
 
-def lazy_preflight(req: pb.MigrateRequest, criu: CriuApi) -> None:
+def lazy_preflight(req: MoveRequest, criu: CriuApi) -> None:
     """What a lazy move cannot do, refused before the job is touched."""
     if req.via_store:
         raise InvalidArgument("--lazy and --via-store exclude each other: a lazy move serves the memory from "

@@ -109,6 +109,34 @@ def move_error(code: str, message: str) -> MemsnapError:
     return exc
 
 
+@dataclass(frozen=True)
+class MoveRequest:
+    """What a caller asks of a move (the move code never sees the protobuf)."""
+
+    target: str  # pid, job id or name on this node
+    to: str  # a configured peer's name or HOST:PORT
+    via_store: bool = False
+    lazy: bool = False
+    move_ip: str = ""  # ADDR/PREFIX that moves with the job
+    tcp_established: bool = False
+    move_ip_dev_source: str = ""
+    move_ip_dev_target: str = ""
+    to_token: str = ""  # root only: a credential for a target that is not a peer
+    plain_restore: bool = False  # streamed moves: no early resume
+
+
+@dataclass
+class MoveResult:
+    """A finished move."""
+
+    target_pid: int
+    checkpoint_id: str
+    phases: list[tuple[str, float]]  # (name, ms), in order
+    downtime_ms: int  # the job's freeze here until it runs on the target
+    bytes_sent: int
+    target_job: str  # job id on the target
+
+
 class Phases:
     """Named durations, in order."""
 
@@ -123,9 +151,6 @@ class Phases:
         self._t = now
         return now
 
-    def pb(self) -> list[pb.Phase]:
-        """The phases as proto messages."""
-        return [pb.Phase(name=n, ms=int(ms)) for n, ms in self.items]
 
 
 @dataclass
@@ -338,5 +363,6 @@ def chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
-__all__ = ["CONFIRM_S", "TRANSPORT_CODES", "Commitments", "Move", "MoveHost", "Phases", "mark_moved", "move_error",
+__all__ = ["CONFIRM_S", "TRANSPORT_CODES", "Commitments", "Move", "MoveHost", "MoveRequest", "MoveResult", "Phases",
+           "mark_moved", "move_error",
            "restore_network", "rollback", "set_mark", "target_job"]

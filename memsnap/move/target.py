@@ -20,6 +20,7 @@ import grpc
 from memsnap import failpoints, proc
 from memsnap.auth import call_token, transfer_key
 from memsnap.catalog import DURABLE, CheckpointRecord
+from memsnap.convert import job_pb
 from memsnap.engine import ROOT, Caller, RestoreResult
 from memsnap.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from memsnap.malloc import bulk_transfer
@@ -64,8 +65,6 @@ class MoveTarget:
     def restore_received(self, caller: Caller, req: pb.RestoreReceivedRequest,
                          context: grpc.ServicerContext) -> pb.RestoreResponse:
         """Peer side: takes the moved address, restores the received image, checks that the job runs."""
-        from memsnap.api import job_pb  # (step 5 moves the translation into api.py)
-
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may restore moves")
         if req.commit:
@@ -137,8 +136,6 @@ class MoveTarget:
 
     def commit(self, ckpt_id: str) -> pb.RestoreResponse:
         """The source confirmed and lets go of its copy: the job restored from ckpt_id stays (idempotent)."""
-        from memsnap.api import job_pb  # (step 5 moves the translation into api.py)
-
         failpoints.hit("before-commit")
         with self._commit_lock:
             rec = self.engine.catalog.get_checkpoint(ckpt_id)
