@@ -2,31 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
 from memsnap import validate as v
-from memsnap.catalog import DURABLE, FAILED, CheckpointRecord, JobRecord
+from memsnap.auth import tcp_authenticated
+from memsnap.catalog import JobRecord
+from memsnap.convert import ckpt_pb, job_pb
 from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.guard.policy import CRITICAL
-from memsnap.remote import tcp_authenticated
+from memsnap.move.plan import MoveRequest, MoveResult
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
+from memsnap.v1 import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("memsnap.api")
 
-STATE_TO_PB = {
-    "dumping": pb.CHECKPOINT_STATE_DUMPING, "staged": pb.CHECKPOINT_STATE_STAGED,
-    "draining": pb.CHECKPOINT_STATE_DRAINING, "durable": pb.CHECKPOINT_STATE_DURABLE,
-    "failed": pb.CHECKPOINT_STATE_FAILED,
-}
 # The relay binds its upstream socket to this abstract name, so grpc's peer string carries SO_PEERCRED.
 PEER_RE = re.compile(r"^unix-abstract:memsnap-peer/(\d+)/(\d+)/(\d+)/")
 
@@ -40,7 +38,7 @@ def caller_of(context: grpc.ServicerContext) -> Caller:
     if m:
         return Caller(uid=int(m.group(1)), gid=int(m.group(2)), pid=int(m.group(3)))
     if tcp_authenticated():
-        # Set only by memsnap.remote's interceptor, for this call, after checking the token or client
+        # Set only by memsnap.auth's interceptor, for this call, after checking the token or client
         # certificate; no request header can set it.
         return ROOT
     raise Unauthenticated("caller identity unknown; connect through the daemon's Unix socket")
@@ -76,49 +74,9 @@ def _one_line(msg: str) -> str:
     return msg if len(msg) <= _MAX_MESSAGE else msg[:_MAX_MESSAGE] + "..."
 
 
-def _u32(x: int) -> int:
-    """A value for a uint32 field (never one that makes a whole listing fail)."""
-    return x if 0 <= x < 1 << 32 else (1 << 32) - 1
-
-
-def _u64(x: int) -> int:
-    return x if 0 <= x < 1 << 64 else 0
-
-
 def _aborted(context: grpc.ServicerContext) -> bool:
     code = context.code() if hasattr(context, "code") else None
     return code is not None and code != grpc.StatusCode.OK
-
-
-def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
-    """A catalog record as a proto message."""
-    m = r.meta
-    gpus = [pb.GpuInfo(model=str(g.get("model", "")), uuid=str(g.get("uuid", "")),
-                       driver_version=str(g.get("driver_version", "")),
-                       device_bytes=int(g.get("device_bytes", 0)), pid=int(g.get("pid", 0)))
-            for g in m.get("gpus", []) or []]
-    return pb.CheckpointInfo(
-        id=r.id, state=STATE_TO_PB.get(r.state, pb.CHECKPOINT_STATE_UNSPECIFIED), pid=r.pid, job=r.job,
-        name=r.name, owner_uid=_u32(r.owner_uid), created_unix_ms=r.created_ms, size_bytes=_u64(r.size_bytes),
-        frozen_ms=_u64(r.frozen_ms), dump_ms=_u64(r.dump_ms), in_tier=r.in_tier, in_store=r.in_store,
-        drained_bytes=_u64(r.drained_bytes), stored_bytes=_u64(r.stored_bytes), last_error=r.last_error,
-        drain_attempts=_u32(r.drain_attempts), argv=[str(a) for a in m.get("argv", []) or []],
-        hostname=str(m.get("host", "")), criu_version=str(m.get("criu_version", "")), gpus=gpus,
-        durable_unix_ms=r.durable_ms,
-        parked_reason=str((m.get("parked") or {}).get("reason", "")),
-        parked_unix_ms=int((m.get("parked") or {}).get("at_ms", 0)),
-    )
-
-
-def job_pb(j: JobRecord, running: bool, g: Any = None) -> pb.Job:
-    """A job record as a proto message (g: what the memory guard knows of it, if anything)."""
-    out = pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=_u32(j.owner_uid), log_path=j.log_path,
-                 started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
-    if g is not None:
-        out.guard_state, out.parked_reason, out.parked_unix_ms = g.state, g.reason, g.parked_ms
-        out.parked_checkpoint, out.memory_limit_bytes, out.priority = g.checkpoint, _u64(g.limit), g.priority
-        out.resumed_as = g.resumed_as
-    return out
 
 
 def _guard_of(engine: Engine, job_id: str) -> Any:
@@ -131,6 +89,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
     def __init__(self, engine: Engine, status_extra: Callable[[], dict[str, Any]] | None = None,
                  migrator: Any = None) -> None:
+        # migrator: the daemon's memsnap.move.Mover (Any: api must not import the move package, which
+        # imports api's converters).
         self.engine = engine
         self.status_extra = status_extra or (lambda: {})
         self.migrator = migrator
@@ -171,18 +131,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
                                      tcp_established=request.tcp_established, name=request.name)
         if request.wait == pb.WAIT_FOR_DURABLE:
-            rec = self._wait_durable(caller, rec.id, context)
+            rec = self.engine.wait_settled(caller, rec.id, context.is_active)
         return pb.CheckpointResponse(checkpoint=ckpt_pb(rec))
-
-    def _wait_durable(self, caller: Caller, ckpt_id: str, context: grpc.ServicerContext) -> CheckpointRecord:
-        if self.engine.drain is None:
-            raise InvalidArgument("this daemon has no store configured, so nothing becomes durable")
-        while context.is_active():
-            rec = self.engine.get(caller, ckpt_id)
-            if rec.state in (DURABLE, FAILED):
-                return rec
-            time.sleep(0.1)
-        return self.engine.get(caller, ckpt_id)
 
     @translate
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
@@ -230,30 +180,11 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def WatchCheckpoint(self, request: pb.WatchCheckpointRequest,
                         context: grpc.ServicerContext) -> Iterator[pb.CheckpointInfo]:
         caller = caller_of(context)
-        rec = self.engine.get(caller, v.ckpt_id("id", request.id))
-        return self._watch(caller, rec, context)
+        return (ckpt_pb(r) for r in self.engine.watch(caller, v.ckpt_id("id", request.id), context.is_active))
 
-    def _watch(self, caller: Caller, rec: CheckpointRecord,
-               context: grpc.ServicerContext) -> Iterator[pb.CheckpointInfo]:
-        last: tuple[Any, ...] = ()
-        while context.is_active():
-            key = (rec.state, rec.drained_bytes, rec.stored_bytes, rec.last_error, rec.in_tier)
-            if key != last:
-                yield ckpt_pb(rec)
-                last = key
-            if rec.state in (DURABLE, FAILED):
-                return
-            time.sleep(0.1)
-            found = self.engine.catalog.get_checkpoint(rec.id)
-            if found is None:
-                return
-            rec = found
-
-    # Migration RPCs are served by memsnap.migrate when that module is wired in.
+    # Move RPCs are served by memsnap.move (Mover).
     @translate
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> pb.MigrateResponse:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         caller = caller_of(context)
         v.key("target", request.target)
         v.addr("to", request.to)
@@ -261,14 +192,15 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.ifname("move_ip_dev_source", request.move_ip_dev_source)
         v.ifname("move_ip_dev_target", request.move_ip_dev_target)
         v.token("to_token", request.to_token)
-        resp: pb.MigrateResponse = self.migrator.migrate(caller, request, context)
-        return resp
+        req = MoveRequest(**{f.name: getattr(request, f.name) for f in dataclasses.fields(MoveRequest)})
+        res: MoveResult = self.migrator.migrate(caller, req)
+        return pb.MigrateResponse(target_pid=res.target_pid, checkpoint_id=res.checkpoint_id,
+                                  phases=[pb.Phase(name=n, ms=int(ms)) for n, ms in res.phases],
+                                  downtime_ms=res.downtime_ms, bytes_sent=res.bytes_sent, target_job=res.target_job)
 
     @translate
     def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],
                      context: grpc.ServicerContext) -> pb.ReceiveImageResponse:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         got: pb.ReceiveImageResponse = self.migrator.receive(caller_of(context), _checked_chunks(request_iterator),
                                                              context)
         return got
@@ -276,23 +208,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     @translate
     def PageTunnel(self, request_iterator: Iterator[pb.TunnelChunk],
                    context: grpc.ServicerContext) -> Iterator[pb.TunnelChunk]:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         out: Iterator[pb.TunnelChunk] = self.migrator.tunnels.serve(caller_of(context), request_iterator, context)
         return out
 
     @translate
     def RestoreReceived(self, request: pb.RestoreReceivedRequest,
                         context: grpc.ServicerContext) -> pb.RestoreResponse:
-        if self.migrator is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "migration is not available in this daemon")
         caller = caller_of(context)
-        v.ckpt_id("checkpoint_id", request.checkpoint_id)
-        v.key("lazy_tunnel", request.lazy_tunnel, allow_empty=True)
-        v.addr("add_ip", request.add_ip)
-        v.ifname("add_ip_dev", request.add_ip_dev)
-        if request.HasField("from_store"):
-            v.ckpt_id("from_store.id", request.from_store.id)
+        _check_restore_received(request)
         res: pb.RestoreResponse = self.migrator.restore_received(caller, request, context)
         return res
 
@@ -372,6 +295,53 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
 
 MIN_LIMIT = 32 << 20
+
+
+class PeerServicer(peer_pb2_grpc.PeerServicer):
+    """The memsnap.v1.Peer service (daemon-to-daemon calls of a move) over the daemon's Mover; translation
+    only (who may call it is auth.py's PEER_METHODS, plus the Mover's root check for local callers)."""
+
+    def __init__(self, mover: Any) -> None:
+        self.mover = mover
+
+    @translate
+    def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],
+                     context: grpc.ServicerContext) -> pb.ReceiveImageResponse:
+        got: pb.ReceiveImageResponse = self.mover.receive(caller_of(context), _checked_chunks(request_iterator),
+                                                          context)
+        return got
+
+    @translate
+    def PageTunnel(self, request_iterator: Iterator[pb.TunnelChunk],
+                   context: grpc.ServicerContext) -> Iterator[pb.TunnelChunk]:
+        out: Iterator[pb.TunnelChunk] = self.mover.tunnels.serve(caller_of(context), request_iterator, context)
+        return out
+
+    @translate
+    def RestoreReceived(self, request: pb.RestoreReceivedRequest,
+                        context: grpc.ServicerContext) -> pb.RestoreResponse:
+        caller = caller_of(context)
+        _check_restore_received(request)
+        if request.commit:
+            raise InvalidArgument("commit is Peer.CommitMove's job on the Peer service")
+        res: pb.RestoreResponse = self.mover.restore_received(caller, request, context)
+        return res
+
+    @translate
+    def CommitMove(self, request: peer_pb2.CommitMoveRequest,
+                   context: grpc.ServicerContext) -> peer_pb2.CommitMoveResponse:
+        caller = caller_of(context)
+        res: pb.RestoreResponse = self.mover.commit_move(caller, v.ckpt_id("checkpoint_id", request.checkpoint_id))
+        return peer_pb2.CommitMoveResponse(job=res.job)
+
+
+def _check_restore_received(request: pb.RestoreReceivedRequest) -> None:
+    v.ckpt_id("checkpoint_id", request.checkpoint_id)
+    v.key("lazy_tunnel", request.lazy_tunnel, allow_empty=True)
+    v.addr("add_ip", request.add_ip)
+    v.ifname("add_ip_dev", request.add_ip_dev)
+    if request.HasField("from_store"):
+        v.ckpt_id("from_store.id", request.from_store.id)
 
 
 def _checked_chunks(chunks: Iterator[pb.ImageChunk]) -> Iterator[pb.ImageChunk]:

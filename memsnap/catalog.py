@@ -87,6 +87,39 @@ class CheckpointRecord:
     durable_ms: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def marks(self) -> MoveMarks:
+        """The move marks journaled in meta (memsnap.move)."""
+        return MoveMarks.of(self.meta)
+
+
+@dataclass(frozen=True)
+class MoveMarks:
+    """What the journal says about a move of this checkpoint; recovery reads these after a crash.
+
+    Source side: hold (the tree stays stopped while it moves), lazy_move (a lazy dump towards that
+    target), committing_to (the commit was asked of that target: in doubt after a crash), moved_to and
+    moved_job (the target keeps the job: the held copy here ends). Target side: move_pending (the job
+    restored for a move that the source has not committed yet), pages_remote (the small first half of a
+    lazy move: its memory stayed on the source).
+    """
+
+    hold: bool = False
+    lazy_move: str = ""
+    committing_to: str = ""
+    moved_to: str = ""
+    moved_job: str = ""
+    move_pending: str = ""
+    pages_remote: bool = False
+
+    @classmethod
+    def of(cls, meta: dict[str, Any]) -> MoveMarks:
+        """The marks in a checkpoint's meta (absent ones are empty)."""
+        return cls(hold=bool(meta.get("hold")), lazy_move=str(meta.get("lazy_move") or ""),
+                   committing_to=str(meta.get("committing_to") or ""), moved_to=str(meta.get("moved_to") or ""),
+                   moved_job=str(meta.get("moved_job") or ""), move_pending=str(meta.get("move_pending") or ""),
+                   pages_remote=bool(meta.get("pages_remote")))
+
 
 @dataclass
 class JobRecord:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import ipaddress
 import math
 import os
@@ -12,6 +11,8 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from memsnap.units import parse_size
 
 DEFAULT_CONFIG_PATH = "/etc/memsnap/memsnap.toml"
 OVERRIDE_SOURCE = "override"
@@ -223,28 +224,6 @@ def _names(value: object) -> tuple[str, ...]:
     raise _Bad('a list of certificate names such as ["admin.example.org"]')
 
 
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?", re.IGNORECASE)
-
-
-def _fallback_parse_size(text: str) -> int:
-    """Parse "512", "64K", "1.5G", "10MiB" (binary units) into bytes."""
-    match = _SIZE_RE.fullmatch(text.strip())
-    if not match:
-        raise ValueError(f"bad size: {text!r}")
-    power = " KMGTP".index(match.group(2).upper() or " ")
-    return int(float(match.group(1)) * 1024**power)
-
-
-def _parse_size_text(text: str) -> int:
-    """Parse a size string, preferring memsnap.store.throttle.parse_size when it exists."""
-    try:  # lazy and dynamic: memsnap.store.throttle owns the canonical parser
-        throttle = importlib.import_module("memsnap.store.throttle")
-    except ImportError:
-        return _fallback_parse_size(text)
-    parse_size = getattr(throttle, "parse_size", _fallback_parse_size)
-    return int(parse_size(text))
-
-
 def _size(value: object) -> int | None:
     """Empty (None) or a positive byte count, an int or a string with a K/M/G/T suffix."""
     expected = 'a size in bytes such as "64G", or "" for the default'
@@ -254,7 +233,7 @@ def _size(value: object) -> int | None:
         size = value
     elif isinstance(value, str):
         try:
-            size = _parse_size_text(value.strip().removesuffix("/s"))
+            size = parse_size(value.strip().removesuffix("/s"))
         except (ValueError, TypeError):
             raise _Bad(expected) from None
     else:

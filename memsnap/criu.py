@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from memsnap import knobs
 from memsnap.criurpc import criu_rpc_pb2 as rpc
 from memsnap.criurpc import criu_stats_pb2 as stats_pb
 
@@ -54,46 +56,84 @@ class DumpStats:
     bytes_written: int = 0
 
 
-@dataclass
-class DumpOptions:
+@dataclass(kw_only=True)
+class CriuOptions:
+    """What a dump and a restore share."""
+
+    tcp_established: bool = False
+    shell_job: bool = False
+    ext_unix_sk: bool = True
+    file_locks: bool = True
+    lazy_pages: bool = False
+    network_lock_nft: bool = True
+    # The caller locks the connections itself (memsnap.net, for moves between nodes).
+    network_lock_skip: bool = False
+    external: list[str] = field(default_factory=list)
+    # Dump: the tree has its own mount namespace (memsnapctl run --own-proc). Restore: the image holds
+    # one (its manifest's own_mntns, never this node's state). See _common_opts.
+    own_mntns: bool = False
+    log_level: int = 2
+
+
+@dataclass(kw_only=True)
+class DumpOptions(CriuOptions):
     """How to dump; the defaults suit a job that keeps running."""
 
     leave_running: bool = True
     leave_stopped: bool = False
-    tcp_established: bool = False
-    shell_job: bool = False
-    ext_unix_sk: bool = True
-    file_locks: bool = True
-    lazy_pages: bool = False
     page_server: tuple[str, int] | None = None
     # A connected socket for the page server (a lazy dump serves its pages over it): no TCP port opens.
     ps_socket: int = -1
-    network_lock_nft: bool = True
-    # The caller locks the connections itself (memsnap.net, for moves between nodes).
-    network_lock_skip: bool = False
-    external: list[str] = field(default_factory=list)
-    # The tree has its own mount namespace (memsnapctl run --own-proc): see _common_opts.
-    own_mntns: bool = False
-    log_level: int = 2
+
+
+@dataclass(kw_only=True)
+class RestoreOptions(CriuOptions):
+    """How to restore; the root is always detached from CRIU."""
+
+    inherit_fds: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
-class RestoreOptions:
-    """How to restore; the root is always detached from CRIU."""
+class NotifyHooks:
+    """CRIU's notify callbacks, one typed field per script memsnap answers (runc's criuNotifications).
 
-    tcp_established: bool = False
-    shell_job: bool = False
-    ext_unix_sk: bool = True
-    file_locks: bool = True
-    lazy_pages: bool = False
-    inherit_fds: dict[str, int] = field(default_factory=dict)
-    network_lock_nft: bool = True
-    # The caller locks the connections itself (memsnap.net, for moves between nodes).
-    network_lock_skip: bool = False
-    external: list[str] = field(default_factory=list)
-    # The image holds a mount namespace (its manifest's own_mntns, never this node's state).
-    own_mntns: bool = False
-    log_level: int = 2
+    Each hook returns None or True to let CRIU go on, False to make it abort (a dump then resumes the
+    tree). Scripts without a hook are acknowledged. An instance is a NotifyCallback.
+    """
+
+    pre_dump: Callable[[], bool | None] | None = None  # the tree is about to freeze
+    post_dump: Callable[[], bool | None] | None = None  # the image is complete, the tree still frozen
+    post_restore: Callable[[int], bool | None] | None = None  # the tree exists again (its root pid)
+
+    def __call__(self, script: str, pid: int) -> bool:
+        if script == "pre-dump" and self.pre_dump is not None:
+            return self.pre_dump() is not False
+        if script == "post-dump" and self.post_dump is not None:
+            return self.post_dump() is not False
+        if script == "post-restore" and self.post_restore is not None:
+            return self.post_restore(pid) is not False
+        return True
+
+
+class CriuApi(Protocol):
+    """What memsnap needs of CRIU; Criu (criu swrk) implements it, tests use a fake."""
+
+    def version(self) -> str:
+        """CRIU's version as 'major.minor[.sublevel]'."""
+
+    def lazy_pages_supported(self) -> bool:
+        """Whether userfaultfd-based lazy pages work here."""
+
+    def dump(self, pid: int, images_dir: Path, work_dir: Path, opts: DumpOptions,
+             notify: NotifyCallback | None = None) -> DumpStats:
+        """Dumps the tree rooted at pid into images_dir."""
+
+    def restore(self, images_dir: Path, work_dir: Path, opts: RestoreOptions,
+                notify: NotifyCallback | None = None) -> int:
+        """Restores images_dir detached; the new root pid."""
+
+    def start_lazy_pages(self, images_dir: Path, work_dir: Path, ps_socket: int = -1) -> subprocess.Popen[bytes]:
+        """Starts the supervised `criu lazy-pages` server."""
 
 
 def _unescape(field: str) -> str:
@@ -145,7 +185,7 @@ def own_mount_ns(pid: int) -> bool:
 
 def find_binary() -> str:
     """The criu binary memsnap uses: $MEMSNAP_CRIU, else /usr/local/sbin/criu, else PATH."""
-    env = os.environ.get("MEMSNAP_CRIU")
+    env = knobs.criu_binary()
     if env:
         return env
     if os.access("/usr/local/sbin/criu", os.X_OK):
@@ -199,6 +239,7 @@ class Criu:
     def __init__(self, binary: str | None = None, plugin_dir: Path | None = None) -> None:
         self.binary = binary or find_binary()
         self._version: str | None = None
+        self._lazy_pages: bool | None = None
         # CRIU loads every plugin in its libdir; memsnap drives CUDA itself (see memsnap.gpu), so CRIU
         # gets an empty plugin dir and its cuda_plugin can never lock/unlock behind our back.
         self._env = dict(os.environ)
@@ -290,17 +331,13 @@ class Criu:
             self._version = f"{v.major_number}.{v.minor_number}" + (f".{v.sublevel}" if v.sublevel else "")
         return self._version
 
-    def check(self) -> None:
-        """Raises CriuError when the kernel lacks what CRIU needs."""
-        resp = self._call("check", rpc.Req(type=rpc.CHECK))
-        if not resp.success:
-            raise CriuError("check", resp.cr_errmsg or "criu check failed; run 'criu check' for details")
-
     def lazy_pages_supported(self) -> bool:
-        """Whether userfaultfd-based lazy pages work here."""
-        req = rpc.Req(type=rpc.FEATURE_CHECK, features=rpc.Features(lazy_pages=True))
-        resp = self._call("feature-check", req)
-        return bool(resp.success and resp.features.lazy_pages)
+        """Whether userfaultfd-based lazy pages work here (CRIU's feature check, asked once)."""
+        if self._lazy_pages is None:
+            req = rpc.Req(type=rpc.FEATURE_CHECK, features=rpc.Features(lazy_pages=True))
+            resp = self._call("feature-check", req)
+            self._lazy_pages = bool(resp.success and resp.features.lazy_pages)
+        return self._lazy_pages
 
     def dump(
         self,

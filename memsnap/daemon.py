@@ -19,18 +19,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memsnap import manifest, safefs
-from memsnap.api import MemsnapServicer
+from memsnap.api import MemsnapServicer, PeerServicer
 from memsnap.catalog import Catalog
 from memsnap.config import Config, ConfigError, load_config
 from memsnap.criu import Criu, CriuError
+from memsnap.drain import build_drain
 from memsnap.engine import Engine, EngineConfig
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
+from memsnap.move import Mover
 from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.tier import MemoryTier
-from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc
+from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc, peer_pb2, peer_pb2_grpc
 from memsnap.version import VersionAction
 
 log = logging.getLogger("memsnap.daemon")
@@ -86,14 +88,12 @@ class Daemon:
             self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),
             observe=self._observe,
         )
-        if self.drain is not None:
-            self.drain.attach(self.engine)
         self.engine.guard = self.guard = self._make_guard(state, key)
         self.notifier = Notifier.from_env(unset=True)
         self._stopped = threading.Event()
         self._servers: list[Any] = []
         self._threads: list[Any] = []
-        self.migrator: Any = None
+        self.migrator: Mover | None = None
 
     def _make_guard(self, state: Path, key: bytes) -> Any:
         """The memory guard (memsnap.guard), with its spill tier's engine when guard.spill_dir is set."""
@@ -111,10 +111,6 @@ class Daemon:
         return Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
 
     def _make_drain(self, key: bytes) -> Any:
-        try:
-            from memsnap.drain import build_drain
-        except ImportError:
-            return None
         return build_drain(self.cfg, self.catalog, self.tier, key, self.metrics)
 
     def _observe(self, kind: str, result: str, seconds: float) -> None:
@@ -140,14 +136,13 @@ class Daemon:
             version = self.criu.version()
         except CriuError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
-        fixed = self.engine.recover()
+        migrator = self.migrator = Mover(self.engine, self.cfg)
+        fixed = self.engine.recover(moves=migrator)
         log.info("memsnapd starting: criu %s, tier %s, recovered %s", version, self.tier.root, fixed)
         if self.drain is not None:
             self.drain.start(self.engine.pending_drains())
 
-        migrator = self.migrator = self._migrator()
-        if migrator is not None:
-            migrator.recover()
+        migrator.recover()
         servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20),
@@ -155,10 +150,12 @@ class Daemon:
                                       ("grpc.so_reuseport", 0)],
                              interceptors=self._interceptors())
         memsnap_pb2_grpc.add_MemsnapServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(migrator), server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"].full_name,
-                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+                 peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name)
         reflection.enable_server_reflection(names, server)
 
         private_dir = Path(self.cfg.state.dir) / "private"
@@ -193,16 +190,9 @@ class Daemon:
         self._start_background()
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
 
-    def _migrator(self) -> Any:
-        try:
-            from memsnap.migrate import Migrator
-        except ImportError:
-            return None
-        return Migrator(self.engine, self.cfg)
-
     def _interceptors(self) -> list[Any]:
-        """TCP authentication and roles (memsnap.remote); it also refuses the reserved auth header on any socket."""
-        from memsnap.remote import RemoteConfigError, interceptors
+        """TCP authentication and roles (memsnap.auth); it also refuses the reserved auth header on any socket."""
+        from memsnap.auth import RemoteConfigError, interceptors
 
         try:
             return interceptors(self.cfg)
@@ -212,7 +202,7 @@ class Daemon:
     def _add_tcp(self, server: grpc.Server) -> None:
         if not self.cfg.daemon.listen:
             return
-        from memsnap.remote import RemoteConfigError, add_tcp_port
+        from memsnap.auth import RemoteConfigError, add_tcp_port
 
         try:
             add_tcp_port(server, self.cfg)
@@ -301,10 +291,8 @@ def single_instance(state: Path, sock: Path, listen: str) -> int:
 
 def _load_gpu() -> Any:
     """The GPU hook when the NVIDIA driver is present, else None (CPU nodes)."""
-    try:
-        from memsnap.gpu.hook import load_hook
-    except ImportError:
-        return None
+    from memsnap.gpu.hook import load_hook  # (imported late: CPU-only tools never load memsnap.gpu)
+
     return load_hook()
 
 

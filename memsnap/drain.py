@@ -9,8 +9,6 @@ drained again: objects are written atomically and the store manifest is what mak
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import heapq
 import json
 import logging
@@ -19,14 +17,13 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from memsnap import manifest, safefs
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
+from memsnap.malloc import idle_heap, release_memory
 from memsnap.store import (
     MANIFEST_NAME,
     Codec,
@@ -76,9 +73,6 @@ class DrainService:
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-
-    def attach(self, engine: Any) -> None:
-        """Called by the daemon once the engine exists (kept for symmetry; the engine calls us)."""
 
     def describe(self) -> str:
         """Where checkpoints go."""
@@ -355,66 +349,6 @@ class DrainService:
                 from exc
 
 
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
-_M_TRIM_THRESHOLD = -1
-
-
-# (mmap threshold, trim threshold): at rest, big buffers go back to the OS as soon as they are freed;
-# during a move, buffers up to 2 MiB (its 1 MiB chunks, gRPC's) are kept and reused. With the idle
-# setting every move chunk was a fresh mmap faulted in anew (an explicit mmap threshold also pins the
-# trim threshold at 128 KiB): a 2 GiB move's transfer took 11-14 s instead of 3-5 s on this VM. Keeping
-# the move setting for good cost ~22 MB of idle RSS (94 vs 72 MB).
-_IDLE_MALLOC = (1 << 20, 128 << 10)
-_BULK_MALLOC = (2 << 20, 64 << 20)
-_bulk_lock = threading.Lock()
-_bulk_users = 0
-
-
-def _set_malloc(setting: tuple[int, int]) -> None:
-    mallopt = getattr(_LIBC, "mallopt", None)
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, setting[0])
-        mallopt(_M_TRIM_THRESHOLD, setting[1])
-
-
-@contextmanager
-def bulk_transfer() -> Iterator[None]:
-    """While a move streams an image: keep freed buffers for reuse; afterwards hand them back."""
-    global _bulk_users
-    with _bulk_lock:
-        _bulk_users += 1
-        if _bulk_users == 1:
-            _set_malloc(_BULK_MALLOC)
-    try:
-        yield
-    finally:
-        with _bulk_lock:
-            _bulk_users -= 1
-            if _bulk_users == 0:
-                _set_malloc(_IDLE_MALLOC)
-                release_memory()
-
-
-def release_memory() -> None:
-    """Hands the heap that a drain or fetch freed back to the OS (glibc keeps it otherwise).
-
-    Each drain and fetch allocates and frees hundreds of MB in 4 MiB chunks across several threads; glibc
-    raises its mmap threshold after the first such free and then keeps the freed chunks in per-thread
-    arenas, so an idle daemon stayed at ~150-230 MB after a few checkpoints instead of ~70 MB.
-    """
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
 def _as_binary(f: Any) -> BinaryIO:
     return f  # type: ignore[no-any-return]
 
@@ -507,11 +441,7 @@ class _ReadAhead:
 
 def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metrics: Any) -> DrainService | None:
     """The drain for a daemon config: S3 when store.url is set, else the POSIX store dir."""
-    # Buffers of 1 MiB and more (the drain's and fetch's 4 MiB chunks) come from mmap and go back to the OS
-    # when freed; glibc's default, a threshold that rises after the first free, kept them in per-thread
-    # arenas, which malloc_trim cannot fully shrink (daemon RSS ~120 MB after a few drains instead of ~75).
-    # Moves switch to reusing their buffers while they run: see bulk_transfer().
-    _set_malloc(_IDLE_MALLOC)
+    idle_heap()  # the drain's and fetch's 4 MiB chunks go back to the OS when freed (memsnap.malloc)
     if cfg.store.url:
         store = open_store(store_url=cfg.store.url, endpoint_url=cfg.store.s3_endpoint or None,
                            region=cfg.store.s3_region or None)

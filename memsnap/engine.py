@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, failpoints, jobs, manifest
+from memsnap import __version__, failpoints, jobs, knobs, manifest, proc
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -29,7 +29,15 @@ from memsnap.catalog import (
     JobRecord,
     now_ms,
 )
-from memsnap.criu import Criu, CriuError, DumpOptions, NotifyCallback, RestoreOptions, guard_lazy_restore, own_mount_ns
+from memsnap.criu import (
+    CriuApi,
+    CriuError,
+    DumpOptions,
+    NotifyCallback,
+    RestoreOptions,
+    guard_lazy_restore,
+    own_mount_ns,
+)
 from memsnap.errors import (
     Aborted,
     FailedPrecondition,
@@ -39,7 +47,8 @@ from memsnap.errors import (
     PermissionDenied,
     TierExhausted,
 )
-from memsnap.tier import MemoryTier, TierFull
+from memsnap.manifest import Manifest
+from memsnap.tier import MemoryTier, TierFull, publish_image
 
 log = logging.getLogger("memsnap.engine")
 
@@ -96,6 +105,19 @@ class GpuHook(Protocol):
         """GPU model/uuid/driver/device bytes per CUDA process of the tree."""
 
 
+class MoveRecovery(Protocol):
+    """What Engine.recover hands to the move code (memsnap.move.Mover) after a crash."""
+
+    def in_doubt(self, rec: CheckpointRecord) -> None:
+        """The source died while asking the target to keep the job: ask again (the copy stays stopped)."""
+
+    def abandon(self, rec: CheckpointRecord) -> None:
+        """Target: a move restored here that the source never committed (the source runs the job)."""
+
+    def lazy_target_interrupted(self, rec: CheckpointRecord) -> None:
+        """Target: the first half of a lazy move that was in flight."""
+
+
 @dataclass
 class RestoreResult:
     """A restored job and what the restore cost."""
@@ -112,7 +134,7 @@ class RestoreResult:
 
 @dataclass
 class DumpHooks:
-    """Extras for a dump that feeds a move to another node (memsnap.migrate); all optional."""
+    """Extras for a dump that feeds a move to another node (memsnap.move); all optional."""
 
     hold: bool = False  # leave the tree stopped after staging; end_held() or resume_held() decides
     before_dump: Callable[[Path], None] | None = None  # gets the staging dir just before CRIU starts
@@ -135,7 +157,7 @@ class EngineConfig:
 class Engine:
     """Checkpoint, restore and catalog operations with authorization and crash-safe ordering."""
 
-    def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: Criu, hmac_key: bytes,
+    def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: CriuApi, hmac_key: bytes,
                  drain: DrainHook | None = None, gpu: GpuHook | None = None,
                  observe: Callable[[str, str, float], None] | None = None) -> None:
         self.cfg = cfg
@@ -163,13 +185,12 @@ class Engine:
         # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
         # every page already (small jobs), but reap_lazy must not remove the dir under the restore.
         self._restoring: set[Path] = set()
-        # Moves whose commit was in flight when we died (filled by recover; memsnap.migrate settles them).
-        self.uncertain_moves: list[str] = []
         self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager
-    def _exclusive(self, pid: int) -> Iterator[None]:
+    def exclusive(self, pid: int) -> Iterator[None]:
+        """No other checkpoint of pid meanwhile (Aborted if one runs)."""
         with self._busy_lock:
             if pid in self._busy:
                 raise Aborted(f"pid {pid} is already being checkpointed; wait for that to finish")
@@ -179,6 +200,10 @@ class Engine:
         finally:
             with self._busy_lock:
                 self._busy.discard(pid)
+
+    def extra_dump_opts(self) -> dict[str, Any]:
+        """DumpOptions fields from the daemon's configuration (for dumps the engine does not run itself)."""
+        return dict(self.cfg.extra_dump_opts)
 
     def _authorize_uid(self, caller: Caller, owner: int, what: str) -> None:
         if not caller.is_root and caller.uid != owner:
@@ -198,7 +223,7 @@ class Engine:
             pid = int(target)
             if pid <= 0 or pid > 1 << 22:
                 raise InvalidArgument(f"{_clip(target)!r} is not a valid PID")
-            if not jobs.alive(pid):
+            if not proc.alive(pid):
                 raise NotFound(f"no process with pid {pid}; check the pid with 'ps' or 'memsnapctl jobs'")
             refuse_uncheckpointable(pid)
             return pid, self.catalog.job_by_pid(pid)
@@ -207,7 +232,7 @@ class Engine:
         job = self.catalog.get_job(target)
         if job is None:
             job = self._job_by_name(caller, target)
-        if job.ended or not jobs.alive(job.pid, job.pid_start):
+        if job.ended or not proc.alive(job.pid, job.pid_start):
             raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
         refuse_uncheckpointable(job.pid)
         return job.pid, job
@@ -217,7 +242,7 @@ class Engine:
         owner, name, explicit = scoped_name(caller, target)
         named = self.catalog.jobs_named(name, owner)
         if named:
-            running = [j for j in named if not j.ended and jobs.alive(j.pid, j.pid_start)]
+            running = [j for j in named if not j.ended and proc.alive(j.pid, j.pid_start)]
             return max(running or named, key=lambda j: (j.started_ms, j.id))
         if caller.is_root and not explicit:
             others = sorted({j.owner_uid for j in self.catalog.jobs_named(name)})
@@ -229,7 +254,7 @@ class Engine:
 
     def _refuse_live_duplicate(self, owner: int, name: str) -> None:
         for j in self.catalog.jobs_named(name, owner):
-            if not j.ended and jobs.alive(j.pid, j.pid_start):
+            if not j.ended and proc.alive(j.pid, j.pid_start):
                 raise FailedPrecondition(f"uid {owner} already runs a job named {_clip(name)!r} ({j.id}); pick "
                                          "another name, or stop that job first")
 
@@ -242,6 +267,39 @@ class Engine:
             raise NotFound(f"no checkpoint {ckpt_id!r}; 'memsnapctl list' shows the checkpoints")
         self._authorize_uid(caller, rec.owner_uid, f"checkpoint {ckpt_id}")
         return rec
+
+    def wait_settled(self, caller: Caller, ckpt_id: str, active: Callable[[], bool]) -> CheckpointRecord:
+        """Waits until a checkpoint is durable or failed (or active() turns false); its latest record."""
+        if self.drain is None:
+            raise InvalidArgument("this daemon has no store configured, so nothing becomes durable")
+        while active():
+            rec = self.get(caller, ckpt_id)
+            if rec.state in (DURABLE, FAILED):
+                return rec
+            time.sleep(0.1)
+        return self.get(caller, ckpt_id)
+
+    def watch(self, caller: Caller, ckpt_id: str, active: Callable[[], bool]) -> Iterator[CheckpointRecord]:
+        """A checkpoint's record at every change of its progress, until durable or failed (or active()
+        turns false). Authorization happens before the first record."""
+        rec = self.get(caller, ckpt_id)
+
+        def changes(rec: CheckpointRecord) -> Iterator[CheckpointRecord]:
+            last: tuple[Any, ...] = ()
+            while active():
+                key = (rec.state, rec.drained_bytes, rec.stored_bytes, rec.last_error, rec.in_tier)
+                if key != last:
+                    yield rec
+                    last = key
+                if rec.state in (DURABLE, FAILED):
+                    return
+                time.sleep(0.1)
+                found = self.catalog.get_checkpoint(rec.id)
+                if found is None:
+                    return
+                rec = found
+
+        return changes(rec)
 
     # -- jobs ---------------------------------------------------------------------
     def run_job(self, caller: Caller, argv: list[str], name: str = "", cwd: str = "",
@@ -261,7 +319,7 @@ class Engine:
             self._refuse_live_duplicate(caller.uid, name)
         # The job gets the caller's supplementary groups too, as its shell would (read from the caller's
         # process; none if that process is gone or its ids changed).
-        groups = jobs.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
+        groups = proc.caller_groups(caller.pid, caller.uid, caller.gid) if caller.uid else None
         try:
             launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env,
                                                       groups=groups, own_proc=own_proc,
@@ -279,7 +337,7 @@ class Engine:
         out = []
         for j in self.catalog.jobs():
             if caller.is_root or caller.uid == j.owner_uid:
-                out.append((j, not j.ended and jobs.alive(j.pid, j.pid_start)))
+                out.append((j, not j.ended and proc.alive(j.pid, j.pid_start)))
         return out
 
     # -- checkpoint -----------------------------------------------------------------
@@ -287,22 +345,22 @@ class Engine:
                    name: str = "", hooks: DumpHooks | None = None) -> CheckpointRecord:
         """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop.
 
-        hooks (memsnap.migrate) can hold the tree stopped instead, watch the staging dir while CRIU
+        hooks (memsnap.move) can hold the tree stopped instead, watch the staging dir while CRIU
         writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
         """
         pid, job = self.resolve_pid(target, caller)
         try:
-            owner = jobs.owner_uid(pid)
-        except jobs.ProcessNotFound as exc:
+            owner = proc.owner_uid(pid)
+        except proc.ProcessNotFound as exc:
             raise NotFound(str(exc)) from exc
         self._authorize_uid(caller, owner, f"pid {pid}")
         t_start = time.monotonic()
-        with self._exclusive(pid):
+        with self.exclusive(pid):
             try:
-                estimate = int(jobs.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
-            except jobs.ProcessNotFound as exc:
+                estimate = int(proc.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
+            except proc.ProcessNotFound as exc:
                 raise NotFound(str(exc)) from exc
-            reservation = self._reserve(estimate)
+            reservation = self.reserve(estimate)
             try:
                 rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, hooks)
             except Exception:
@@ -315,7 +373,7 @@ class Engine:
             self.drain.enqueue(rec.id)
         return rec
 
-    def _reserve(self, nbytes: int) -> Any:
+    def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
 
         A checkpoint whose lock someone holds (a fetch, restore, delete) is skipped, never waited for: the
@@ -368,8 +426,8 @@ class Engine:
                              hooks: DumpHooks | None = None) -> CheckpointRecord:
         hooks = hooks or DumpHooks()
         ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-        argv = jobs.cmdline(pid)
-        own_ns = jobs.in_own_pidns(pid)
+        argv = proc.cmdline(pid)
+        own_ns = proc.in_own_pidns(pid)
         own_mnt = own_mount_ns(pid)
         # The intent (stop or not) and the process identity are journaled too, so that recovery after a
         # crash can finish or roll back a --stop whose job CRIU left stopped.
@@ -384,7 +442,7 @@ class Engine:
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         frozen_after = stop or hooks.hold
         opts = DumpOptions(leave_running=not frozen_after, leave_stopped=frozen_after,
-                           tcp_established=tcp_established, shell_job=not jobs.is_session_leader(pid),
+                           tcp_established=tcp_established, shell_job=not proc.is_session_leader(pid),
                            own_mntns=own_mnt, **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = None
@@ -420,15 +478,15 @@ class Engine:
                                          f"{reason} (log: {exc.log_path})") from exc
             raise
         try:
-            body = self.manifest_body(rec, argv, own_ns, job,
-                                      (hooks.file_table() if hooks.file_table else None)
-                                      or manifest.describe_files(staging),
-                                      frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
-                                      dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt, **hooks.manifest)
-            signed = manifest.sign(body, self.key)
-            manifest.write(staging, signed)
-            failpoints.hit("before-publish")
-            self.tier.publish(staging, ckpt_id)
+            man = self.new_manifest(rec, argv, own_ns, job,
+                                    (hooks.file_table() if hooks.file_table else None)
+                                    or manifest.describe_files(staging),
+                                    frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
+                                    dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt)
+            man.extra.update(hooks.manifest)  # signed too (memsnap.guard: parked)
+            size = publish_image(self.tier, self.catalog, self.key, staging, man, keep_meta=rec.meta,
+                                 failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
+                                 dump_ms=int(stats.wall_ms))
         except Exception as exc:
             # The dump worked but the image is not safely staged: the job must go on.
             if frozen_after:
@@ -438,13 +496,6 @@ class Engine:
             self.tier.discard_staging(ckpt_id)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
-        size = sum(int(m["size"]) for m in signed["files"].values())
-        meta = {**rec.meta, **{k: signed[k] for k in ("argv", "host", "criu_version", "own_pidns", "own_mntns",
-                                                      "log_path", "gpus", "freezing_ms")}}
-        meta["fingerprint"] = manifest.fingerprint(self.tier.path(ckpt_id))
-        self.catalog.update_checkpoint(ckpt_id, state=STAGED, in_tier=True, size_bytes=size,
-                                       frozen_ms=int(stats.frozen_ms), dump_ms=int(stats.wall_ms),
-                                       last_used_ms=now_ms(), meta=meta)
         failpoints.hit("after-publish")
         if hooks.hold:
             pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
@@ -452,80 +503,31 @@ class Engine:
             # The image is safely staged: now the job may end.
             if suspension is not None:
                 suspension.release()
-            jobs.kill_tree(pid)
+            proc.kill_tree(pid)
             if job is not None:
                 self.catalog.update_job(job.id, ended=True)
         elif suspension is not None:
             suspension.resume()
-        shutil.rmtree(work, ignore_errors=True) if not os.environ.get("MEMSNAP_KEEP_LOGS") else None
+        shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
         clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
                   stats.wall_ms)
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out
 
-    def manifest_body(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
-                      files: dict[str, dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        """The unsigned manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, ...).
+    def new_manifest(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
+                     files: dict[str, dict[str, Any]], **fields: Any) -> Manifest:
+        """The manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, pages_remote, ...).
 
         own_mntns (the tree has its own mount namespace) tells every later restore, here or on another
         node, to restore that namespace; unless given, it is read from the (still frozen) tree.
         """
-        return {"id": rec.id, "pid": rec.pid, "job": rec.job, "name": rec.name, "uid": rec.owner_uid,
-                "argv": argv, "host": self.hostname, "kernel": platform.release(),
-                "criu_version": self.criu.version(), "memsnap_version": __version__, "created_ms": rec.created_ms,
-                "frozen_ms": 0, "freezing_ms": 0, "dump_ms": 0, "own_pidns": own_ns,
-                "own_mntns": own_mount_ns(rec.pid) if "own_mntns" not in fields else fields["own_mntns"],
-                "log_path": job.log_path if job else "", "gpus": [], "files": files, **fields}
-
-    # -- lazy dumps (the source side of a lazy move, memsnap.lazymove) -----------------------
-    def lazy_dump(self, rec: CheckpointRecord, ps_socket: int,
-                  notify: Callable[[str, Path], bool]) -> CriuError | None:
-        """Dumps rec.pid without its memory, whose pages CRIU then serves over ps_socket until the peer has
-        them all; the tree is left stopped (end_held / resume_held decide). rec is journaled first, with
-        hold set, so recovery resumes the tree if we die. notify gets CRIU's callbacks and the staging
-        dir. Returns CRIU's error, if any; raises (job untouched) when the pid is busy or the tier full."""
-        rec.meta = {**rec.meta, "stop": False, "hold": True, "pid_start": _start_or_zero(rec.pid)}
-        self.catalog.add_checkpoint(rec)
-        staging = self.tier.new_staging(rec.id)
-        work = self.work_root / rec.id
-        work.mkdir(parents=True, exist_ok=True, mode=0o700)
-        opts = DumpOptions(leave_running=False, leave_stopped=True, lazy_pages=True, ps_socket=ps_socket,
-                           shell_job=not jobs.is_session_leader(rec.pid), own_mntns=own_mount_ns(rec.pid),
-                           **self.cfg.extra_dump_opts)
-        try:
-            with self._exclusive(rec.pid):
-                reservation = self._reserve(_RESERVE_SLACK)
-                try:
-                    self.criu.dump(rec.pid, staging, work, opts, notify=lambda script, p: notify(script, staging))
-                except CriuError as exc:
-                    return exc
-                finally:
-                    reservation.release()
-        except Exception as exc:
-            self.end_lazy_dump(rec.id, error=str(exc))
-            raise
-        finally:
-            self.tier.discard_staging(rec.id)  # what the move needed of it has been sent
-        return None
-
-    def end_lazy_dump(self, ckpt_id: str, error: str = "") -> None:
-        """A failed lazy dump stays in the catalog as FAILED, with its logs; a moved one goes."""
-        self.tier.discard_staging(ckpt_id)
-        if error:
-            self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=error)
-            return
-        self.catalog.delete_checkpoint(ckpt_id)
-        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
-            shutil.rmtree(self.work_root / ckpt_id, ignore_errors=True)
-
-    def mark_moved(self, ckpt_id: str, to: str, target_job: str = "") -> None:
-        """Journals that the target keeps the job: from here on, recovery ends the held copy here."""
-        cur = self.catalog.get_checkpoint(ckpt_id)
-        if cur is not None:
-            meta = {k: v for k, v in cur.meta.items() if k != "committing_to"}
-            self.catalog.update_checkpoint(ckpt_id, meta={**meta, "moved_to": to,
-                                                          **({"moved_job": target_job} if target_job else {})})
+        if "own_mntns" not in fields:
+            fields["own_mntns"] = own_mount_ns(rec.pid)
+        return Manifest(id=rec.id, pid=rec.pid, job=rec.job, name=rec.name, uid=rec.owner_uid, files=files,
+                        argv=argv, host=self.hostname, kernel=platform.release(),
+                        criu_version=self.criu.version(), memsnap_version=__version__, created_ms=rec.created_ms,
+                        own_pidns=own_ns, log_path=job.log_path if job else "", **fields)
 
     # -- restore --------------------------------------------------------------------
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord:
@@ -555,7 +557,7 @@ class Engine:
                     raise InvalidArgument(f"root has no checkpoint named {_clip(name)!r}; uid "
                                           f"{', '.join(map(str, others))} has: name it as UID:NAME, "
                                           f"e.g. {others[0]}:{_clip(name)}")
-            adopted = self._adopt_from_store(name, owner)
+            adopted = self._catalog_from_store(name, owner)
             if adopted is None:
                 raise NotFound(f"no checkpoint {_clip(key)!r}; 'memsnapctl list' shows the checkpoints")
             cands = [adopted]
@@ -563,7 +565,7 @@ class Engine:
         self._authorize_uid(caller, rec.owner_uid, f"checkpoint {rec.id}")
         return rec
 
-    def _adopt_from_store(self, name: str, owner: int) -> CheckpointRecord | None:
+    def _catalog_from_store(self, name: str, owner: int) -> CheckpointRecord | None:
         """Catalogs the newest durable checkpoint another node stored under this job name (shared store and
         key). The store's name index is only a hint: the signed manifest must carry this name and owner."""
         find = getattr(self.drain, "find_stored", None)
@@ -580,13 +582,12 @@ class Engine:
                 log.warning("store index %r lists %s, whose signed manifest names %r of uid %s: not adopted",
                             name, m.get("id"), m.get("name"), m.get("uid"))
                 continue
-            size = sum(int(f["size"]) for f in m["files"].values())
-            meta = {k: m.get(k) for k in ("argv", "host", "criu_version", "own_pidns", "log_path", "gpus")}
-            rec = CheckpointRecord(id=m["id"], state=DURABLE, pid=int(m["pid"]), owner_uid=m_owner,
-                                   created_ms=int(m["created_ms"]), job=str(m.get("job", "")), name=name,
-                                   size_bytes=size, frozen_ms=int(m.get("frozen_ms", 0)),
-                                   dump_ms=int(m.get("dump_ms", 0)), in_tier=False, in_store=True,
-                                   durable_ms=now_ms(), meta=meta)
+            man = Manifest.from_dict(m)
+            rec = CheckpointRecord(id=man.id, state=DURABLE, pid=int(man.pid), owner_uid=m_owner,
+                                   created_ms=int(man.created_ms), job=str(man.job), name=name,
+                                   size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms),
+                                   dump_ms=int(man.dump_ms), in_tier=False, in_store=True,
+                                   durable_ms=now_ms(), meta=man.catalog_meta())
             self.catalog.add_checkpoint(rec)
             log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.get("host"))
             return rec
@@ -598,10 +599,13 @@ class Engine:
         """Verifies a checkpoint against its signed manifest, then restores it detached.
 
         notify gets CRIU's callbacks (post-restore, ...); restore_opts adds RestoreOptions fields.
-        lazy_ps_socket (a lazy move, memsnap.lazymove): the pages come from the source over that socket.
+        lazy_ps_socket (a lazy move, memsnap.move.lazy): the pages come from the source over that socket.
         """
         if not key:
             raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
+        if lazy and not self.criu.lazy_pages_supported():
+            raise FailedPrecondition("CRIU cannot restore lazily on this node (no userfaultfd; see 'criu check "
+                                     "--feature lazy_pages'); restore without --lazy")
         rec = self.latest_restorable(caller, key)
         if rec.state not in RESTORABLE:
             why = f": {rec.last_error}" if rec.last_error else ""
@@ -649,12 +653,12 @@ class Engine:
         if man.get("pages_remote") and lazy_ps_socket < 0:
             raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
                                      "on the source node, so it cannot be restored on its own")
-        if not man.get("own_pidns", False) and jobs.alive(rec.pid):
+        if not man.get("own_pidns", False) and proc.alive(rec.pid):
             raise FailedPrecondition(
                 f"pid {rec.pid} is in use, and this checkpoint needs it back: stop that process first, "
                 "or start jobs with 'memsnapctl run' (own PID namespace) so that restores never collide")
         if not man.get("own_pidns", False):
-            jobs.wait_pid_free(rec.pid, 10)
+            proc.wait_pid_free(rec.pid, 10)
         work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
         failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
@@ -681,7 +685,7 @@ class Engine:
                                              f"{work}/lazy-pages.log); the restored copy was killed")
         except BaseException:
             if new_pid:
-                jobs.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
+                proc.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
             raise
         finally:
             with self._lazy_lock:
@@ -690,9 +694,9 @@ class Engine:
         if man.get("parked"):
             _resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
         try:
-            job = self._adopt_restored(rec, man, new_pid, server, work, gpu_map)
+            job = self._record_restored(rec, man, new_pid, server, work, gpu_map)
         except BaseException:
-            jobs.kill_tree(new_pid)
+            proc.kill_tree(new_pid)
             self.observe("restore", "error", time.monotonic() - t0)
             raise
         self.observe("restore", "ok", time.monotonic() - t0)
@@ -700,7 +704,7 @@ class Engine:
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
                              fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
 
-    def _adopt_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
+    def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
                         gpu_map: Any) -> JobRecord:
         """Brings a restored tree's GPU state back and records it as a job (the caller kills it on error)."""
         if failpoints.armed("record-restored-fails"):
@@ -713,7 +717,7 @@ class Engine:
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
-        if server is None and not os.environ.get("MEMSNAP_KEEP_LOGS"):
+        if server is None and not knobs.keep_logs():
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=rec.name or rec.job or rec.id, pid=new_pid,
                         pid_start=_start_or_zero(new_pid), owner_uid=rec.owner_uid,
@@ -726,18 +730,18 @@ class Engine:
     def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int = -1) -> Any:
         """Starts `criu lazy-pages` on the tier copy (or the source's, over ps_socket); it serves faults
         and pushes the rest, then exits."""
-        proc = self.criu.start_lazy_pages(images, work, ps_socket)
+        server = self.criu.start_lazy_pages(images, work, ps_socket)
         sock = work / "lazy-pages.socket"
         deadline = time.monotonic() + 10
         while not sock.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
                 raise FailedPrecondition(f"lazy-pages server for {ckpt_id} did not start; see {work}/lazy-pages.log")
             time.sleep(0.002)
         with self._lazy_lock:
-            self._lazy.append((ckpt_id, proc, work))
+            self._lazy.append((ckpt_id, server, work))
             self._restoring.add(work)
-        return proc
+        return server
 
     def lazy_in_use(self, ckpt_id: str) -> bool:
         """Whether a lazy restore still pages from this checkpoint's tier copy (so it must stay)."""
@@ -749,10 +753,10 @@ class Engine:
         """Forgets lazy-pages servers that have served every page."""
         with self._lazy_lock:
             alive = []
-            for ckpt_id, proc, work in self._lazy:
-                if proc.poll() is None or work in self._restoring:
-                    alive.append((ckpt_id, proc, work))
-                elif not os.environ.get("MEMSNAP_KEEP_LOGS"):
+            for ckpt_id, server, work in self._lazy:
+                if server.poll() is None or work in self._restoring:
+                    alive.append((ckpt_id, server, work))
+                elif not knobs.keep_logs():
                     shutil.rmtree(work, ignore_errors=True)
             self._lazy = alive
 
@@ -766,7 +770,7 @@ class Engine:
         if not rec.in_store or self.drain is None:
             raise FailedPrecondition(f"checkpoint {rec.id} has no tier copy and no stored copy; it is lost")
         t0 = time.monotonic()
-        reservation = self._reserve(rec.size_bytes + _RESERVE_SLACK)
+        reservation = self.reserve(rec.size_bytes + _RESERVE_SLACK)
         try:
             staging = self.tier.new_staging(rec.id, unique=True)  # never shared with another fetch
             try:
@@ -828,7 +832,7 @@ class Engine:
     # -- held trees (a move in progress) ------------------------------------------------
     def end_held(self, pid: int, job_id: str = "", ckpt_id: str = "") -> None:
         """Ends a tree held stopped by checkpoint(hooks=DumpHooks(hold=True)) once it runs elsewhere."""
-        jobs.kill_tree(pid)
+        proc.kill_tree(pid)
         if job_id:
             self.catalog.update_job(job_id, ended=True)
         self._release_hold(ckpt_id)
@@ -853,7 +857,7 @@ class Engine:
                 if r.owner_uid == caller.uid:
                     counts[r.state] = counts.get(r.state, 0) + 1
         running = sum(1 for j in self.catalog.jobs() if (caller.is_root or j.owner_uid == caller.uid)
-                      and not j.ended and jobs.alive(j.pid, j.pid_start))
+                      and not j.ended and proc.alive(j.pid, j.pid_start))
         return {
             "version": __version__, "criu_version": self.criu.version(), "hostname": self.hostname,
             "kernel": platform.release(), "tier_dir": str(self.tier.root),
@@ -863,21 +867,34 @@ class Engine:
         }
 
     # -- crash recovery ---------------------------------------------------------------
-    def recover(self) -> dict[str, int]:
-        """Reconciles the catalog with the tier after a (possibly unclean) stop."""
+    def recover(self, moves: MoveRecovery | None = None) -> dict[str, int]:
+        """Reconciles the catalog with the tier after a (possibly unclean) stop.
+
+        Checkpoints with move marks (catalog.MoveMarks) go to moves (memsnap.move.Mover): a commit in doubt
+        on the source, or a restored move the source never committed on the target. Without moves, held
+        copies in doubt stay stopped and restored moves stay as they are.
+        """
         fixed = {"failed_dumps": 0, "stray_staging": 0, "stray_tier": 0, "lost_tier": 0}
+        in_doubt: set[str] = set()
+
+        def doubt(rec: CheckpointRecord) -> None:
+            in_doubt.add(rec.id)  # the mover asks the target; the copy here stays stopped meanwhile
+            if moves is not None:
+                moves.in_doubt(rec)
+
         for rec in self.catalog.checkpoints(states=(DUMPING,)):
             # A dump was cut short: roll back. CRIU unfreezes on its own failure, but a --stop dump that
             # had finished left the tree stopped: never leave a job frozen.
             self.tier.discard_staging(rec.id)
             self.catalog.update_checkpoint(rec.id, state=FAILED, last_error="daemon stopped during the dump")
-            if (rec.meta.get("stop") or rec.meta.get("hold")) and \
-                    jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                if rec.meta.get("moved_to"):
+            marks = rec.marks
+            if (rec.meta.get("stop") or marks.hold) and \
+                    proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                if marks.moved_to:
                     # A lazy move the target had confirmed complete: the job runs there now.
                     self.end_held(rec.pid, rec.job, rec.id)
-                elif rec.meta.get("committing_to"):
-                    self.uncertain_moves.append(rec.id)  # the migrator asks the target (still stopped)
+                elif marks.committing_to:
+                    doubt(rec)
                 else:
                     # A lazy dump's CRIU may still hold the tree for a moment after we died; SIGCONT
                     # only helps once it let go.
@@ -885,29 +902,32 @@ class Engine:
                     _resume_stopped(rec.pid)
             fixed["failed_dumps"] += 1
         for rec in self.catalog.checkpoints(states=RESTORABLE):
-            if rec.meta.get("pages_remote"):
-                self._recover_lazy_target(rec)
+            marks = rec.marks
+            if marks.pages_remote:
+                if moves is not None:
+                    moves.lazy_target_interrupted(rec)
                 continue
-            if rec.meta.get("move_pending"):
+            if marks.move_pending:
                 # Restored here for a move that the source never committed: it runs the job itself.
-                self.abandon_move(rec)
+                if moves is not None:
+                    moves.abandon(rec)
                 continue
-            if rec.meta.get("hold"):
+            if marks.hold:
                 # A move was in flight: the target confirmed it (moved_to) or the job runs on here.
-                if jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                    if rec.meta.get("moved_to"):
+                if proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                    if marks.moved_to:
                         self.end_held(rec.pid, rec.job, rec.id)
-                    elif rec.meta.get("committing_to"):
+                    elif marks.committing_to:
                         # We died while telling the target to keep the job: whether it runs there is
-                        # the target's to say. The migrator asks it; the copy here stays stopped meanwhile.
-                        self.uncertain_moves.append(rec.id)
+                        # the target's to say.
+                        doubt(rec)
                     else:
                         self.resume_held(rec.pid, rec.id)
                 continue
             # Published, but the daemon died before ending a --stop job: finish what was asked.
             if rec.meta.get("stop") and rec.in_tier and self.tier.has(rec.id) and \
-                    jobs.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                jobs.kill_tree(rec.pid)
+                    proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                proc.kill_tree(rec.pid)
                 if rec.job:
                     self.catalog.update_job(rec.job, ended=True)
         for ckpt_id in list(self.tier.staging_ids()):
@@ -930,51 +950,18 @@ class Engine:
         # CUDA state a killed daemon left locked or checkpointed (journaled before the GPU step): jobs that
         # run on by now (SIGCONT above) must get it back, or they hang in their next CUDA call forever.
         for rec in self.catalog.checkpoints():
-            if rec.meta.get("gpu") and self.gpu is not None and rec.id not in self.uncertain_moves:
+            if rec.meta.get("gpu") and self.gpu is not None and rec.id not in in_doubt:
                 log.warning("CUDA recovery for %s: %s", rec.id, self.gpu.recover(rec.meta["gpu"]))
                 self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
         for job in self.catalog.jobs():
-            if not job.ended and not jobs.alive(job.pid, job.pid_start):
+            if not job.ended and not proc.alive(job.pid, job.pid_start):
                 self.catalog.update_job(job.id, ended=True)
         return fixed
-
-    def _recover_lazy_target(self, rec: CheckpointRecord) -> None:
-        """The target half of a lazy move that was in flight (a committed one has no row left): whether or
-        not every page arrived, the source never let go of its copy, so this one goes."""
-        for job in self.live_jobs_restored_from(rec.id):
-            log.warning("killing %s: its lazy move was never committed by the source", job.id)
-            jobs.kill_tree(job.pid)
-            self.catalog.update_job(job.id, ended=True)
-        self.forget_lazy_image(rec.id)
 
     def live_jobs_restored_from(self, ckpt_id: str) -> list[JobRecord]:
         """The jobs restored here from ckpt_id that still run."""
         return [j for j in self.catalog.jobs()
-                if j.restored_from == ckpt_id and not j.ended and jobs.alive(j.pid, j.pid_start)]
-
-    def abandon_move(self, rec: CheckpointRecord) -> None:
-        """Kills the job restored here for a move that the source did not commit (it resumed its copy)."""
-        job_id = rec.meta.get("move_pending", "")
-        job = self.catalog.get_job(job_id) if job_id else None
-        if job is not None and not job.ended and jobs.alive(job.pid, job.pid_start):
-            log.warning("killing %s: its move was never committed, the source runs the job", job.id,
-                        extra={"checkpoint_id": rec.id})
-            jobs.kill_tree(job.pid)
-        if job is not None:
-            self.catalog.update_job(job.id, ended=True)
-        if rec.meta.get("pages_remote"):
-            self.forget_lazy_image(rec.id)
-        else:
-            self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items()
-                                                         if k != "move_pending"})
-
-    def forget_lazy_image(self, ckpt_id: str) -> None:
-        """Drops the small first half of a lazy move (its memory never was here) and its work dirs."""
-        self.catalog.delete_checkpoint(ckpt_id)
-        self.tier.remove(ckpt_id)
-        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
-            for work in self.work_root.glob(f"{ckpt_id}.restore-*"):
-                shutil.rmtree(work, ignore_errors=True)
+                if j.restored_from == ckpt_id and not j.ended and proc.alive(j.pid, j.pid_start)]
 
     def pending_drains(self) -> list[str]:
         """Staged or draining checkpoints that still need to reach the store."""
@@ -1161,7 +1148,7 @@ def _file_size(path: str) -> int:
 def _resume_stopped(pid: int) -> None:
     import signal
 
-    for p in jobs.tree(pid):
+    for p in proc.tree(pid):
         try:
             p.send_signal(signal.SIGCONT)
         except Exception:  # the process may be gone already
@@ -1247,8 +1234,8 @@ def refuse_uncheckpointable(pid: int) -> None:
 
 def _start_or_zero(pid: int) -> float:
     try:
-        return jobs.start_time(pid)
-    except jobs.ProcessNotFound:
+        return proc.start_time(pid)
+    except proc.ProcessNotFound:
         return 0.0
 
 

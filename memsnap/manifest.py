@@ -1,4 +1,9 @@
-"""Checkpoint manifests: the file list with sizes and checksums, signed with the node's HMAC key."""
+"""Checkpoint manifests: the file list with sizes and checksums, signed with the node's HMAC key.
+
+Manifest is the one definition of the image format (checkpointctl's lib/metadata.go is the model). On
+disk it is manifest.json: the canonical JSON of Manifest.body() plus "format" and an HMAC "signature";
+the keys are the ones every memsnap since format 1 writes, so older images verify unchanged.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import json
 import os
 import secrets
 import stat
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,74 @@ _CRIU_WRITES_ON_RESTORE = {"stats-restore"}
 
 class IntegrityError(Exception):
     """An image does not match its signed manifest."""
+
+
+@dataclass
+class Manifest:
+    """What a checkpoint image is: identity, origin, CRIU's timings and the file list (format FORMAT)."""
+
+    id: str  # checkpoint id; with job and uid, what a restore binds the image to (check_binding)
+    pid: int  # root pid of the dumped tree
+    job: str
+    name: str
+    uid: int  # owner
+    files: dict[str, dict[str, Any]]  # name -> {"size": bytes, "blake3": hex}
+    argv: list[str] = field(default_factory=list)
+    host: str = ""  # node that dumped it
+    kernel: str = ""
+    criu_version: str = ""
+    memsnap_version: str = ""
+    created_ms: int = 0  # unix ms
+    frozen_ms: float = 0  # CRIU: the tree was frozen this long
+    freezing_ms: float = 0  # CRIU: freezing it took this long
+    dump_ms: float = 0  # CRIU's wall time
+    own_pidns: bool = False  # the tree has its own PID namespace (restores never collide on pids)
+    own_mntns: bool = False  # ... and its own mount namespace (/proc of its own)
+    log_path: str = ""  # the job's output file
+    gpus: list[dict[str, Any]] = field(default_factory=list)  # CUDA processes: model, uuid, device bytes
+    pages_remote: bool = False  # the first half of a lazy move: the memory stayed on the source
+    received_at: dict[str, Any] | None = None  # {"host", "unix_ms"} when it came from another node
+    extra: dict[str, Any] = field(default_factory=dict)  # keys this memsnap does not know, kept as they are
+
+    _OPTIONAL = ("pages_remote", "received_at")  # written only when set (older readers never saw them)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        """A manifest from its JSON (signature and format are the signer's, not part of the body)."""
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kw = {k: v for k, v in d.items() if k in known}
+        extra = {k: v for k, v in d.items() if k not in known and k not in ("signature", "format")}
+        try:
+            return cls(**kw, extra=extra)
+        except TypeError as exc:
+            raise IntegrityError(f"integrity check failed: the manifest lacks a field ({exc})") from exc
+
+    def body(self) -> dict[str, Any]:
+        """The unsigned JSON body, with exactly the keys memsnap has always written."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "extra" or (f.name in self._OPTIONAL and not getattr(self, f.name)):
+                continue
+            out[f.name] = getattr(self, f.name)
+        out.update(self.extra)
+        return out
+
+    def sign(self, key: bytes) -> dict[str, Any]:
+        """The body with format and signature (see sign())."""
+        return sign(self.body(), key)
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of all image files."""
+        return sum(int(f["size"]) for f in self.files.values())
+
+    def catalog_meta(self) -> dict[str, Any]:
+        """What the catalog keeps of it (CheckpointRecord.meta), whichever way the image arrived."""
+        meta: dict[str, Any] = {k: getattr(self, k) for k in ("argv", "host", "criu_version", "own_pidns",
+                                                              "own_mntns", "log_path", "gpus", "freezing_ms")}
+        if self.pages_remote:
+            meta["pages_remote"] = True
+        return meta
 
 
 def file_blake3(path: Path) -> str:

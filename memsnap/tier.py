@@ -11,8 +11,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from memsnap import safefs
+from memsnap import failpoints, manifest, safefs
+from memsnap.catalog import STAGED, Catalog, now_ms
 
 log = logging.getLogger("memsnap.tier")
 
@@ -193,3 +195,19 @@ def dir_bytes(d: Path) -> int:
     """Apparent size of the files in a directory tree."""
     with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as fd:
         return safefs.tree_bytes(fd)
+
+
+def publish_image(tier: MemoryTier, catalog: Catalog, key: bytes, staging: Path, man: manifest.Manifest,
+                  keep_meta: dict[str, Any] | None = None, failpoint: str = "", **record: Any) -> int:
+    """The one way an image enters the tier: signs man with this node's key into staging, moves staging
+    into place, and records the checkpoint (cataloged before, as DUMPING) as STAGED and in the tier, with
+    man.catalog_meta() over keep_meta and the fingerprint that spares restore a second hash. record: more
+    CheckpointRecord fields. Returns the image's size in bytes."""
+    manifest.write(staging, man.sign(key))
+    if failpoint:
+        failpoints.hit(failpoint)
+    tier.publish(staging, man.id)
+    meta = {**(keep_meta or {}), **man.catalog_meta(), "fingerprint": manifest.fingerprint(tier.path(man.id))}
+    catalog.update_checkpoint(man.id, state=STAGED, in_tier=True, size_bytes=man.size_bytes,
+                              last_used_ms=now_ms(), meta=meta, **record)
+    return man.size_bytes

@@ -57,7 +57,6 @@ display driver version; detect.gpu_info() reports the driver branch (580) for pr
 
 from memsnap.gpu.base import GpuDriver, GpuPairs, ProcessState
 from memsnap.gpu.checkpointer import GpuCheckpointer, GpuSuspension
-from memsnap.gpu.cli import CudaCheckpointCli
 from memsnap.gpu.criuenv import criu_env, plugin_free_libdir
 from memsnap.gpu.detect import CudaProcess, device_bytes, find_cuda_processes, gpu_info, map_ns_pids
 from memsnap.gpu.driver import DriverApi, load_driver
@@ -66,6 +65,7 @@ from memsnap.gpu.hook import NvidiaGpuHook, load_hook
 from memsnap.gpu.preflight import GpuFacts, check, facts_from_info
 from memsnap.gpu.recovery import recover_pids, settle
 from memsnap.gpu.remap import restore_pairs, visible_gpus
+from memsnap.gpu.tool import CudaCheckpointCli
 
 __all__ = [
     "CudaCheckpointCli",

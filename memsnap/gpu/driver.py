@@ -7,9 +7,9 @@ import logging
 
 from memsnap.gpu import bindings as b
 from memsnap.gpu.base import GpuDriver, GpuPairs, ProcessState
-from memsnap.gpu.cli import CudaCheckpointCli
 from memsnap.gpu.errors import GpuError
 from memsnap.gpu.runner import Runner
+from memsnap.gpu.tool import CudaCheckpointCli
 
 log = logging.getLogger(__name__)
 

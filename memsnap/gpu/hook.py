@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from memsnap import jobs
+from memsnap import proc
 from memsnap.gpu import detect, preflight, remap
 from memsnap.gpu.base import GpuDriver
 from memsnap.gpu.checkpointer import GpuCheckpointer, GpuSuspension, Journal
@@ -38,7 +38,7 @@ class NvidiaGpuHook:
         driver_loader: Callable[[], GpuDriver | None] = load_driver,
         runner: Runner = run_subprocess,
         proc_root: str = detect.PROC,
-        alive: Callable[[int, float], bool] = jobs.alive,
+        alive: Callable[[int, float], bool] = proc.alive,
     ) -> None:
         self._loader = driver_loader
         self._alive = alive
@@ -130,7 +130,7 @@ class NvidiaGpuHook:
         starts: dict[int, float] = {}
         for pid in cuda:
             try:
-                starts[pid] = jobs.start_time(pid)
+                starts[pid] = proc.start_time(pid)
             except Exception:  # gone already: the lock will say so
                 starts[pid] = 0.0
         return ckpt.suspend(cuda, timeout_ms, detect.device_bytes(info), journal=journal, starts=starts)

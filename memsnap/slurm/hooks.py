@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from memsnap import jobs
+from memsnap import proc
 from memsnap.client import ClientError, MemsnapClient
 from memsnap.slurm import env as slurm_env
 from memsnap.v1 import memsnap_pb2 as pb
@@ -104,6 +104,6 @@ def _kill(pid: int) -> bool:
             return False
     except psutil.Error:
         return False
-    jobs.kill_tree(pid)
+    proc.kill_tree(pid)
     return True
 

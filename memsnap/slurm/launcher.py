@@ -34,7 +34,7 @@ from typing import BinaryIO, TextIO
 import grpc
 import psutil
 
-from memsnap import jobs
+from memsnap import proc
 from memsnap.client import LONG_S, QUICK_S, ClientError, MemsnapClient, Target
 from memsnap.slurm import env as slurm_env
 from memsnap.slurm.env import SlurmJob
@@ -219,8 +219,8 @@ class Launcher:
                 continue
             except ClientError as exc:
                 self.warn(f"checkpoint of {j.id} failed ({exc.message}); killing it")
-            if jobs.alive(int(j.pid)):
-                jobs.kill_tree(int(j.pid))
+            if proc.alive(int(j.pid)):
+                proc.kill_tree(int(j.pid))
 
     def _previous_log(self) -> str:
         try:
@@ -336,7 +336,7 @@ class Launcher:
 
     def _alive(self) -> bool:
         w = self.workload
-        return w is not None and jobs.alive(w.pid, w.pid_start)
+        return w is not None and proc.alive(w.pid, w.pid_start)
 
     def _ended(self) -> int:
         assert self.relay is not None
@@ -506,7 +506,7 @@ class Launcher:
                 time.sleep(0.05)
             if self._alive():
                 self.note("the workload ignored SIGTERM; killing it")
-                jobs.kill_tree(w.pid)
+                proc.kill_tree(w.pid)
         self.relay.finish()
         status = self.relay.exit_status
         return status if status is not None else default_status
@@ -556,8 +556,8 @@ def _empty_output(stream: BinaryIO) -> bool:
 
 def _start_time(pid: int) -> float:
     try:
-        return jobs.start_time(pid)
-    except jobs.ProcessNotFound:
+        return proc.start_time(pid)
+    except proc.ProcessNotFound:
         return 0.0
 
 

@@ -14,7 +14,8 @@ from memsnap.store.errors import StoreCorrupt, StoreError, StoreFull, StoreNotFo
 from memsnap.store.factory import open_store
 from memsnap.store.posix import PosixStore
 from memsnap.store.s3 import S3Store
-from memsnap.store.throttle import Throttle, parse_size
+from memsnap.store.throttle import Throttle
+from memsnap.units import parse_size
 
 __all__ = [
     "MANIFEST_NAME",

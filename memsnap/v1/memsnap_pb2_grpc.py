@@ -209,7 +209,8 @@ class MemsnapServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReceiveImage(self, request_iterator, context):
-        """Peer side of Migrate: receives image files (chunked, checksummed) into the tier.
+        """Deprecated, for sources from before the Peer service (peer.proto), which carries these now and
+        adds CommitMove. Peer side of Migrate: receives image files (chunked, checksummed) into the tier.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,13 +35,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from memsnap.criu import Criu  # noqa: E402
-from memsnap.migrate import CHUNK_BYTES  # noqa: E402
+from memsnap.move.stream import CHUNK_BYTES  # noqa: E402
 from tests.e2e.test_remote import token_daemon  # noqa: E402
 from tests.helpers import DaemonProc, counter_argv, kill_job, ticks, wait_for  # noqa: E402
 
 MODES = {"pipelined": {}, "pipelined-plain": {}, "serial": {"MEMSNAP_MIGRATE_SERIAL": "1"}, "lazy": {}}
 MODE_ARGS = {"lazy": ["--lazy"], "pipelined-plain": ["--plain-restore"]}
-# memsnap.migrate logs how much of the image it had read for sending when CRIU returned.
+# memsnap.move logs how much of the image it had read for sending when CRIU returned.
 STREAMED = re.compile(r"streamed (\d+) of \d+ bytes while CRIU was still dumping")
 
 

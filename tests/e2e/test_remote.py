@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from memsnap.auth import peer_credential
 from memsnap.client import ClientError, MemsnapClient, Target
-from memsnap.remote import peer_credential
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 from tests.helpers import REPO, DaemonProc

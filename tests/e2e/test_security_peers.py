@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import pytest
 
+from memsnap.auth import peer_credential
 from memsnap.client import ClientError, MemsnapClient, Target
-from memsnap.remote import peer_credential
 from memsnap.v1 import memsnap_pb2 as pb
 from tests.e2e.test_remote import (
     _make_ca,

@@ -20,11 +20,11 @@ from memsnap.gpu import bindings as b
 from memsnap.gpu import criuenv, detect, preflight, remap
 from memsnap.gpu.base import ProcessState
 from memsnap.gpu.checkpointer import GpuCheckpointer
-from memsnap.gpu.cli import CudaCheckpointCli
 from memsnap.gpu.driver import DriverApi, load_driver
 from memsnap.gpu.errors import GpuError, GpuPreflightError, GpuUnavailable
 from memsnap.gpu.hook import NvidiaGpuHook, load_hook
 from memsnap.gpu.recovery import recover_pids, settle
+from memsnap.gpu.tool import CudaCheckpointCli
 
 OLD = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 NEW = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memsnap.config import Config, DaemonConfig, PeerConfig
-from memsnap.remote import (
+from memsnap.auth import (
     ADMIN,
     PEER,
     RemoteConfigError,
@@ -17,6 +16,7 @@ from memsnap.remote import (
     peer_credential,
     read_token,
 )
+from memsnap.config import Config, DaemonConfig, PeerConfig
 
 
 def secret(path: Path, text: str = "t" * 32, mode: int = 0o600) -> str:

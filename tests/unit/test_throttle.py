@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from memsnap.store.throttle import Throttle, parse_size
+from memsnap.store.throttle import Throttle
+from memsnap.units import parse_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from memsnap.errors import IntegrityFailure
-from memsnap.lazymove import Seal
+from memsnap.move.tunnel import Seal
 from memsnap.v1 import memsnap_pb2 as pb
 
 TUNNEL = "0123456789abcdef" * 2

@@ -1,76 +1,46 @@
-"""Lazy (post-copy) moves: the job runs on the target before its memory has arrived.
+"""The page tunnel of a lazy move: CRIU's page-server protocol carried inside the peers' gRPC channel.
 
-    source                                         target
-    preflight, then PageTunnel(tunnel, ckpt) ----> a socketpair waits for lazy-pages
-    CRIU lazy dump, tree left stopped; its page
-      server talks over a socketpair whose other
-      end feeds the tunnel (no TCP port opens)
-    post-dump: the small images (no pages)  -----> ReceiveImage: a "pages_remote" image
-               RestoreReceived(lazy_tunnel) -----> supervised `criu lazy-pages --ps-socket`,
-                                                   then a lazy restore: the job runs
-    CRIU serves faults and pushes the rest  <----> through the tunnel
-    CRIU returns once lazy-pages closed     <----- done{ok}: every page arrived
-    ok: kill the stopped copy here                 drop the small image
-    not ok: SIGCONT it here                        the supervisor killed the half-restored job
+    source (SourceTunnel)                            target (TunnelHost)
+    CRIU page server <-> socketpair <-> PageTunnel <-> socketpair <-> criu lazy-pages --ps-socket
+    every message sealed (Seal: keyed blake3 over a per-direction sequence number and the bytes)
+    silence while pages are due (stall_limit) ends the move on both sides
+    the target's last message is its verdict: done{ok} once lazy-pages got every page
 
-Until the target says every page arrived, the source keeps its frozen copy, so any failure (target
-refuses or dies, the link drops, the source daemon dies) leaves the job running on the source. The
-target's half-restored copy is killed by a supervisor shell around lazy-pages that outlives memsnapd:
-once userfaultfd is gone, missing pages would read as zeros. What the job did on the target before a
-failure (output, network traffic) is not undone: that is post-copy's price.
-
-Page bytes travel inside the peers' authenticated gRPC channel (token or mutual TLS), like the images.
-CRIU's page-server protocol has no checksums, so every tunnel message is sealed (see Seal): a keyed
-blake3 tag over its sequence number and content. A flipped bit, a lost, reordered or replayed message,
-or a forged one ends the move, and the job runs on at the source. The small images
-and their signed manifest are checked as for any move.
+CRIU's page-server protocol has no checksums: a flipped bit, a lost, reordered or replayed message, or a
+forged one fails its seal, ends the move, and the job runs on at the source.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import os
 import re
-import secrets
+import shutil
 import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import blake3
 import grpc
 
-from memsnap import failpoints, jobs, manifest, net
-from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
-from memsnap.client import ClientError, MemsnapClient
-from memsnap.criu import pipe_size_problem
-from memsnap.errors import (
-    FailedPrecondition,
-    IntegrityFailure,
-    InvalidArgument,
-    MemsnapError,
-    NotFound,
-    PermissionDenied,
-)
-from memsnap.remote import call_token, transfer_key
+from memsnap import failpoints, knobs, proc
+from memsnap.auth import call_token, transfer_key
+from memsnap.engine import Caller
+from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied
+from memsnap.move.peer import PeerClient
+from memsnap.move.plan import MoveHost
 from memsnap.v1 import memsnap_pb2 as pb
 
-if TYPE_CHECKING:
-    from memsnap.engine import Caller, Engine
-    from memsnap.migrate import Migrator, _Move, _Phases
-
-log = logging.getLogger("memsnap.lazymove")
+log = logging.getLogger("memsnap.move")
 
 _TUNNEL_ID = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 1 << 20
 # How long the source waits for the target's verdict after CRIU returned, and the target for lazy-pages.
-_VERDICT_S = 30.0
+VERDICT_S = 30.0
 _KEEP_VERDICTS = 64
 
 
@@ -81,13 +51,10 @@ def stall_limit() -> float:
     silence means a hung peer or a black-holed link: the source resumes its frozen copy, and the target
     kills its half-restored one. MEMSNAP_TUNNEL_STALL_S overrides it (tests).
     """
-    try:
-        return float(os.environ.get("MEMSNAP_TUNNEL_STALL_S", "30"))
-    except ValueError:
-        return 30.0
+    return knobs.tunnel_stall_s()
 
 
-def _watch_stall(name: str, last: Any, done: Any, give_up: Any) -> None:
+def watch_stall(name: str, last: Any, done: Any, give_up: Any) -> None:
     """Calls give_up(why) once last() is older than stall_limit() and done() is still false."""
 
     def run() -> None:
@@ -138,22 +105,16 @@ class Seal:
         return data
 
 
-_TO_TARGET, _TO_SOURCE = "to-target", "to-source"
-
-
-class _Error(MemsnapError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+TO_TARGET, TO_SOURCE = "to-target", "to-source"
 
 
 # -- source ---------------------------------------------------------------------------------------
 class SourceTunnel:
     """The source end: CRIU's page server on one end of a socketpair, a PageTunnel call on the other."""
 
-    def __init__(self, client: MemsnapClient, tunnel_id: str, ckpt_id: str, token: str) -> None:
+    def __init__(self, client: PeerClient, tunnel_id: str, ckpt_id: str, token: str) -> None:
         self.tunnel_id = tunnel_id
-        self._out, self._in = Seal(token, tunnel_id, _TO_TARGET), Seal(token, tunnel_id, _TO_SOURCE)
+        self._out, self._in = Seal(token, tunnel_id, TO_TARGET), Seal(token, tunnel_id, TO_SOURCE)
         self.criu_end, self._end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.bytes_out = self.bytes_in = self.msgs_out = self.msgs_in = 0
         self.last_activity = time.monotonic()
@@ -207,196 +168,38 @@ class SourceTunnel:
                 self.error = "the target ended the page tunnel without a verdict"
             self.done.set()
             # The target is gone or done: CRIU's page server must see the end of the stream.
-            _shutdown(self._end)
+            shutdown(self._end)
 
     def abort(self, why: str) -> None:
         """Gives up on the peer: CRIU's page server sees the end of the stream, the call is cancelled."""
         log.warning("page tunnel %s: %s", self.tunnel_id[:8], why)
         self.error = why
-        _shutdown(self._end)
+        shutdown(self._end)
         self._call.cancel()
 
     def close(self) -> None:
         """Ends the call and both sockets (idempotent)."""
-        _shutdown(self._end)
+        shutdown(self._end)
         self._call.cancel()
         self._reader.join(10)
         for s in (self.criu_end, self._end):
             s.close()
 
 
-def _shutdown(s: socket.socket) -> None:
+def shutdown(s: socket.socket) -> None:
     try:
         s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
 
 
-@dataclass
-class _SourceState:
-    """What the post-dump callback learned, for the code after CRIU returned."""
-
-    t_freeze: float = 0.0
-    t_post_dump: float = 0.0
-    t_images: float = 0.0
-    t_resumed: float = 0.0
-    image_bytes: int = 0
-    failed_step: str = ""
-    failure: str = ""
-    failure_code: str = "UNAVAILABLE"
-    restored: pb.RestoreResponse | None = None
-    restore_done: threading.Event = field(default_factory=threading.Event)
-
-
-def move_lazily(mig: Migrator, caller: Caller, req: pb.MigrateRequest, client: MemsnapClient, token: str,
-                move: _Move, phases: _Phases) -> pb.MigrateResponse:
-    """The source side of `migrate --lazy` (preflight already done)."""
-    from memsnap.migrate import ImageStreamer, _StreamBroken
-
-    engine = mig.engine
-    pid = move.pid
-    job = engine.catalog.get_job(move.job_id) if move.job_id else None
-    owner = jobs.owner_uid(pid)
-    ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-    tunnel_id = secrets.token_hex(16)
-    state = _SourceState()
-    argv, own_ns = jobs.cmdline(pid), jobs.in_own_pidns(pid)
-    rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
-                           job=job.id if job else "", name=job.name if job else "", meta={"lazy_move": req.to})
-    move.ckpt_id = ckpt_id
-
-    def restore_there() -> None:
-        rreq = pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, lazy=True, lazy_tunnel=tunnel_id,
-                                         add_ip=str(move.moved_ip) if move.moved_ip else "",
-                                         add_ip_dev=req.move_ip_dev_target)
-        try:
-            state.restored = client.restore_received(rreq, timeout=600)
-            state.t_resumed = time.monotonic()
-            log.info("%s resumed on %s as pid %d; its pages follow from here", move.job_id or move.pid, req.to,
-                     state.restored.pid, extra={"checkpoint_id": ckpt_id})
-            failpoints.hit("lazy-pages-flowing")
-        except ClientError as exc:
-            state.failed_step, state.failure_code = "restore on the target", exc.code.name
-            state.failure = f"{exc.code.name}: {exc.message}"
-        finally:
-            state.restore_done.set()
-
-    def post_dump(staging: Path, stats_ms: float) -> None:
-        if move.moved_ip is not None:
-            move.ip_removed_from = net.remove_address(move.moved_ip, req.move_ip_dev_source)
-        files = manifest.describe_files(staging)
-        body = engine.manifest_body(rec, argv, own_ns, job, files, dump_ms=stats_ms, pages_remote=True)
-        state.image_bytes = sum(int(f["size"]) for f in files.values())
-        streamer = ImageStreamer(client, state.image_bytes, pipelined=False)
-        streamer.start(staging)
-        streamer.file_table()
-        wire = manifest.sign(body, transfer_key(token)) if token else body
-        try:
-            streamer.finish(json.dumps(wire, sort_keys=True).encode(), timeout=120)
-        except _StreamBroken:
-            streamer.abort()
-            raise
-        state.t_images = time.monotonic()
-        # Not awaited: the restore faults on pages that CRIU serves only once this callback returned.
-        threading.Thread(target=restore_there, name=f"lazy-restore-{ckpt_id}", daemon=True).start()
-        tunnel.last_activity = time.monotonic()
-        _watch_stall(f"stall-{ckpt_id}", lambda: tunnel.last_activity,
-                     lambda: criu_done.is_set() or tunnel.done.is_set(), tunnel.abort)
-
-    tunnel = SourceTunnel(client, tunnel_id, ckpt_id, token)
-    criu_done = threading.Event()
-    t_dump = time.monotonic()
-
-    def notify(script: str, staging: Path) -> bool:
-        if script == "pre-dump":
-            state.t_freeze = time.monotonic()
-        elif script == "post-dump":
-            state.t_post_dump = time.monotonic()
-            try:
-                post_dump(staging, (state.t_post_dump - t_dump) * 1000)
-            except Exception as exc:
-                code = getattr(exc, "code", "UNAVAILABLE")
-                state.failed_step, state.failure = "transfer", str(exc)
-                state.failure_code = code if isinstance(code, str) else "UNAVAILABLE"
-                _shutdown(tunnel.criu_end)  # CRIU's page server starts anyway; let it end at once
-                return False  # CRIU resumes the tree
-        return True
-
-    try:
-        dump_error = engine.lazy_dump(rec, tunnel.criu_end.fileno(), notify)
-    except MemsnapError as exc:  # busy, or no room for even the small images: the job was not touched
-        tunnel.close()
-        raise _Error(exc.code, f"migration failed at dump: {exc}; the job runs on here") from exc
-    finally:
-        criu_done.set()
-        tunnel.criu_end.close()
-    t_criu_done = time.monotonic()
-    state.restore_done.wait(_VERDICT_S if state.t_images else 0)
-    tunnel.done.wait(_VERDICT_S)
-    verdict = tunnel.verdict or _ask_verdict(client, tunnel_id, token)
-    tunnel.close()
-
-    def give_back(step: str, why: str, code: str) -> None:
-        engine.end_lazy_dump(ckpt_id, error=f"{step}: {why}")  # (keeps CRIU's logs)
-        mig._rollback(move, step, why, code)
-
-    if dump_error is not None:
-        if state.failed_step:
-            # Our post-dump callback refused: CRIU let the tree run on by itself.
-            mig._restore_network(move)
-            engine.resume_held(pid, ckpt_id)
-            engine.end_lazy_dump(ckpt_id, error=state.failure)
-            raise _Error(state.failure_code, f"migration failed at {state.failed_step}: {state.failure}; "
-                         "the job was resumed on this node")
-        if not state.t_post_dump:
-            mig._restore_network(move)
-            engine.end_lazy_dump(ckpt_id, error=dump_error.reason)
-            raise FailedPrecondition(f"migration failed at dump: {dump_error.reason} (log: "
-                                     f"{dump_error.log_path}); the job was not moved and runs on here")
-        give_back("pages", f"CRIU's page server failed: {dump_error.reason} (log: {dump_error.log_path})",
-                  "UNAVAILABLE")
-    if state.failed_step:
-        give_back(state.failed_step, state.failure, state.failure_code)
-    if verdict is None or not verdict[0]:
-        why = verdict[1] if verdict else (tunnel.error or "the target gave no verdict")
-        give_back("pages", f"not every page reached the target ({why})", "UNAVAILABLE")
-    assert state.restored is not None
-    phases.mark("dump", state.t_post_dump)
-    phases.mark("transfer", state.t_images)
-    phases.mark("restore", state.t_resumed)
-    phases.mark("pages", t_criu_done)
-    target_pid, target_job = int(state.restored.pid), state.restored.job.id
-    found = mig._target_job(client, ckpt_id)
-    if found is None or found.id != target_job:
-        give_back("confirm", f"the restored job {target_job} is not running on the target", "FAILED_PRECONDITION")
-    try:
-        mig._commit_on(client, move, ckpt_id, req.to)
-    except MemsnapError:
-        engine.end_lazy_dump(ckpt_id, error="the target could not be told to keep it")
-        raise
-    phases.mark("confirm")
-    # The target has every page, runs the job and keeps it: journal that, then let the frozen copy go.
-    engine.mark_moved(ckpt_id, req.to, target_job)
-    engine.end_held(pid, move.job_id, ckpt_id)
-    engine.end_lazy_dump(ckpt_id)
-    phases.mark("cleanup")
-    resume_ms = (state.t_resumed - (state.t_freeze or t_dump)) * 1000
-    sent = state.image_bytes + tunnel.bytes_out
-    log.info("moved %s lazily to %s as pid %d: resumed after %.0f ms, all %d bytes after %.0f ms (page tunnel: "
-             "%d messages out, %d in carrying %d bytes)", move.job_id or pid, req.to, target_pid, resume_ms, sent,
-             (t_criu_done - (state.t_freeze or t_dump)) * 1000, tunnel.msgs_out, tunnel.msgs_in, tunnel.bytes_in,
-             extra={"checkpoint_id": ckpt_id})
-    return pb.MigrateResponse(target_pid=target_pid, checkpoint_id=ckpt_id, phases=phases.pb(),
-                              downtime_ms=int(resume_ms), bytes_sent=sent, target_job=target_job)
-
-
-def _ask_verdict(client: MemsnapClient, tunnel_id: str, token: str) -> tuple[bool, str] | None:
+def ask_verdict(client: PeerClient, tunnel_id: str, token: str) -> tuple[bool, str] | None:
     """Asks the target, on a fresh (freshly sealed) call, how the lazy transfer ended (its verdict got lost)."""
     for attempt in range(3):
-        query = Seal(token, tunnel_id, _TO_TARGET).seal(pb.TunnelChunk(tunnel_id=tunnel_id, done=True))
-        answer = Seal(token, tunnel_id, _TO_SOURCE)
+        query = Seal(token, tunnel_id, TO_TARGET).seal(pb.TunnelChunk(tunnel_id=tunnel_id, done=True))
+        answer = Seal(token, tunnel_id, TO_SOURCE)
         try:
-            for msg in client.page_tunnel(iter([query]), timeout=_VERDICT_S + 10):
+            for msg in client.page_tunnel(iter([query]), timeout=VERDICT_S + 10):
                 answer.check(msg)
                 if msg.done:
                     return bool(msg.ok), msg.error
@@ -432,8 +235,8 @@ class _Tunnel:
 class TunnelHost:
     """The PageTunnel RPC and the lazy half of RestoreReceived, on the target."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, host: MoveHost) -> None:
+        self.engine = host
         self._lock = threading.Lock()
         self._tunnels: dict[str, _Tunnel] = {}
         self._verdicts: dict[str, tuple[bool, str]] = {}
@@ -455,8 +258,8 @@ class TunnelHost:
         if not token:
             raise FailedPrecondition("page tunnels are opened only by a peer that authenticated with a token "
                                      "over TCP (daemon.auth_token_file or peers.token_file on both nodes)")
-        seal_in = Seal(token, first.tunnel_id, _TO_TARGET)
-        seal_out = Seal(token, first.tunnel_id, _TO_SOURCE)
+        seal_in = Seal(token, first.tunnel_id, TO_TARGET)
+        seal_out = Seal(token, first.tunnel_id, TO_SOURCE)
         seal_in.check(first)
         if first.done:
             return iter([seal_out.seal(self._verdict_for(first.tunnel_id))])
@@ -484,11 +287,11 @@ class TunnelHost:
                 t.last_activity = time.monotonic()
                 yield t.seal_out.seal(pb.TunnelChunk(data=data), data)
             if t.restore_started:
-                t.settled.wait(_VERDICT_S)
+                t.settled.wait(VERDICT_S)
             ok, why = t.verdict or (False, "no lazy restore ran on the target")
             yield t.seal_out.seal(pb.TunnelChunk(done=True, ok=ok, error=why))
         finally:
-            _shutdown(t.pump)
+            shutdown(t.pump)
             feeder.join(5)
             with self._lock:
                 self._tunnels.pop(t.tunnel_id, None)
@@ -517,15 +320,15 @@ class TunnelHost:
             t.broken = str(exc)
             log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], exc,
                         extra={"checkpoint_id": t.ckpt_id})
-            _shutdown(t.pump)
+            shutdown(t.pump)
         except (grpc.RpcError, OSError, ValueError):
-            _shutdown(t.pump)
+            shutdown(t.pump)
         if not t.restore_started:
             # Nothing will ever read the other end: let serve() finish.
-            _shutdown(t.criu_end)
+            shutdown(t.criu_end)
 
     def _verdict_for(self, tunnel_id: str) -> pb.TunnelChunk:
-        deadline = time.monotonic() + _VERDICT_S
+        deadline = time.monotonic() + VERDICT_S
         while time.monotonic() < deadline:
             with self._lock:
                 v = self._verdicts.get(tunnel_id)
@@ -555,9 +358,9 @@ class TunnelHost:
         def give_up(why: str) -> None:
             log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], why,
                         extra={"checkpoint_id": t.ckpt_id})
-            _shutdown(t.pump)  # lazy-pages fails, and its supervisor kills the half-restored job
+            shutdown(t.pump)  # lazy-pages fails, and its supervisor kills the half-restored job
 
-        _watch_stall(f"stall-{t.ckpt_id}", lambda: t.last_activity, t.settled.is_set, give_up)
+        watch_stall(f"stall-{t.ckpt_id}", lambda: t.last_activity, t.settled.is_set, give_up)
 
         def run() -> None:
             rc = server.wait()
@@ -567,7 +370,7 @@ class TunnelHost:
                          extra={"checkpoint_id": t.ckpt_id})
             else:
                 # The supervisor shell killed the job already; make sure, and say so.
-                jobs.kill_tree(pid)
+                proc.kill_tree(pid)
                 self.engine.catalog.update_job(job_id, ended=True)
                 cause = t.broken or f"lazy-pages failed on the target (exit {rc})"
                 t.verdict = (False, f"{cause}; the half-restored job there was killed")
@@ -593,30 +396,28 @@ class TunnelHost:
         """The lazy restore never got going."""
         t.verdict = (False, why)
         t.settled.set()
-        _shutdown(t.pump)
+        shutdown(t.pump)
         self._forget_image(t.ckpt_id)
 
     def _forget_image(self, ckpt_id: str) -> None:
         rec = self.engine.catalog.get_checkpoint(ckpt_id)
         if rec is not None and rec.meta.get("pages_remote"):
-            self.engine.forget_lazy_image(ckpt_id)
+            forget_lazy_image(self.engine, ckpt_id)
 
 
 def ok_now(t: _Tunnel) -> bool:
     return t.verdict is not None and t.verdict[0]
 
 
-def lazy_preflight(req: pb.MigrateRequest) -> None:
-    """What a lazy move cannot do, refused before the job is touched."""
-    if req.via_store:
-        raise InvalidArgument("--lazy and --via-store exclude each other: a lazy move serves the memory from "
-                              "this node, not from the store")
-    if req.tcp_established:
-        raise InvalidArgument("--lazy cannot keep TCP connections (--tcp-established): a failed lazy move "
-                              "could not give them back here; move without --lazy")
-    problem = pipe_size_problem()
-    if problem:
-        raise FailedPrecondition(f"migration failed at preflight: {problem}; the job was not touched")
+def forget_lazy_image(host: MoveHost, ckpt_id: str) -> None:
+    """Drops the small first half of a lazy move on the target (its memory never was here) and its work
+    dirs."""
+    host.catalog.delete_checkpoint(ckpt_id)
+    host.tier.remove(ckpt_id)
+    if not knobs.keep_logs():
+        for work in host.work_root.glob(f"{ckpt_id}.restore-*"):
+            shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["SourceTunnel", "TunnelHost", "lazy_preflight", "move_lazily"]
+__all__ = ["Seal", "SourceTunnel", "TunnelHost", "ask_verdict", "forget_lazy_image", "shutdown", "stall_limit",
+           "watch_stall"]

@@ -1,0 +1,58 @@
+"""Catalog records as protobuf messages: for the servicers (api.py) and for the move code's calls to a
+peer (a stored checkpoint named in RestoreReceived, the job a commit kept)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memsnap.catalog import CheckpointRecord, JobRecord
+from memsnap.v1 import memsnap_pb2 as pb
+
+STATE_TO_PB = {
+    "dumping": pb.CHECKPOINT_STATE_DUMPING, "staged": pb.CHECKPOINT_STATE_STAGED,
+    "draining": pb.CHECKPOINT_STATE_DRAINING, "durable": pb.CHECKPOINT_STATE_DURABLE,
+    "failed": pb.CHECKPOINT_STATE_FAILED,
+}
+
+
+def _u32(x: int) -> int:
+    """A value for a uint32 field (never one that makes a whole listing fail)."""
+    return x if 0 <= x < 1 << 32 else (1 << 32) - 1
+
+
+def _u64(x: int) -> int:
+    return x if 0 <= x < 1 << 64 else 0
+
+
+def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
+    """A catalog record as a proto message."""
+    m = r.meta
+    gpus = [pb.GpuInfo(model=str(g.get("model", "")), uuid=str(g.get("uuid", "")),
+                       driver_version=str(g.get("driver_version", "")),
+                       device_bytes=int(g.get("device_bytes", 0)), pid=int(g.get("pid", 0)))
+            for g in m.get("gpus", []) or []]
+    return pb.CheckpointInfo(
+        id=r.id, state=STATE_TO_PB.get(r.state, pb.CHECKPOINT_STATE_UNSPECIFIED), pid=r.pid, job=r.job,
+        name=r.name, owner_uid=_u32(r.owner_uid), created_unix_ms=r.created_ms, size_bytes=_u64(r.size_bytes),
+        frozen_ms=_u64(r.frozen_ms), dump_ms=_u64(r.dump_ms), in_tier=r.in_tier, in_store=r.in_store,
+        drained_bytes=_u64(r.drained_bytes), stored_bytes=_u64(r.stored_bytes), last_error=r.last_error,
+        drain_attempts=_u32(r.drain_attempts), argv=[str(a) for a in m.get("argv", []) or []],
+        hostname=str(m.get("host", "")), criu_version=str(m.get("criu_version", "")), gpus=gpus,
+        durable_unix_ms=r.durable_ms,
+        parked_reason=str((m.get("parked") or {}).get("reason", "")),
+        parked_unix_ms=_u64(int((m.get("parked") or {}).get("at_ms", 0))),
+    )
+
+
+def job_pb(j: JobRecord, running: bool, g: Any = None) -> pb.Job:
+    """A job record as a proto message (g: what the memory guard knows of it, if anything)."""
+    out = pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=_u32(j.owner_uid), log_path=j.log_path,
+                 started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
+    if g is not None:
+        out.guard_state, out.parked_reason, out.parked_unix_ms = g.state, g.reason, g.parked_ms
+        out.parked_checkpoint, out.memory_limit_bytes, out.priority = g.checkpoint, _u64(g.limit), g.priority
+        out.resumed_as = g.resumed_as
+    return out
+
+
+__all__ = ["STATE_TO_PB", "ckpt_pb", "job_pb"]

@@ -1,0 +1,146 @@
+"""Looking at processes through /proc and psutil: liveness (pid + start time), owners, trees, and
+stopping them. memsnap.jobs launches jobs; everything else that reads or signals a process uses this."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+
+
+class ProcessNotFound(Exception):
+    """No such process."""
+
+
+def start_time(pid: int) -> float:
+    """A process's start time, to tell a live job from a reused pid."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error as exc:
+        raise ProcessNotFound(f"no process with pid {pid}") from exc
+
+
+def alive(pid: int, pid_start: float = 0.0) -> bool:
+    """Whether pid runs (and, if pid_start is given, is the same process)."""
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return not pid_start or abs(p.create_time() - pid_start) < 0.05
+    except psutil.Error:
+        return False
+
+
+def owner_uid(pid: int) -> int:
+    """The real uid of a process."""
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.Error as exc:
+        raise ProcessNotFound(f"no process with pid {pid}") from exc
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """The process and its descendants."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error as exc:
+        raise ProcessNotFound(f"no process with pid {pid}") from exc
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a tree: the basis of the tier reservation."""
+    total = 0
+    for p in tree(pid):
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def cmdline(pid: int) -> list[str]:
+    """A process's argv (empty when unreadable)."""
+    try:
+        return list(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return []
+
+
+def is_session_leader(pid: int) -> bool:
+    """Whether the process leads its own session (else CRIU needs shell_job)."""
+    try:
+        return os.getsid(pid) == pid
+    except OSError as exc:
+        raise ProcessNotFound(f"no process with pid {pid}") from exc
+
+
+def in_own_pidns(pid: int) -> bool:
+    """Whether pid is the init of a PID namespace other than ours."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    return len(ids) > 1 and ids[-1] == "1"
+    except OSError:
+        pass
+    return False
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILLs a tree (its PID namespace goes with its init) and waits until the pid is gone."""
+    procs = []
+    try:
+        procs = tree(pid)
+    except ProcessNotFound:
+        return
+    for p in reversed(procs):
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    wait_gone(pid, timeout)
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    """Waits (bounded) until pid is no longer running; a lingering zombie counts as gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def wait_pid_free(pid: int, timeout: float = 10.0) -> bool:
+    """Waits until pid is fully reaped, so that a restore can take it again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def caller_groups(pid: int, uid: int, gid: int) -> list[int] | None:
+    """The supplementary groups of the calling process (from /proc), or None when they cannot be read or
+    the pid no longer belongs to that uid:gid (it exited, and the pid was reused)."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.rstrip("\n").split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    try:
+        uids = [int(x) for x in fields.get("Uid", "").split()]
+        gids = [int(x) for x in fields.get("Gid", "").split()]
+        groups = [int(x) for x in fields.get("Groups", "").split()]
+    except ValueError:
+        return None
+    if not uids or not gids or uids[0] != uid or gids[0] != gid:
+        return None
+    return groups

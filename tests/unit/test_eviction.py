@@ -1,0 +1,69 @@
+"""Which tier copies Engine.reserve evicts to make room, and when it gives up: FakeCriu, no root."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from fakes import add_ckpt, make_engine, put_in_tier
+
+from memsnap.catalog import DURABLE, STAGED
+from memsnap.errors import TierExhausted
+
+MIB = 1 << 20
+
+
+def _durable(e: object, ckpt_id: str, used_ms: int, nbytes: int = 3 * MIB) -> None:
+    add_ckpt(e, ckpt_id, DURABLE, 1, in_tier=True, in_store=True, size_bytes=nbytes, last_used_ms=used_ms)  # type: ignore[arg-type]
+    put_in_tier(e, ckpt_id, nbytes)  # type: ignore[arg-type]
+
+
+def test_least_recently_used_durable_copy_goes_first(tmp_path: Path) -> None:
+    e = make_engine(tmp_path, capacity=10 * MIB)
+    _durable(e, "ck-old", 1000)
+    _durable(e, "ck-new", 3000)
+    _durable(e, "ck-mid", 2000)
+    e.reserve(3 * MIB).release()  # 1 MiB free: one copy must go
+    kept = {c: e.catalog.get_checkpoint(c).in_tier for c in ("ck-old", "ck-mid", "ck-new")}  # type: ignore[union-attr]
+    assert kept == {"ck-old": False, "ck-mid": True, "ck-new": True}
+    assert not e.tier.has("ck-old")
+
+
+def test_staged_copies_are_never_evicted(tmp_path: Path) -> None:
+    e = make_engine(tmp_path, capacity=8 * MIB)
+    add_ckpt(e, "ck-staged", STAGED, 1, in_tier=True, size_bytes=6 * MIB)
+    put_in_tier(e, "ck-staged", 6 * MIB)
+    with pytest.raises(TierExhausted):
+        e.reserve(4 * MIB)
+    assert e.tier.has("ck-staged")
+
+
+def test_nothing_is_evicted_when_evicting_everything_would_not_be_enough(tmp_path: Path) -> None:
+    e = make_engine(tmp_path, capacity=8 * MIB)
+    _durable(e, "ck-a", 1000)
+    with pytest.raises(TierExhausted):
+        e.reserve(20 * MIB)
+    assert e.tier.has("ck-a")
+
+
+def test_a_copy_in_use_is_skipped_not_waited_for(tmp_path: Path) -> None:
+    e = make_engine(tmp_path, capacity=7 * MIB)
+    _durable(e, "ck-old", 1000)
+    _durable(e, "ck-new", 2000)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with e._ckpt_lock("ck-old"):  # a restore or fetch of ck-old in another thread
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    try:
+        e.reserve(3 * MIB).release()
+    finally:
+        release.set()
+        t.join()
+    assert e.tier.has("ck-old") and not e.tier.has("ck-new")
