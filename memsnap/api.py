@@ -101,7 +101,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         s = self.engine.status(caller)
         extra = self.status_extra()
         if not caller.is_root:  # the drain queue and moves in doubt are daemon-wide: root's to see
-            extra = {k: v for k, v in extra.items() if k == "store"}
+            extra = {k: v for k, v in extra.items() if k in ("store", "store_id")}
         s.update(extra)
         return pb.StatusResponse(**{k: v for k, v in s.items() if k in pb.StatusResponse.DESCRIPTOR.fields_by_name})
 

@@ -795,4 +795,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m memsnap.cli` runs this file as __main__, a second copy of the module: the command groups
+    # registered from other modules (migrate, slurm) raise memsnap.cli.Failure, which this copy's
+    # handlers would not recognise. Run the real module's main instead.
+    from memsnap.cli import main as _main
+
+    _main()

@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ from memsnap.tier import MemoryTier
 log = logging.getLogger("memsnap.drain")
 
 INDEX = "_index"
+STORE_ID = "_store/id"  # the store's identity (Drain.store_id)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 _PROGRESS_EVERY_S = 0.25
@@ -73,10 +75,34 @@ class DrainService:
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._store_id = ""
 
     def describe(self) -> str:
         """Where checkpoints go."""
         return self.store.describe()
+
+    def store_id(self) -> str:
+        """A random id kept in the store (STORE_ID), created on first use: two daemons see the same one only
+        if they share the store. A hint for preflights (a store writer can change it); integrity still rests
+        on the signed manifests. "" when the store cannot be reached."""
+        if self._store_id:
+            return self._store_id
+        try:
+            if not self.store.exists(STORE_ID):
+                w = self.store.open_writer(STORE_ID)
+                try:
+                    w.write(secrets.token_hex(16).encode())
+                    w.commit()
+                except BaseException:
+                    w.abort()
+                    raise
+            with self.store.open_reader(STORE_ID) as r:
+                got = r.read(64).decode("ascii", "replace").strip()
+        except (StoreError, OSError, ValueError) as exc:
+            log.warning("cannot read the store's id in %s: %s", self.store.describe(), exc)
+            return ""
+        self._store_id = got if got.isalnum() else ""
+        return self._store_id
 
     # -- queue --------------------------------------------------------------------------------
     def start(self, pending: list[str]) -> None:

@@ -85,6 +85,12 @@ class DrainHook(Protocol):
     def delete(self, rec: CheckpointRecord) -> None:
         """Removes the stored copy."""
 
+    def describe(self) -> str:
+        """Where checkpoints go (one line)."""
+
+    def store_id(self) -> str:
+        """The store's random id ("" when unreachable): equal on daemons that share the store."""
+
 
 class GpuHook(Protocol):
     """What the engine needs from memsnap.gpu around CRIU."""

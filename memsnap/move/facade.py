@@ -204,6 +204,8 @@ class Mover:
                     f"migration failed at preflight: the target's tier has {st.tier_free_bytes >> 20} MiB "
                     f"free but the job needs about {(estimate + RESERVE_SLACK) >> 20} MiB; the job was not "
                     "touched")
+            if req.via_store:
+                self._same_store(req, st.store_id)
             phases.mark("preflight")
             move = Move(pid=pid, job_id=job.id if job else "", moved_ip=moved_ip)
             if req.lazy:
@@ -271,6 +273,20 @@ class Mover:
         log.info("streamed %d of %d bytes while CRIU was still dumping", streamer.bytes_at_criu_done,
                  received.bytes, extra={"checkpoint_id": rec.id})
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, received.bytes)
+
+    def _same_store(self, req: MoveRequest, target_store_id: str) -> None:
+        """--via-store only works when the target reads the store this node drains to: refuse before the job
+        is touched when the stores' ids differ (a hint, not a proof: the signed manifest stays the check)."""
+        if self.engine.drain is None:
+            raise FailedPrecondition("--via-store needs a store on this node (store.dir or store.url); the job "
+                                     "was not touched")
+        mine = self.engine.drain.store_id()
+        if not mine or not target_store_id or mine != target_store_id:
+            raise FailedPrecondition(
+                f"migration failed at preflight: {req.to} does not share this node's store "
+                f"({self.engine.drain.describe()}, id {mine or 'unreadable'}; the target's id is "
+                f"{target_store_id or 'none'}): --via-store needs one store both nodes reach; move without "
+                "--via-store to stream the image instead. The job was not touched")
 
     def _via_store(self, caller: Caller, req: MoveRequest, client: PeerClient, move: Move,
                    phases: Phases) -> MoveResult:

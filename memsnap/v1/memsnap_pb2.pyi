@@ -36,7 +36,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard")
+    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard", "store_id")
     class CheckpointsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class StatusResponse(_message.Message):
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     MOVES_IN_DOUBT_FIELD_NUMBER: _ClassVar[int]
     GUARD_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     criu_version: str
     hostname: str
@@ -76,7 +77,8 @@ class StatusResponse(_message.Message):
     kernel: str
     moves_in_doubt: _containers.RepeatedScalarFieldContainer[str]
     guard: str
-    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ...) -> None: ...
+    store_id: str
+    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "name", "pid", "argv", "owner_uid", "log_path", "started_unix_ms", "running", "restored_from", "guard_state", "parked_reason", "parked_unix_ms", "parked_checkpoint", "memory_limit_bytes", "priority", "resumed_as")

@@ -265,6 +265,24 @@ def test_migrate_via_store(pair, jobs_to_kill, tmp_path):
         time.sleep(0.1)
 
 
+def test_migrate_via_store_to_a_daemon_on_another_store_is_refused_at_preflight(pair, jobs_to_kill):
+    # pair.b has a store of its own: --via-store could never work, so the move is refused before the job
+    # is touched (no image is made on either node), instead of a DATA_LOSS after a durable dump.
+    a, b = pair.a, pair.b
+    job = _counter(a, jobs_to_kill, 8, "wrongstore")
+    def ids(d: DaemonProc) -> set[str]:
+        with d.client() as c:
+            return {k.id for k in c.list()}
+
+    before_a, before_b = ids(a), ids(b)
+    r = _migrate(a, job["id"], "--to", b.address, "--via-store")
+    assert r.returncode == 8, r.stderr
+    assert "preflight" in r.stderr and "does not share this node's store" in r.stderr, r.stderr
+    assert ids(a) == before_a and ids(b) == before_b
+    n = len(ticks(job["log"], job["pid"]))
+    wait_for(lambda: len(ticks(job["log"], job["pid"])) > n + 2, 10, what="the job to keep ticking here")
+
+
 def test_source_daemon_crash_mid_move_never_leaves_the_job_frozen(pair, jobs_to_kill, tmp_path):
     # The source dies (like kill -9) right after staging the held image, before the target has it:
     # its restart must find the move unconfirmed and let the job run on here.
