@@ -172,8 +172,7 @@ class DrainService:
             reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StoreError) else str(exc)
             self.catalog.update_checkpoint(ckpt_id, state=STAGED, last_error=reason,
                                            next_attempt_ms=now_ms() + int(delay * 1000))
-            if self.metrics is not None:
-                self.metrics.storage_errors.labels(op="put").inc()
+            self._storage_error("put")
             # Tampering (a symlink where the store or tier had a directory) is an error, not a hiccup.
             level = logging.ERROR if isinstance(exc, (StoreTampered, safefs.UnsafePath)) else logging.WARNING
             clog.log(level, "drain attempt %d failed, retrying in %.1fs: %s", attempts, delay, reason)
@@ -190,11 +189,15 @@ class DrainService:
             self.metrics.observe_phase("drain", secs)
         clog.info("durable in %s: %d bytes stored in %.2fs", self.store.describe(), stored, secs)
 
+    def _storage_error(self, op: str) -> None:
+        if self.metrics is not None:
+            self.metrics.storage_errors.labels(op=op).inc()
+
     def _forget(self, ckpt_id: str) -> None:
         try:
             self.store.delete_prefix(ckpt_id + "/")
         except StoreError:
-            pass
+            self._storage_error("delete")
 
     def _drain(self, rec: CheckpointRecord) -> int:
         src = self.tier.path(rec.id)
@@ -274,6 +277,7 @@ class DrainService:
         except StoreNotFound as exc:
             raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
         except StoreUnavailable as exc:
+            self._storage_error("get")
             raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
         except (ValueError, StoreError) as exc:
             raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable: {exc}") \
@@ -314,8 +318,10 @@ class DrainService:
                         if ahead is not None:
                             ahead.close()
             except StoreUnavailable as exc:
+                self._storage_error("get")
                 raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
             except StoreError as exc:
+                self._storage_error("get")
                 raise IntegrityFailure(f"integrity check failed: {name}: {exc}") from exc
             if (res.raw_bytes, res.raw_blake3) != (meta["size"], meta["blake3"]) or \
                     res.stored_blake3 != s["stored_blake3"]:
@@ -328,6 +334,7 @@ class DrainService:
         try:
             keys = self.store.list(f"{INDEX}/{name}/")
         except StoreError as exc:
+            self._storage_error("list")
             raise Unavailable(f"cannot search the store for {name!r}: {exc}") from exc
         found = []
         for ckpt_id in sorted((k.rsplit("/", 1)[-1] for k in keys), reverse=True):
@@ -347,8 +354,10 @@ class DrainService:
         try:
             self.store.delete_prefix(rec.id + "/")
         except StoreUnavailable as exc:
+            self._storage_error("delete")
             raise Unavailable(f"cannot delete {rec.id} from the store: {exc}; try again later") from exc
         except StoreTampered as exc:
+            self._storage_error("delete")
             log.error("store tampering: %s", exc, extra={"checkpoint_id": rec.id})
             raise IntegrityFailure(f"the store copy of {rec.id} was tampered with, nothing was deleted through "
                                    f"it: {exc}; check the store, remove the entry by hand, then delete again") \

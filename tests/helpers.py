@@ -193,3 +193,34 @@ def kill_job(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+METRICS_LINE = re.compile(r"metrics on http://[^:]+:(\d+)/metrics")
+
+
+def metrics_port(d: DaemonProc) -> int:
+    """The port a daemon started with --metrics-listen 127.0.0.1:0 bound (it logs it): no free-port race."""
+    def find() -> int:
+        m = METRICS_LINE.search(d.log.read_text(errors="replace"))
+        return int(m.group(1)) if m else 0
+    return int(wait_for(find, 10, what="the metrics port in the daemon log"))  # type: ignore[arg-type]
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics, parsed: {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def sample(scraped: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    """One sample's value from scrape_metrics (0 when absent)."""
+    return scraped.get((name, tuple(sorted(labels.items()))), 0.0)
