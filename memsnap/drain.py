@@ -337,6 +337,7 @@ class DrainService:
             self._storage_error("list")
             raise Unavailable(f"cannot search the store for {name!r}: {exc}") from exc
         found = []
+        refused: list[str] = []
         for ckpt_id in sorted((k.rsplit("/", 1)[-1] for k in keys), reverse=True):
             try:
                 with self.store.open_reader(f"{ckpt_id}/{MANIFEST_NAME}") as f:
@@ -344,9 +345,14 @@ class DrainService:
                 manifest.verify_signature(m, self.key)
             except (StoreError, ValueError, manifest.IntegrityError) as exc:
                 log.warning("skipping stored checkpoint %s for %r: %s", ckpt_id, name, exc)
+                if isinstance(exc, manifest.IntegrityError):
+                    refused.append(f"{ckpt_id}: {exc}")
                 continue
             if m.get("id") == ckpt_id:
                 found.append(m)
+        if not found and refused:  # copies exist under this name, but none is one this node may trust
+            raise IntegrityFailure(f"integrity check failed: no stored checkpoint named {name!r} verifies here "
+                                   f"({refused[0]})")
         return found
 
     def delete(self, rec: CheckpointRecord) -> None:

@@ -224,3 +224,41 @@ def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 def sample(scraped: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     """One sample's value from scrape_metrics (0 when absent)."""
     return scraped.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@dataclass
+class CounterJob:
+    """A counter workload run by a daemon: its job id, root pid, log and the digest of its memory."""
+
+    id: str
+    pid: int
+    log: str
+    digest: str
+
+
+def start_counter(d: DaemonProc, jobs_to_kill: list[int], mib: int = 8, name: str = "", *extra: str,
+                  min_ticks: int = 2, interval: float = 0.1) -> CounterJob:
+    """Runs the counter workload through d (memsnapctl run), registered for teardown; waits for min_ticks."""
+    with d.client() as c:
+        job = c.run(counter_argv(mib, interval, *extra), name=name)
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: len(ticks(job.log_path)) >= min_ticks, 60, what="the job to tick")
+    return CounterJob(job.id, int(job.pid), job.log_path, start_digest(job.log_path))
+
+
+def checkpoint_json(d: DaemonProc, target: str | int, *flags: str) -> dict[str, object]:
+    """memsnapctl --json checkpoint TARGET FLAGS, which must succeed; its JSON answer."""
+    import json
+
+    return dict(json.loads(d.ctl("--json", "checkpoint", str(target), *flags, check=True).stdout))
+
+
+def running_job_pids(d: DaemonProc) -> set[int]:
+    """Root pids of the jobs d reports running."""
+    with d.client() as c:
+        return {int(j.pid) for j in c.jobs() if j.running}
+
+
+def file_names(*roots: Path) -> set[str]:
+    """Every path under roots (names only): to show that an operation left no file behind."""
+    return {str(p) for r in roots if r.exists() for p in r.rglob("*")}

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from memsnap.client import ClientError
-from tests.helpers import DaemonProc, counter_argv, start_digest, ticks, wait_for
+from tests.helpers import DaemonProc, counter_argv, running_job_pids, start_digest, ticks, wait_for
 
 DURABLE, STAGED, DRAINING = 4, 2, 3
 
@@ -81,6 +81,7 @@ def test_kill9_during_slow_drain_then_restart_finishes_and_restores(make_daemon,
     d.stop(signal.SIGKILL)
     # The interrupted upload left a temp object behind; recovery must clean it and finish the drain.
     assert not (d.store / ck["id"] / "manifest.json").exists()
+    assert _no_temp_files(d.store) != []
     d.extra = []  # restart without the bandwidth cap
     d.start()
     with d.client() as c:
@@ -109,7 +110,7 @@ def test_flipped_byte_in_stored_image_is_refused_and_nothing_starts(daemon, jobs
     assert not (daemon.tier / ck["id"]).exists()
 
 
-def test_flipped_byte_in_tier_copy_is_refused(daemon, jobs_to_kill):
+def test_flipped_byte_in_tier_copy_is_refused_and_nothing_starts(daemon, jobs_to_kill):
     jid, pid, log = _job(daemon, jobs_to_kill, 8)
     ck = json.loads(daemon.ctl("--json", "checkpoint", jid, "--stop", check=True).stdout)
     pages = next((daemon.tier / ck["id"]).glob("pages-*"))
@@ -118,8 +119,10 @@ def test_flipped_byte_in_tier_copy_is_refused(daemon, jobs_to_kill):
         b = f.read(1)
         f.seek(4096)
         f.write(bytes([b[0] ^ 0xFF]))
+    before = _job_pids(daemon), {t.hostpid for t in ticks(log)}
     r = daemon.ctl("restore", ck["id"])
     assert r.returncode != 0 and "checksum" in r.stderr and "DATA_LOSS" in r.stderr
+    assert (_job_pids(daemon), {t.hostpid for t in ticks(log)}) == before
 
 
 def _job_pids(d: DaemonProc) -> set[int]:
@@ -240,4 +243,6 @@ def test_another_node_restores_by_job_name_from_the_shared_store(make_daemon, jo
         assert [k.id for k in c.list()] == [ck.id]
     # A node with a different key refuses the stored copy instead of restoring it.
     other = make_daemon("node-c", extra=["--store-dir", str(shared)]).start()
-    assert other.ctl("restore", "slurm-4242").returncode != 0
+    r2 = other.ctl("restore", "slurm-4242")
+    assert r2.returncode != 0 and "DATA_LOSS" in r2.stderr and "signature does not match" in r2.stderr, r2.stderr
+    assert running_job_pids(other) == set()
