@@ -12,7 +12,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${MUTATION_REPORT:-$repo/bench/results/mutation.txt}
 work=$(mktemp -d /tmp/memsnap-mutation.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+[[ -n ${MUTATION_KEEP:-} ]] && echo "scratch copy kept in $work" >&2 || trap 'rm -rf "$work"' EXIT
 cd "$repo"
 git ls-files -co --exclude-standard -z | grep -zv '^bench/\|^docs/' | xargs -0 cp --parents -t "$work"
 cd "$work"
@@ -54,8 +54,13 @@ mkdir -p "$(dirname "$out")"
   echo "# patterns: ${patterns[*]}"
   echo "# wall time: ${secs}s with ${MUTATION_CHILDREN:-2} workers on $(nproc) cores, $(date -u +%FT%TZ)"
   tail -n 3 run.log | tr '\r' '\n' | tail -n 2
-  echo "# surviving (and timed out / suspicious) mutants:"
-  grep -v ': killed$' results.txt || true
+  sel=$(grep -E ': (survived|timeout|suspicious|segfault)' results.txt | sed 's/^ *//' || true)
+  echo "# killed: $(grep -c ': killed$' results.txt || true)"
+  echo "# survived: $(grep -c ': survived$' results.txt || true)"
+  echo "# timeout (the tests hung: counted as killed): $(grep -c ': timeout$' results.txt || true)"
+  echo "# not killed, with their diffs in ${out%.txt}.diff:"
+  echo "$sel" | grep -v ': timeout$' || true
 } > "$out"
-cp run.log "${out%.txt}.log" 2>/dev/null || true
+: > "${out%.txt}.diff"
+for m in $(echo "$sel" | grep ': survived$' | cut -d: -f1); do mutmut show "$m" >> "${out%.txt}.diff" 2>&1 || true; done
 cat "$out"

@@ -24,6 +24,38 @@ def _criu_ready() -> None:
         pytest.fail("criu is not installed: run scripts/install-criu.sh (CI does)")
 
 
+@pytest.fixture(autouse=True)
+def no_temp_dir_outlives_the_test() -> Iterator[None]:
+    """Every tempfile.mkdtemp() a test (or its fixtures) makes in this process must be gone at its end:
+    a left one is removed and the test errors, naming it."""
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def tracking(*args: object, **kw: object) -> str:
+        d = real(*args, **kw)  # type: ignore[arg-type]
+        made.append(str(d))
+        return str(d)
+
+    tempfile.mkdtemp = tracking  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        tempfile.mkdtemp = real
+    left = [d for d in made if os.path.lexists(d)]
+    for d in left:
+        shutil.rmtree(d, ignore_errors=True)
+    assert not left, f"temp dirs left behind (removed now): {left}"
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A short-named temp dir any user may traverse (0755; for sockets nobody must reach), removed after."""
+    d = Path(tempfile.mkdtemp(prefix="memsnap-t-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     """A session-wide moto S3 server with one bucket. boto3 and moto are imported only when a test asks

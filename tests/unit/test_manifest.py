@@ -40,8 +40,9 @@ def _edit(d: Path, change: Any, key: bytes | None = None) -> None:
 
 
 def _refused(d: Path, match: str, **kw: Any) -> None:
-    with pytest.raises(IntegrityError, match=match):
+    with pytest.raises(IntegrityError, match=match) as e:
         manifest.verify_dir(d, KEY, bound_to=BOUND, **kw)
+    assert str(e.value).startswith("integrity check failed: ")  # what DATA_LOSS answers begin with
 
 
 def test_an_untouched_image_verifies_and_returns_its_manifest(tmp_path: Path) -> None:
@@ -116,6 +117,17 @@ def test_unknown_format_is_refused_even_when_signed(tmp_path: Path, fmt: Any) ->
     m["signature"] = manifest.hmac.new(KEY, manifest._canonical(m), manifest.hashlib.sha256).hexdigest()
     manifest.verify_signature(m, KEY)
     with pytest.raises(IntegrityError, match="format"):
+        manifest.check_binding(m, *BOUND)
+
+
+def test_the_binding_refusal_names_both_checkpoints() -> None:
+    m = manifest.sign({"id": "ck-2", "job": "job-2", "uid": 7, "files": {}}, KEY)
+    with pytest.raises(IntegrityError) as e:
+        manifest.check_binding(m, *BOUND)
+    assert str(e.value) == ("integrity check failed: the signed manifest belongs to checkpoint 'ck-2' (job 'job-2', "
+                            "uid 7), not to ck-1 (job 'job-1', uid 1000): the image was swapped")
+    m["format"] = 2
+    with pytest.raises(IntegrityError, match=r"^integrity check failed: manifest format 2 is not one"):
         manifest.check_binding(m, *BOUND)
 
 
@@ -251,3 +263,17 @@ def test_hmac_key_is_created_0600_and_read_back(tmp_path: Path) -> None:
     os.chmod(path, 0o640)
     with pytest.raises(safefs.UnsafePath):
         manifest.load_or_create_key(path)
+
+
+def test_hmac_key_created_by_another_process_first_is_the_one_used(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "hmac.key"
+    theirs = b"t" * 32
+    real = safefs.write_new
+
+    def lose_the_race(dfd: int, name: str, data: bytes, mode: int = 0o600) -> bool:
+        assert real(dfd, name, theirs, 0o600)  # the other process wins: its key is on disk
+        return False
+
+    monkeypatch.setattr(manifest.safefs, "write_new", lose_the_race)
+    assert manifest.load_or_create_key(path) == theirs  # everyone signs with the key on disk
