@@ -40,7 +40,7 @@ def _target_jobs(d: DaemonProc) -> dict[str, dict]:
     return {j["id"]: j for j in json.loads(d.ctl("--json", "jobs", check=True).stdout)}
 
 
-def test_lazy_move_resumes_before_the_memory_arrived_and_gets_it_all(pair: Pair, jobs_to_kill):
+def test_lazy_move_reports_resuming_before_its_pages_and_gets_them_all(pair: Pair, jobs_to_kill):
     a, b = pair.a, pair.b
     job = _counter(a, jobs_to_kill, MIB, "lazy-mover")
 
@@ -50,7 +50,7 @@ def test_lazy_move_resumes_before_the_memory_arrived_and_gets_it_all(pair: Pair,
     jobs_to_kill.append(out["target_pid"])
     last = ticks(job["log"], job["pid"])[-1]
 
-    # Phases: it resumed on the target ("restore") before the pages had all come ("pages").
+    # Phases, as the daemon reports them: it resumed on the target ("restore"), then the pages came ("pages").
     assert {"preflight", "dump", "transfer", "restore", "pages", "confirm", "cleanup"} == set(out["phases"])
     print("lazy move:", out["downtime_ms"], "ms to resume;", out["phases"])
     assert 0 < out["downtime_ms"] < 10_000

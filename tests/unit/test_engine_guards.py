@@ -352,3 +352,80 @@ def test_a_second_live_job_of_the_same_name_is_refused(eng: Engine, sleeper: sub
     eng._refuse_live_duplicate(1001, "train")
     _job(eng, "job-b", DEAD, 1000, "eval")
     eng._refuse_live_duplicate(1000, "eval")
+
+
+# -- eviction: least recently used durable tier copies first, never the last copy --------------------------
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[Engine]:
+    cat = Catalog(tmp_path / "state")
+    tier = MemoryTier(tmp_path / "tier", capacity_bytes=4 * MiB)
+    e = Engine(EngineConfig(state_dir=tmp_path / "state"), cat, tier, None, b"k" * 32)  # type: ignore[arg-type]
+    yield e
+    cat.close()
+
+
+def _copy(e: Engine, ck_id: str, last_used: int, created: int = 1, state: str = DURABLE, in_store: bool = True) -> None:
+    s = e.tier.new_staging(ck_id)
+    (s / "pages-1.img").write_bytes(b"x" * MiB)
+    (s / "manifest.json").write_text("{}")
+    e.tier.publish(s, ck_id)
+    r = CheckpointRecord(id=ck_id, state=state, pid=DEAD, owner_uid=1000, created_ms=created, in_tier=True,
+                         in_store=in_store, size_bytes=MiB, last_used_ms=last_used)
+    e.catalog.add_checkpoint(r)
+
+
+def _in_tier(e: Engine) -> list[str]:
+    return sorted(r.id for r in e.catalog.checkpoints() if r.in_tier)
+
+
+def test_eviction_takes_the_least_recently_used_durable_copy_first(small: Engine) -> None:
+    _copy(small, "ck-a", last_used=300)
+    _copy(small, "ck-b", last_used=100)
+    _copy(small, "ck-c", last_used=0, created=200)  # never used: its creation time counts
+    small._reserve(2 * MiB - 64 * 1024).release()
+    assert _in_tier(small) == ["ck-a", "ck-c"] and small.tier.published_ids() == ["ck-a", "ck-c"]
+    small._reserve(3 * MiB - 64 * 1024).release()
+    assert _in_tier(small) == ["ck-a"]
+    for ck in ("ck-b", "ck-c"):
+        r = small.catalog.get_checkpoint(ck)
+        assert r is not None and r.state == DURABLE and r.in_store  # the stored copy stays restorable
+
+
+def test_eviction_never_drops_a_copy_that_is_not_durable_in_the_store(small: Engine) -> None:
+    from memsnap.engine import TierExhausted
+
+    _copy(small, "ck-staged", last_used=1, state=STAGED, in_store=False)
+    _copy(small, "ck-lost", last_used=2, state=DURABLE, in_store=False)  # durable, but its store copy is gone
+    _copy(small, "ck-ok", last_used=3)
+    with pytest.raises(TierExhausted):
+        small._reserve(3 * MiB)  # room only by dropping a last copy: nothing is evicted
+    assert _in_tier(small) == ["ck-lost", "ck-ok", "ck-staged"]
+    small._reserve(2 * MiB - 64 * 1024).release()
+    assert _in_tier(small) == ["ck-lost", "ck-staged"]
+
+
+def test_a_copy_in_use_is_skipped_not_waited_for(small: Engine) -> None:
+    import threading
+
+    _copy(small, "ck-old", last_used=1)
+    _copy(small, "ck-new", last_used=2)
+    held = threading.Event()
+    done = threading.Event()
+
+    def hold() -> None:
+        with small._ckpt_lock("ck-old"):
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        small._reserve(3 * MiB - 64 * 1024).release()
+        assert _in_tier(small) == ["ck-old"]
+    finally:
+        done.set()
+        t.join()
