@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.helpers import DaemonProc, kill_job
+from tests.helpers import DaemonProc, Pair, kill_counters_started_since, kill_job, two_daemons
 
 if TYPE_CHECKING:
     from tests.s3server import S3Server
@@ -114,3 +115,17 @@ def open_daemon(make_daemon: object, tmp_path: Path) -> Iterator[DaemonProc]:
     yield d
     d.cleanup()
     shutil.rmtree(sockdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """Two cluster daemons for moves, one pair per test module."""
+    yield from two_daemons(tmp_path_factory)
+
+
+@pytest.fixture
+def no_copy_outlives_the_test() -> Iterator[None]:
+    """Kills every counter workload started during the test (modules with moves use it for every test)."""
+    t0 = time.time() - 1
+    yield
+    kill_counters_started_since(t0)

@@ -37,6 +37,7 @@ def test_lazy_restore_resumes_with_same_digest_and_gets_all_pages(daemon, jobs_t
     got = ticks(job.log_path, pid)
     assert got[0].n == last + 1
     assert all(t.digest == digest for t in got), "memory differs after a lazy restore"
+    assert any(t.fresh for t in got)  # computed from the restored memory, not only carried over
     # The lazy-pages server pushes the remaining pages in the background, then exits.
     wait_for(lambda: not _lazy_servers(str(daemon.tier)), 60, what="the lazy-pages server to finish")
     rss = psutil.Process(pid).memory_info().rss
@@ -44,6 +45,7 @@ def test_lazy_restore_resumes_with_same_digest_and_gets_all_pages(daemon, jobs_t
     n = len(ticks(job.log_path, pid))
     wait_for(lambda: len(ticks(job.log_path, pid)) > n + 5, 20, what="ticks after all pages arrived")
     assert all(t.digest == digest for t in ticks(job.log_path, pid))
+    assert any(t.fresh for t in ticks(job.log_path, pid)[n:])
 
 
 def test_a_small_lazy_restore_whose_pages_all_arrived_before_criu_returned(make_daemon, jobs_to_kill):
@@ -65,6 +67,7 @@ def test_a_small_lazy_restore_whose_pages_all_arrived_before_criu_returned(make_
     jobs_to_kill.append(pid)
     wait_for(lambda: len(ticks(job.log_path, pid)) >= 6, 30, what="the lazily restored job to tick")
     assert all(t.digest == digest for t in ticks(job.log_path, pid))
+    assert any(t.fresh for t in ticks(job.log_path, pid))
     with d.client() as c:
         assert [j for j in c.jobs() if j.running and int(j.pid) == pid], "the restored job is not recorded"
 
