@@ -515,3 +515,14 @@ def kill_counters_started_since(t0: float) -> None:
                 kill_job(p.pid)
         except psutil.Error:
             pass
+
+
+def restore_refused(d: DaemonProc, key: str, jobs_to_kill: list[int], *flags: str) -> subprocess.CompletedProcess[str]:
+    """memsnapctl --json restore that the test expects to fail; should it succeed after all, the restored
+    copy is registered for teardown (never left running unnoticed) and the caller's assertion fails."""
+    import json
+
+    r = d.ctl("--json", "restore", *flags, key)
+    if r.returncode == 0:
+        jobs_to_kill.append(int(json.loads(r.stdout)["pid"]))
+    return r

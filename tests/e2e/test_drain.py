@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from memsnap.client import ClientError
-from tests.helpers import DaemonProc, counter_argv, running_job_pids, start_digest, ticks, wait_for
+from tests.helpers import DaemonProc, counter_argv, restore_refused, running_job_pids, start_digest, ticks, wait_for
 
 DURABLE, STAGED, DRAINING = 4, 2, 3
 
@@ -103,7 +103,7 @@ def test_flipped_byte_in_stored_image_is_refused_and_nothing_starts(daemon, jobs
     data[len(data) // 2] ^= 0x01
     pages.write_bytes(bytes(data))
     before = _job_pids(daemon)
-    r = daemon.ctl("restore", ck["id"])
+    r = restore_refused(daemon, ck["id"], jobs_to_kill)
     assert r.returncode != 0
     assert "DATA_LOSS" in r.stderr and ("integrity" in r.stderr or "checksum" in r.stderr)
     assert _job_pids(daemon) == before
@@ -120,7 +120,7 @@ def test_flipped_byte_in_tier_copy_is_refused_and_nothing_starts(daemon, jobs_to
         f.seek(4096)
         f.write(bytes([b[0] ^ 0xFF]))
     before = _job_pids(daemon), {t.hostpid for t in ticks(log)}
-    r = daemon.ctl("restore", ck["id"])
+    r = restore_refused(daemon, ck["id"], jobs_to_kill)
     assert r.returncode != 0 and "checksum" in r.stderr and "DATA_LOSS" in r.stderr
     assert (_job_pids(daemon), {t.hostpid for t in ticks(log)}) == before
 
@@ -243,6 +243,6 @@ def test_another_node_restores_by_job_name_from_the_shared_store(make_daemon, jo
         assert [k.id for k in c.list()] == [ck.id]
     # A node with a different key refuses the stored copy instead of restoring it.
     other = make_daemon("node-c", extra=["--store-dir", str(shared)]).start()
-    r2 = other.ctl("restore", "slurm-4242")
+    r2 = restore_refused(other, "slurm-4242", jobs_to_kill)
     assert r2.returncode != 0 and "DATA_LOSS" in r2.stderr and "signature does not match" in r2.stderr, r2.stderr
     assert running_job_pids(other) == set()

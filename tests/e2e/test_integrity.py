@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 
 from memsnap import manifest
-from tests.helpers import DaemonProc, checkpoint_json, file_names, running_job_pids, start_counter, ticks
+from tests.helpers import (
+    DaemonProc,
+    checkpoint_json,
+    file_names,
+    restore_refused,
+    running_job_pids,
+    start_counter,
+    ticks,
+)
 
 
 def _load(p: Path) -> dict[str, Any]:
@@ -88,9 +96,9 @@ TIER_TAMPERS: dict[str, Callable[[DaemonProc, Path, Path], str]] = {
 }
 
 
-def _refused_with_nothing_left(d: DaemonProc, ckpt_id: str, log: str, words: str) -> None:
+def _refused_with_nothing_left(d: DaemonProc, ckpt_id: str, log: str, words: str, jobs_to_kill: list[int]) -> None:
     jobs, files, pids = running_job_pids(d), file_names(d.tier, d.state), {t.hostpid for t in ticks(log)}
-    r = d.ctl("restore", ckpt_id)
+    r = restore_refused(d, ckpt_id, jobs_to_kill)
     assert r.returncode != 0 and "DATA_LOSS" in r.stderr and words in r.stderr, r.stderr
     time.sleep(0.5)  # a copy started by mistake would have printed its first tick by now
     assert running_job_pids(d) == jobs
@@ -104,7 +112,7 @@ def test_tampered_tier_copy_is_refused_with_data_loss_and_no_process(daemon, job
     ck = checkpoint_json(daemon, job.id, "--stop")
     img = daemon.tier / str(ck["id"])
     words = TIER_TAMPERS[tamper](daemon, img, img / manifest.MANIFEST)
-    _refused_with_nothing_left(daemon, str(ck["id"]), job.log, words)
+    _refused_with_nothing_left(daemon, str(ck["id"]), job.log, words, jobs_to_kill)
 
 
 # The store copy: the same refusals on the way back from the store (memsnap.drain fetch).
@@ -161,5 +169,5 @@ def test_tampered_store_copy_is_refused_with_data_loss_and_no_process(daemon, jo
     daemon.ctl("evict", str(ck["id"]), check=True)
     sd = daemon.store / str(ck["id"])
     words = STORE_TAMPERS[tamper](daemon, sd, sd / manifest.MANIFEST)
-    _refused_with_nothing_left(daemon, str(ck["id"]), job.log, words)
+    _refused_with_nothing_left(daemon, str(ck["id"]), job.log, words, jobs_to_kill)
     assert not (daemon.tier / str(ck["id"])).exists()

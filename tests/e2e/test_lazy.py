@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import counter_argv, start_digest, ticks, wait_for
+from tests.helpers import counter_argv, restore_refused, start_digest, ticks, wait_for
 
 
 def _lazy_servers(tier: str) -> list[psutil.Process]:
@@ -83,7 +83,7 @@ def test_a_restore_that_fails_after_criu_returned_leaves_no_copy_running(lazy, m
     wait_for(lambda: len(ticks(job.log_path)) >= 2, 30, what="the job to tick")
     ck = json.loads(d.ctl("--json", "checkpoint", job.id, "--stop", check=True).stdout)
 
-    r = d.ctl("--json", "restore", *(["--lazy"] if lazy else []), ck["id"])
+    r = restore_refused(d, ck["id"], jobs_to_kill, *(["--lazy"] if lazy else []))
     assert r.returncode != 0 and "catalog could not be written" in r.stderr, r.stderr
     time.sleep(1.0)
     n = len(ticks(job.log_path))
