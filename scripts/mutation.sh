@@ -33,6 +33,7 @@ done
   echo "source_paths=memsnap"
   echo "only_mutate="; for t in "${targets[@]}"; do echo "    $t"; done
   echo "pytest_add_cli_args_test_selection="; for t in "${existing[@]}"; do echo "    $t"; done
+  echo "timeout_multiplier=${MUTATION_TIMEOUT_MULTIPLIER:-5}"
   echo "pytest_add_cli_args="
   echo "    -p no:cacheprovider"
   echo "    -q"

@@ -234,9 +234,9 @@ METRICS_LINE = re.compile(r"metrics on http://[^:]+:(\d+)/metrics")
 
 def metrics_port(d: DaemonProc) -> int:
     """The port a daemon started with --metrics-listen 127.0.0.1:0 bound (it logs it): no free-port race."""
-    def find() -> int:
-        m = METRICS_LINE.search(d.log.read_text(errors="replace"))
-        return int(m.group(1)) if m else 0
+    def find() -> int:  # the last start's port: a restarted daemon binds a new one
+        found = METRICS_LINE.findall(d.log.read_text(errors="replace"))
+        return int(found[-1]) if found else 0
     return int(wait_for(find, 10, what="the metrics port in the daemon log"))  # type: ignore[arg-type]
 
 
@@ -451,8 +451,8 @@ def two_daemons(tmp_path_factory: Any) -> Iterator[Pair]:
     base = tmp_path_factory.mktemp("migrate")
     token = base / "token"
     token.write_text(secrets.token_hex(32))
-    a = token_daemon(base / "a", token).start()
-    b = token_daemon(base / "b", token).start()
+    a = token_daemon(base / "a", token, extra=("--metrics-listen", "127.0.0.1:0")).start()
+    b = token_daemon(base / "b", token, extra=("--metrics-listen", "127.0.0.1:0")).start()
     yield Pair(a, b, token, base)
     a.cleanup()
     b.cleanup()

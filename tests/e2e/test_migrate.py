@@ -20,7 +20,10 @@ from tests.helpers import (
     Pair,
     kill_target_then_expect_rollback,
     lazy_pages_of,
+    metrics_port,
     migrate_in_background,
+    sample,
+    scrape_metrics,
     ticks,
     token_daemon,
     wait_for,
@@ -37,9 +40,18 @@ BIG_MIB = 256
 def test_migrate_moves_the_job_and_the_source_lets_go(pair, jobs_to_kill):
     a, b = pair.a, pair.b
     job = _counter(a, jobs_to_kill, BIG_MIB, "mover")
+    before_a, before_b = scrape_metrics(metrics_port(a)), scrape_metrics(metrics_port(b))
 
     r = _migrate(a, job["id"], "--to", b.address)
     assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
+    # Metrics: the source counts a migration and the freeze of its dump, the target a restore.
+    src, dst = scrape_metrics(metrics_port(a)), scrape_metrics(metrics_port(b))
+    assert sample(src, "memsnap_migrations_total", result="ok") == \
+        sample(before_a, "memsnap_migrations_total", result="ok") + 1
+    assert sample(src, "memsnap_phase_seconds_count", phase="freeze") == \
+        sample(before_a, "memsnap_phase_seconds_count", phase="freeze") + 1
+    assert sample(dst, "memsnap_restores_total", result="ok") == \
+        sample(before_b, "memsnap_restores_total", result="ok") + 1
     out = json.loads(r.stdout)
     jobs_to_kill.append(out["target_pid"])
     last = ticks(job["log"], job["pid"])[-1]
@@ -74,9 +86,11 @@ def test_wrong_token_is_refused_before_the_job_is_touched(pair, jobs_to_kill, tm
     job = _counter(a, jobs_to_kill, 16, "refused")
     wrong = tmp_path / "wrong"
     wrong.write_text(secrets.token_hex(32))
+    failed = sample(scrape_metrics(metrics_port(a)), "memsnap_migrations_total", result="error")
     r = _migrate(a, job["id"], "--to", b.address, "--token-file", str(wrong))
     assert r.returncode != 0
     assert "UNAUTHENTICATED" in r.stderr and "preflight" in r.stderr, r.stderr
+    assert sample(scrape_metrics(metrics_port(a)), "memsnap_migrations_total", result="error") == failed + 1
     _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
 
 
