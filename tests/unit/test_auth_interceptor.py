@@ -191,3 +191,120 @@ def test_the_verdict_is_in_scope_only_during_the_call() -> None:
     local = remote._wrap(Handler, lambda ctx: CallAuth(LOCAL), STATUS)
     local.unary_unary(None, None)
     assert seen[-1] == (False, "")
+
+
+class _Details:
+    def __init__(self, method: str, md: list[tuple[str, str]]) -> None:
+        self.method = method
+        self.invocation_metadata = md
+
+
+class _Handler:
+    request_streaming = False
+    response_streaming = False
+    request_deserializer = None
+    response_serializer = None
+    unary_stream = stream_unary = stream_stream = None
+
+    @staticmethod
+    def unary_unary(req: Any, ctx: Any) -> str:
+        return "served"
+
+
+@pytest.mark.parametrize("header", ["x-memsnap-authenticated", "X-Memsnap-Authenticated"])
+def test_the_interceptor_refuses_the_forged_header_before_serving(header: str) -> None:
+    icpt = AuthInterceptor(creds())
+    wrapped = icpt.intercept_service(lambda d: _Handler, _Details(STATUS, [(header, "tcp")]))
+    with pytest.raises(Aborted) as e:
+        wrapped.unary_unary(None, Ctx("unix:/x"))
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_interceptor_checks_every_call_with_its_method() -> None:
+    icpt = AuthInterceptor(creds())
+    wrapped = icpt.intercept_service(lambda d: _Handler, _Details(RESTORE, [("other", "x")]))
+    assert wrapped.unary_unary(None, Ctx("unix:/x")) == "served"
+    with pytest.raises(Aborted) as e:
+        wrapped.unary_unary(None, Ctx(token=DERIVED))  # a peer, but Restore is not a move RPC
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    ok = icpt.intercept_service(lambda d: _Handler, _Details(STATUS, []))
+    assert ok.unary_unary(None, Ctx(token=DERIVED)) == "served"
+    assert icpt.intercept_service(lambda d: None, _Details(STATUS, [])) is None  # unknown method: grpc's answer
+
+
+def test_streaming_replies_are_produced_with_the_verdict_in_scope() -> None:
+    class Streaming(_Handler):
+        response_streaming = True
+        unary_unary = None  # type: ignore[assignment]
+
+        @staticmethod
+        def unary_stream(req: Any, ctx: Any) -> Any:  # type: ignore[override]
+            for _ in range(2):
+                yield remote.call_token()
+
+    wrapped = remote._wrap(Streaming, lambda ctx: CallAuth(PEER, "tok", "p"), RECEIVE)
+    assert list(wrapped.unary_stream(None, None)) == ["tok", "tok"]
+    assert remote.call_token() == ""
+
+
+class _Server:
+    def __init__(self, port: int = 7070) -> None:
+        self.port = port
+        self.added: list[tuple[str, bool]] = []
+
+    def add_insecure_port(self, address: str) -> int:
+        self.added.append((address, False))
+        return self.port
+
+    def add_secure_port(self, address: str, creds: Any) -> int:
+        self.added.append((address, True))
+        return self.port
+
+
+def test_tcp_is_never_served_without_a_way_to_authenticate(tmp_path: Any) -> None:
+    import os
+
+    from memsnap.config import Config, DaemonConfig
+    from memsnap.remote import RemoteConfigError, add_tcp_port
+
+    server = _Server()
+    with pytest.raises(RemoteConfigError, match="^refusing to listen on 127.0.0.1:7070 without authentication"):
+        add_tcp_port(server, Config(daemon=DaemonConfig(listen="127.0.0.1:7070")))  # type: ignore[arg-type]
+    assert server.added == []
+    token = tmp_path / "node.token"
+    token.write_text("t" * 40)
+    os.chmod(token, 0o600)
+    cfg = Config(daemon=DaemonConfig(listen="127.0.0.1:7070", auth_token_file=str(token)))
+    assert add_tcp_port(server, cfg) == 7070  # type: ignore[arg-type]
+    assert server.added == [("127.0.0.1:7070", False)]
+    with pytest.raises(RemoteConfigError, match="the address is in use or not local"):
+        add_tcp_port(_Server(port=0), cfg)  # type: ignore[arg-type]
+
+
+def test_credentials_are_read_from_the_configured_files_only(tmp_path: Any) -> None:
+    import os
+
+    from memsnap import safefs
+    from memsnap.config import Config, DaemonConfig, PeerConfig
+    from memsnap.remote import RemoteConfigError, load_credentials
+    from tests.helpers import make_ca, make_cert
+
+    node = tmp_path / "node.token"
+    node.write_text("n" * 40)
+    os.chmod(node, 0o600)
+    c = load_credentials(Config(daemon=DaemonConfig(auth_token_file=str(node), node_name="me")))
+    assert (c.node_token, c.admin_token, c.peer_tokens, c.mutual_tls) == (b"n" * 40, "", {}, False)
+    assert c.tls_cert == c.tls_key == c.tls_ca == b""
+    assert set(c.accepted_tokens.values()) == {(PEER, "a peer (derived from the node token)")}
+    ca = make_ca(tmp_path, "ca")
+    key, crt = make_cert(tmp_path, "me", ca)
+    tls = DaemonConfig(tls_cert=str(crt), tls_key=str(key), tls_ca=str(ca[1]), admin_identities=("ops",))
+    c = load_credentials(Config(daemon=tls, peers=(PeerConfig(name="b", address="10.0.0.2:1", identity="node-b"),)))
+    assert c.mutual_tls and c.tls_cert == crt.read_bytes() and c.tls_key == key.read_bytes()
+    assert c.tls_ca == ca[1].read_bytes() and c.node_token == b"" and c.accepted_tokens == {}
+    assert c.peer_identities == frozenset({"node-b"}) and c.admin_identities == frozenset({"ops"})
+    only_cert = load_credentials(Config(daemon=DaemonConfig(tls_cert=str(crt), tls_key=str(key))))
+    assert not only_cert.mutual_tls and not only_cert.any  # TLS without a CA authenticates nobody
+    os.chmod(key, 0o640)
+    with pytest.raises((RemoteConfigError, safefs.UnsafePath)):
+        load_credentials(Config(daemon=tls))

@@ -429,3 +429,31 @@ def test_a_copy_in_use_is_skipped_not_waited_for(small: Engine) -> None:
     finally:
         done.set()
         t.join()
+
+
+def test_a_job_id_is_looked_up_as_an_id_not_as_a_name(eng: Engine, sleeper: subprocess.Popen[bytes]) -> None:
+    _job(eng, "job-7f3a", sleeper.pid, 1000, "trainer")
+    assert eng.resolve_pid("job-7f3a", ALICE)[1].id == "job-7f3a"  # type: ignore[union-attr]
+
+
+def test_a_job_whose_pid_is_init_is_refused(eng: Engine) -> None:
+    _job(eng, "job-init", 1, 0, "init")
+    with pytest.raises(InvalidArgument, match="system's init"):
+        eng.resolve_pid("job-init", ROOT)
+
+
+def test_a_name_never_means_a_dead_or_reused_pid_as_running(eng: Engine, sleeper: subprocess.Popen[bytes]) -> None:
+    start = psutil.Process(sleeper.pid).create_time()
+    _job(eng, "job-real", sleeper.pid, 1000, "train", started=1, pid_start=start)
+    _job(eng, "job-stale", DEAD, 1000, "train", started=8)  # not marked ended, but its process is gone
+    _job(eng, "job-reused", sleeper.pid, 1000, "train", started=9, pid_start=start - 100)  # pid now another's
+    assert eng._job_by_name(ALICE, "train").id == "job-real"
+
+
+def test_root_gets_the_uid_hint_only_for_a_name_others_have(eng: Engine) -> None:
+    _ck(eng, "ck-t", 1000, name="train")
+    with pytest.raises(NotFound):
+        eng.latest_restorable(ROOT, "nothing")
+    _job(eng, "job-r", DEAD, 0, "train", ended=True)  # root's own job of that name: asked by its id
+    with pytest.raises(NotFound):
+        eng.latest_restorable(ROOT, "job-r")

@@ -155,3 +155,10 @@ def test_addr_ifname_token_file_name() -> None:
         bad(v.file_name, "f", n, match="is not a plain file name")
     bad(v.file_name, "f", "a" * 256, match="longer than 255")
     assert v.file_name("f", "a" * 255)
+
+
+def test_uid_names_take_the_first_colon_and_at_most_ten_digits() -> None:
+    bad(v.key, "target", "1000:a:b", match="is not a valid name")  # the name part holds the second colon
+    bad(v.key, "target", "01234567890:a", match="is not UID:NAME")  # 11 digits, though its value is small
+    assert v.key("target", "0123456789:a") == "0123456789:a"
+    bad(v.ckpt_id, "id", "", match="^id is empty$")
