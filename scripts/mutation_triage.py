@@ -39,7 +39,7 @@ def classify(removed: list[str], added: list[str]) -> str:
 
 def main() -> None:
     text = sys.stdin.read()
-    blocks = re.split(r"^# (\S+__mutmut_\d+): survived\n", text, flags=re.M)
+    blocks = re.split(r"^# (\S+__mutmut_\d+): (?:survived|no tests)\n", text, flags=re.M)
     out: dict[str, list[str]] = defaultdict(list)
     for name, body in zip(blocks[1::2], blocks[2::2], strict=True):
         removed = [ln[1:] for ln in body.splitlines() if ln.startswith("-") and not ln.startswith("---")]

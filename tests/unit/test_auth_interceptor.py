@@ -308,3 +308,12 @@ def test_credentials_are_read_from_the_configured_files_only(tmp_path: Any) -> N
     os.chmod(key, 0o640)
     with pytest.raises((RemoteConfigError, safefs.UnsafePath)):
         load_credentials(Config(daemon=tls))
+
+
+def test_without_a_node_token_no_derived_credential_is_sent() -> None:
+    from memsnap.config import PeerConfig
+
+    b = PeerConfig(name="b", address="10.0.0.2:1")
+    assert Credentials().outbound(b) == ""
+    assert creds().outbound(b) == peer_credential(NODE_TOKEN, "b")
+    assert creds(peer_tokens={"b": PEER_TOKEN}).outbound(b) == PEER_TOKEN
