@@ -369,7 +369,8 @@ class ClusterDaemon(DaemonProc):
 
     def start(self, timeout: float = 30.0) -> ClusterDaemon:
         for attempt in range(len(CLUSTER_PORTS)):
-            self.write_config()
+            if attempt:  # (the first start keeps the config as written, with any lines a test added)
+                self.write_config()
             try:
                 super().start(timeout)
                 return self
