@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from memsnap import manifest, safefs
+from memsnap import failpoints, manifest, safefs
 from memsnap.api import MemsnapServicer, PeerServicer
 from memsnap.catalog import Catalog
 from memsnap.config import Config, ConfigError, load_config
@@ -114,12 +114,15 @@ class Daemon:
         return build_drain(self.cfg, self.catalog, self.tier, key, self.metrics)
 
     def _observe(self, kind: str, result: str, seconds: float) -> None:
+        if kind.startswith("phase:"):  # a phase timed inside an operation (freeze, dump: CRIU's own stats)
+            self.metrics.observe_phase(kind.removeprefix("phase:"), seconds)
+            return
         counter = {"checkpoint": self.metrics.checkpoints, "restore": self.metrics.restores,
                    "migrate": self.metrics.migrations}.get(kind)
         if counter is not None:
             counter.labels(result=result).inc()
-        if result == "ok" and kind in ("checkpoint", "restore"):
-            self.metrics.observe_phase("dump" if kind == "checkpoint" else "restore", seconds)
+        if result == "ok" and kind == "restore":
+            self.metrics.observe_phase("restore", seconds)
 
     def _status_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"store": self.drain.describe() if self.drain else "none",
@@ -185,6 +188,7 @@ class Daemon:
                 self.metrics.bind_drain_queue(lambda: float(self.drain.queue_stats()[0]),
                                               lambda: float(self.drain.queue_stats()[1]))
             self._servers.append(serve(self.metrics, host.strip("[]") or "127.0.0.1", int(port)))
+            log.info("metrics on http://%s:%d/metrics", self._servers[-1].host, self._servers[-1].port)
 
         self.guard.start()
         self.notifier.ready()
@@ -310,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(cfg.to_toml())
         return
     setup_logging(cfg.daemon.log_format, cfg.daemon.log_level)
+    failpoints.warn_if_set(log)
     if os.geteuid() != 0:
         print("memsnapd: must run as root (CRIU needs it)", file=sys.stderr)
         raise SystemExit(1)

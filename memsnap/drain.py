@@ -192,8 +192,7 @@ class DrainService:
             reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StoreError) else str(exc)
             self.catalog.update_checkpoint(ckpt_id, state=STAGED, last_error=reason,
                                            next_attempt_ms=now_ms() + int(delay * 1000))
-            if self.metrics is not None:
-                self.metrics.storage_errors.labels(op="put").inc()
+            self._storage_error("put")
             # Tampering (a symlink where the store or tier had a directory) is an error, not a hiccup.
             level = logging.ERROR if isinstance(exc, (StoreTampered, safefs.UnsafePath)) else logging.WARNING
             clog.log(level, "drain attempt %d failed, retrying in %.1fs: %s", attempts, delay, reason)
@@ -210,11 +209,15 @@ class DrainService:
             self.metrics.observe_phase("drain", secs)
         clog.info("durable in %s: %d bytes stored in %.2fs", self.store.describe(), stored, secs)
 
+    def _storage_error(self, op: str) -> None:
+        if self.metrics is not None:
+            self.metrics.storage_errors.labels(op=op).inc()
+
     def _forget(self, ckpt_id: str) -> None:
         try:
             self.store.delete_prefix(ckpt_id + "/")
         except StoreError:
-            pass
+            self._storage_error("delete")
 
     def _drain(self, rec: CheckpointRecord) -> int:
         src = self.tier.path(rec.id)
@@ -294,6 +297,7 @@ class DrainService:
         except StoreNotFound as exc:
             raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
         except StoreUnavailable as exc:
+            self._storage_error("get")
             raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
         except (ValueError, StoreError) as exc:
             raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable: {exc}") \
@@ -334,8 +338,10 @@ class DrainService:
                         if ahead is not None:
                             ahead.close()
             except StoreUnavailable as exc:
+                self._storage_error("get")
                 raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
             except StoreError as exc:
+                self._storage_error("get")
                 raise IntegrityFailure(f"integrity check failed: {name}: {exc}") from exc
             if (res.raw_bytes, res.raw_blake3) != (meta["size"], meta["blake3"]) or \
                     res.stored_blake3 != s["stored_blake3"]:
@@ -348,8 +354,10 @@ class DrainService:
         try:
             keys = self.store.list(f"{INDEX}/{name}/")
         except StoreError as exc:
+            self._storage_error("list")
             raise Unavailable(f"cannot search the store for {name!r}: {exc}") from exc
         found = []
+        refused: list[str] = []
         for ckpt_id in sorted((k.rsplit("/", 1)[-1] for k in keys), reverse=True):
             try:
                 with self.store.open_reader(f"{ckpt_id}/{MANIFEST_NAME}") as f:
@@ -357,9 +365,14 @@ class DrainService:
                 manifest.verify_signature(m, self.key)
             except (StoreError, ValueError, manifest.IntegrityError) as exc:
                 log.warning("skipping stored checkpoint %s for %r: %s", ckpt_id, name, exc)
+                if isinstance(exc, manifest.IntegrityError):
+                    refused.append(f"{ckpt_id}: {exc}")
                 continue
             if m.get("id") == ckpt_id:
                 found.append(m)
+        if not found and refused:  # copies exist under this name, but none is one this node may trust
+            raise IntegrityFailure(f"integrity check failed: no stored checkpoint named {name!r} verifies here "
+                                   f"({refused[0]})")
         return found
 
     def delete(self, rec: CheckpointRecord) -> None:
@@ -367,8 +380,10 @@ class DrainService:
         try:
             self.store.delete_prefix(rec.id + "/")
         except StoreUnavailable as exc:
+            self._storage_error("delete")
             raise Unavailable(f"cannot delete {rec.id} from the store: {exc}; try again later") from exc
         except StoreTampered as exc:
+            self._storage_error("delete")
             log.error("store tampering: %s", exc, extra={"checkpoint_id": rec.id})
             raise IntegrityFailure(f"the store copy of {rec.id} was tampered with, nothing was deleted through "
                                    f"it: {exc}; check the store, remove the entry by hand, then delete again") \

@@ -173,7 +173,7 @@ class Engine:
         self.key = hmac_key
         self.drain = drain
         self.gpu = gpu
-        # observe(kind, result, seconds): metrics hook ("checkpoint", "ok", 1.2)
+        # observe(kind, result, seconds): metrics hook ("checkpoint", "ok", 1.2), or a phase ("phase:freeze", ...)
         self.observe = observe or (lambda kind, result, seconds: None)
         self.hostname = socket.gethostname()
         self.launcher = jobs.Launcher(cfg.state_dir / "jobs")
@@ -503,6 +503,9 @@ class Engine:
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
         failpoints.hit("after-publish")
+        # Phases from CRIU's own stats: how long the tree was frozen, and the dump call itself.
+        self.observe("phase:freeze", "ok", stats.frozen_ms / 1000)
+        self.observe("phase:dump", "ok", stats.wall_ms / 1000)
         if hooks.hold:
             pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
         elif stop:

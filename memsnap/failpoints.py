@@ -3,9 +3,28 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from memsnap import knobs
+
+# Every environment knob meant for tests and benchmarks only; memsnapd warns at start when one is set.
+TEST_KNOBS = {
+    "MEMSNAP_FAILPOINTS": "name[,name]: die (exit 137) or slow down at these points (memsnap/failpoints.py)",
+    "MEMSNAP_TUNNEL_STALL_S": "seconds a lazy move's page tunnel may stall before the target gives up "
+                              "(default 30)",
+    "MEMSNAP_MIGRATE_SERIAL": "any value: a move dumps, then sends, then restores, with no pipelining "
+                              "(the benchmark's baseline)",
+    "MEMSNAP_KEEP_LOGS": "any value: keep CRIU's work dirs and logs instead of removing them (debugging)",
+}
+
+
+def warn_if_set(log: logging.Logger) -> list[str]:
+    """Logs a warning for each test-only knob set in this process's environment; returns their names."""
+    found = [k for k in TEST_KNOBS if os.environ.get(k)]
+    for k in found:
+        log.warning("test-only knob %s=%r is set: %s; never set it in production", k, os.environ[k], TEST_KNOBS[k])
+    return found
 
 
 def hit(name: str) -> None:

@@ -51,7 +51,7 @@ def _plain(field: str, value: str, limit: int, allow_empty: bool = True) -> str:
 def name(field: str, value: str) -> str:
     """An optional job/checkpoint name: letters, digits, '.', '_', '-' (not all digits: that is a pid)."""
     _plain(field, value, MAX_KEY)
-    if value and (not NAME_RE.match(value) or value.isdigit()):
+    if value and (not NAME_RE.fullmatch(value) or value.isdigit()):
         raise InvalidArgument(f"{field} {clip(value)} is not a valid name: use up to 128 letters, digits, "
                               "'.', '_' or '-', starting with a letter or digit, not only digits")
     return value
@@ -79,7 +79,7 @@ def key(field: str, value: str, allow_empty: bool = False) -> str:
 def ckpt_id(field: str, value: str) -> str:
     """A checkpoint id: one path component."""
     _plain(field, value, MAX_KEY, allow_empty=False)
-    if not ID_RE.match(value):
+    if not ID_RE.fullmatch(value):
         raise InvalidArgument(f"{field} {clip(value)} is not a checkpoint id")
     return value
 
@@ -102,7 +102,7 @@ def env(values: Mapping[str, str]) -> dict[str, str]:
     if len(out) > MAX_ENV:
         raise InvalidArgument(f"env has {len(out)} variables; at most {MAX_ENV}")
     for k, v in out.items():
-        if not ENV_NAME_RE.match(k):
+        if not ENV_NAME_RE.fullmatch(k):
             raise InvalidArgument(f"env name {clip(k)} is empty, too long, or contains '=' or a NUL byte")
         _plain(f"env {clip(k, 40)}", v, MAX_EXEC_BYTES)
     return out
@@ -162,7 +162,7 @@ def addr(field: str, value: str, allow_empty: bool = True) -> str:
 def ifname(field: str, value: str) -> str:
     """An optional network interface name."""
     _plain(field, value, 64)
-    if value and not IFNAME_RE.match(value):
+    if value and not IFNAME_RE.fullmatch(value):
         raise InvalidArgument(f"{field} {clip(value)} is not an interface name")
     return value
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.helpers import DaemonProc, kill_job
+from tests.helpers import DaemonProc, Pair, kill_counters_started_since, kill_job, two_daemons
 
 if TYPE_CHECKING:
     from tests.s3server import S3Server
@@ -22,6 +23,38 @@ def _criu_ready() -> None:
         pytest.fail("the e2e tests run real CRIU and must run as root (CI does)")
     if not (shutil.which("criu") or os.access("/usr/local/sbin/criu", os.X_OK)):
         pytest.fail("criu is not installed: run scripts/install-criu.sh (CI does)")
+
+
+@pytest.fixture(autouse=True)
+def no_temp_dir_outlives_the_test() -> Iterator[None]:
+    """Every tempfile.mkdtemp() a test (or its fixtures) makes in this process must be gone at its end:
+    a left one is removed and the test errors, naming it."""
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def tracking(*args: object, **kw: object) -> str:
+        d = real(*args, **kw)  # type: ignore[arg-type]
+        made.append(str(d))
+        return str(d)
+
+    tempfile.mkdtemp = tracking  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        tempfile.mkdtemp = real
+    left = [d for d in made if os.path.lexists(d)]
+    for d in left:
+        shutil.rmtree(d, ignore_errors=True)
+    assert not left, f"temp dirs left behind (removed now): {left}"
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A short-named temp dir any user may traverse (0755; for sockets nobody must reach), removed after."""
+    d = Path(tempfile.mkdtemp(prefix="memsnap-t-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +115,17 @@ def open_daemon(make_daemon: object, tmp_path: Path) -> Iterator[DaemonProc]:
     yield d
     d.cleanup()
     shutil.rmtree(sockdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """Two cluster daemons for moves, one pair per test module."""
+    yield from two_daemons(tmp_path_factory)
+
+
+@pytest.fixture
+def no_copy_outlives_the_test() -> Iterator[None]:
+    """Kills every counter workload started during the test (modules with moves use it for every test)."""
+    t0 = time.time() - 1
+    yield
+    kill_counters_started_since(t0)

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from memsnap.client import ClientError, MemsnapClient
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTER = REPO / "tests" / "workloads" / "counter.py"
-TICK = re.compile(r"^tick (\d+) (\d+) ([0-9a-f]+)$")
+TICK = re.compile(r"^tick (\d+) (\d+) ([0-9a-f]+)( fresh)?$")
 START = re.compile(r"^start (\d+) ([0-9a-f]+)$")
 
 
@@ -39,6 +46,7 @@ class Tick:
     n: int
     hostpid: int
     digest: str
+    fresh: bool = False  # the digest was computed from memory on this tick, not carried over from before
 
 
 def ticks(log_path: str | Path, hostpid: int | None = None) -> list[Tick]:
@@ -48,7 +56,7 @@ def ticks(log_path: str | Path, hostpid: int | None = None) -> list[Tick]:
     for line in job_output(log_path).splitlines():
         m = TICK.match(line.strip())
         if m and (hostpid is None or int(m.group(2)) == hostpid):
-            out.append(Tick(int(m.group(1)), int(m.group(2)), m.group(3)))
+            out.append(Tick(int(m.group(1)), int(m.group(2)), m.group(3), bool(m.group(4))))
     return out
 
 
@@ -63,6 +71,22 @@ def job_output(log_path: str | Path) -> str:
         except FileNotFoundError:
             pass
     return text
+
+
+def keeps_ticking_with(log_path: str | Path, pid: int, digest: str, more: int = 3, timeout: float = 60) -> None:
+    """pid prints `more` more ticks, and at least one digest freshly computed from its memory after now;
+    every tick it ever printed carries digest. (A digest carried over in a variable proves nothing about
+    the memory of a restored copy: the variable is restored too.)"""
+    n0 = len(ticks(log_path, pid))
+
+    def enough() -> bool:
+        new = ticks(log_path, pid)[n0:]
+        return len(new) >= more and any(t.fresh for t in new)
+
+    wait_for(enough, timeout, 0.1, f"pid {pid} to print {more} more ticks and a freshly computed digest")
+    got = ticks(log_path, pid)
+    assert all(t.digest == digest for t in got), \
+        f"pid {pid} printed other memory digests: {sorted({t.digest for t in got} - {digest})}"
 
 
 def start_digest(log_path: str | Path) -> str:
@@ -89,6 +113,7 @@ class DaemonProc:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     socket_path: str = ""
+    wrap: list[str] = field(default_factory=list)  # a command that execs the daemon's argv (e.g. unshare)
 
     @property
     def socket(self) -> str:
@@ -115,7 +140,7 @@ class DaemonProc:
         self.base.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         with open(self.log, "ab") as logf:
-            self.proc = subprocess.Popen(self.args(), stdout=logf, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen([*self.wrap, *self.args()], stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
 
         def up() -> bool:
@@ -197,9 +222,318 @@ def run_as(uid: int, code: str, *args: str, timeout: float = 120,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
+def with_proc_sys_value(name: str, value: str, where: Path) -> list[str]:
+    """A DaemonProc.wrap that shows the daemon /proc/sys/NAME as value, in a mount namespace of its own:
+    the host's setting (fs.pipe-max-size, ...) is never changed, not even for a moment."""
+    fake = where / ("sysctl-" + name.replace("/", "."))
+    fake.write_text(value + "\n")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'mount --bind "$0" /proc/sys/{name} && exec "$@"', str(fake)]
+
+
 def kill_job(pid: int) -> None:
     """SIGKILLs a job root (its PID namespace goes with it)."""
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+METRICS_LINE = re.compile(r"metrics on http://[^:]+:(\d+)/metrics")
+
+
+def metrics_port(d: DaemonProc) -> int:
+    """The port a daemon started with --metrics-listen 127.0.0.1:0 bound (it logs it): no free-port race."""
+    def find() -> int:  # the last start's port: a restarted daemon binds a new one
+        found = METRICS_LINE.findall(d.log.read_text(errors="replace"))
+        return int(found[-1]) if found else 0
+    return int(wait_for(find, 10, what="the metrics port in the daemon log"))  # type: ignore[arg-type]
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics, parsed: {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def sample(scraped: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    """One sample's value from scrape_metrics (0 when absent)."""
+    return scraped.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@dataclass
+class CounterJob:
+    """A counter workload run by a daemon: its job id, root pid, log and the digest of its memory."""
+
+    id: str
+    pid: int
+    log: str
+    digest: str
+
+
+def start_counter(d: DaemonProc, jobs_to_kill: list[int], mib: int = 8, name: str = "", *extra: str,
+                  min_ticks: int = 2, interval: float = 0.1) -> CounterJob:
+    """Runs the counter workload through d (memsnapctl run), registered for teardown; waits for min_ticks."""
+    with d.client() as c:
+        job = c.run(counter_argv(mib, interval, *extra), name=name)
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: len(ticks(job.log_path)) >= min_ticks, 60, what="the job to tick")
+    return CounterJob(job.id, int(job.pid), job.log_path, start_digest(job.log_path))
+
+
+def checkpoint_json(d: DaemonProc, target: str | int, *flags: str) -> dict[str, object]:
+    """memsnapctl --json checkpoint TARGET FLAGS, which must succeed; its JSON answer."""
+    import json
+
+    return dict(json.loads(d.ctl("--json", "checkpoint", str(target), *flags, check=True).stdout))
+
+
+def running_job_pids(d: DaemonProc) -> set[int]:
+    """Root pids of the jobs d reports running."""
+    with d.client() as c:
+        return {int(j.pid) for j in c.jobs() if j.running}
+
+
+def file_names(*roots: Path) -> set[str]:
+    """Every path under roots (names only): to show that an operation left no file behind."""
+    return {str(p) for r in roots if r.exists() for p in r.rglob("*")}
+
+
+# -- the loopback test cluster: daemons that listen on TCP and know each other as peers ------------------
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_pool(n: int = 48) -> list[int]:
+    """n loopback ports below the ephemeral range (so no outgoing connection takes one), free right now."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = random.randrange(10000, max(10001, low - 4 * n))
+    pool: list[int] = []
+    for port in range(first, low):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        pool.append(port)
+        if len(pool) == n:
+            return pool
+    raise AssertionError("no free loopback ports for the test cluster")
+
+
+# Every test daemon that listens on TCP is a node of one loopback cluster: it takes the next port of this
+# pool, is named after it, and lists every port of the pool as a peer (jobs move only to peers).
+CLUSTER_PORTS = _port_pool()
+_next_port = itertools.cycle(CLUSTER_PORTS)
+
+
+def node_name(port: int) -> str:
+    """The node name of the cluster daemon on a port."""
+    return f"n{port}"
+
+
+def cluster_toml(port: int, token_file: Path | None, more: str = "") -> str:
+    """memsnap.toml of the cluster daemon on port: its node token, and every cluster port as a peer."""
+    if token_file:
+        os.chmod(token_file, 0o600)
+    lines = ["[daemon]", f'listen = "127.0.0.1:{port}"', f'node_name = "{node_name(port)}"']
+    if token_file:
+        lines.append(f'auth_token_file = "{token_file}"')
+    lines.append(more)
+    for p in CLUSTER_PORTS:
+        lines += ["[[peers]]", f'name = "{node_name(p)}"', f'address = "127.0.0.1:{p}"']
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class ClusterDaemon(DaemonProc):
+    """A daemon of the loopback test cluster (token_daemon); start() moves to the next pool port if its
+    port was taken since the pool was drawn (a port found free at import time is not reserved)."""
+
+    token_file: Path | None = None
+    more: str = ""
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def write_config(self) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / "memsnap.toml").write_text(cluster_toml(self.port, self.token_file, self.more))
+
+    def start(self, timeout: float = 30.0) -> ClusterDaemon:
+        for attempt in range(len(CLUSTER_PORTS)):
+            if attempt:  # (the first start keeps the config as written, with any lines a test added)
+                self.write_config()
+            try:
+                super().start(timeout)
+                return self
+            except AssertionError:
+                if "the address is in use" not in self.log.read_text() or attempt == len(CLUSTER_PORTS) - 1:
+                    raise
+                self.port = next(_next_port)
+        return self
+
+
+def token_daemon(base: Path, token_file: Path | None, more: str = "", extra: tuple[str, ...] = (),
+                 **kw: object) -> ClusterDaemon:
+    """A daemon that also listens on loopback TCP, a node of the test cluster whose node token is in
+    token_file; `more` adds [daemon] lines (e.g. admin_token_file = ...), `extra` memsnapd flags."""
+    d = ClusterDaemon(base, extra=["--config", str(base / "memsnap.toml"), *extra], token_file=token_file,
+                      more=more, port=next(_next_port), **kw)  # type: ignore[arg-type]
+    d.write_config()
+    return d
+
+
+def peer_token_for(d: DaemonProc, token_file: Path) -> str:
+    """The credential a peer sends to the cluster daemon d: derived from the node token for d's name."""
+    from memsnap.auth import peer_credential
+
+    port = int(d.address.rsplit(":", 1)[1])  # type: ignore[attr-defined]
+    return peer_credential(token_file.read_text().strip().encode(), node_name(port))
+
+
+def secret_file(path: Path, text: str = "") -> Path:
+    """A 0600 token file."""
+    path.write_text((text or secrets.token_hex(32)) + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+# -- a test PKI for mutual TLS ------------------------------------------------------------------------
+def openssl(*args: str) -> None:
+    """Runs openssl; fails the test on error."""
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def make_ca(d: Path, name: str) -> tuple[Path, Path]:
+    """A test CA in d: (key, certificate)."""
+    key, crt = d / f"{name}.key", d / f"{name}.crt"
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(crt), "-subj", f"/CN={name}", "-days", "2",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
+    return key, crt
+
+
+def make_cert(d: Path, name: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
+    """A certificate named name (CN; SAN 127.0.0.1) signed by ca: (key, certificate)."""
+    key, csr, crt, ext = d / f"{name}.key", d / f"{name}.csr", d / f"{name}.crt", d / f"{name}.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+                   "extendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey", str(ca[0]), "-CAcreateserial",
+             "-out", str(crt), "-days", "2", "-extfile", str(ext))
+    os.chmod(key, 0o600)
+    return key, crt
+
+
+# -- moves between two cluster daemons ---------------------------------------------------------------
+@dataclass
+class Pair:
+    """Two cluster daemons (a: where jobs start, b: where they move) sharing one node token."""
+
+    a: DaemonProc
+    b: DaemonProc
+    token_file: Path
+    base: Path
+
+
+def two_daemons(tmp_path_factory: Any) -> Iterator[Pair]:
+    """Two daemons with one node token but each with its own HMAC key: moves must not need a shared key."""
+    if os.geteuid() != 0:
+        raise AssertionError("the e2e tests run real CRIU and must run as root (CI does)")
+    base = tmp_path_factory.mktemp("migrate")
+    token = base / "token"
+    token.write_text(secrets.token_hex(32))
+    a = token_daemon(base / "a", token, extra=("--metrics-listen", "127.0.0.1:0")).start()
+    b = token_daemon(base / "b", token, extra=("--metrics-listen", "127.0.0.1:0")).start()
+    yield Pair(a, b, token, base)
+    a.cleanup()
+    b.cleanup()
+
+
+def counter_job(d: DaemonProc, jobs_to_kill: list[int], mib: int, name: str) -> dict[str, Any]:
+    """A counter job for moves (digest recomputed every 10 ticks), as a dict: id, pid, log, digest."""
+    with d.client() as c:
+        job = c.run(counter_argv(mib, 0.1, "--digest-every", "10"), name=name)
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: len(ticks(job.log_path)) >= 3, 60, what="the job to tick")
+    return {"id": job.id, "pid": int(job.pid), "log": job.log_path, "digest": start_digest(job.log_path)}
+
+
+def ticking_with(job: dict[str, Any], pid: int, digest: str, fresh: int = 12) -> None:
+    """pid prints `fresh` more ticks, including a digest computed from its memory since now, all equal to digest."""
+    keeps_ticking_with(job["log"], pid, digest, more=fresh)
+
+
+def migrate(d: DaemonProc, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """memsnapctl --json migrate ARGS on d."""
+    return d.ctl("--json", "migrate", *args, timeout=timeout)
+
+
+
+def migrate_in_background(d: DaemonProc, *args: str) -> subprocess.Popen[str]:
+    """`memsnapctl --json migrate ARGS` on d, not waited for."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": d.socket}
+    return subprocess.Popen([sys.executable, "-m", "memsnap.cli", "--json", "migrate", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_target_then_expect_rollback(victim: DaemonProc, mig: subprocess.Popen[str], step: str) -> None:
+    """kill -9 the target; the move must fail at `step` and resume the job on the source."""
+    assert victim.proc is not None
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    _, err = mig.communicate(timeout=120)
+    assert mig.returncode != 0
+    assert f"migration failed at {step}" in err and "resumed on this node" in err, err
+
+
+
+def lazy_pages_of(d: DaemonProc) -> list[int]:
+    """Pids of the criu lazy-pages processes (and their supervisors) working in d's state dir."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "lazy-pages" in cmd and any(str(d.state) in a for a in cmd):
+            out.append(p.pid)
+    return out
+
+
+def kill_counters_started_since(t0: float) -> None:
+    """Kills every counter workload started after t0 (copies restored on some node whose pid a failed test
+    never learned: jobs outlive their daemons)."""
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        try:
+            if p.info["create_time"] >= t0 and str(COUNTER) in (p.info["cmdline"] or []):
+                kill_job(p.pid)
+        except psutil.Error:
+            pass
+
+
+def restore_refused(d: DaemonProc, key: str, jobs_to_kill: list[int], *flags: str) -> subprocess.CompletedProcess[str]:
+    """memsnapctl --json restore that the test expects to fail; should it succeed after all, the restored
+    copy is registered for teardown (never left running unnoticed) and the caller's assertion fails."""
+    import json
+
+    r = d.ctl("--json", "restore", *flags, key)
+    if r.returncode == 0:
+        jobs_to_kill.append(int(json.loads(r.stdout)["pid"]))
+    return r

@@ -51,7 +51,7 @@ import psutil  # noqa: E402
 from netstore import NetStore  # noqa: E402
 
 from memsnap.client import MemsnapClient  # noqa: E402
-from memsnap.jobs import tree_rss  # noqa: E402
+from memsnap.proc import tree_rss  # noqa: E402
 from memsnap.v1 import memsnap_pb2 as pb  # noqa: E402
 
 CRIU = os.environ.get("MEMSNAP_CRIU", "/usr/local/sbin/criu")

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -181,12 +180,11 @@ _AS_NOBODY = textwrap.dedent("""
 """)
 
 
-def test_peer_credentials_non_root_cannot_touch_roots_process(make_daemon, jobs_to_kill, tmp_path):
+def test_peer_credentials_non_root_cannot_touch_roots_process(make_daemon, jobs_to_kill, tmp_path, open_tmp):
     cfg = tmp_path / "open.toml"
     cfg.write_text('[daemon]\nsocket_mode = "0666"\n')
-    sockdir = Path(tempfile.mkdtemp(prefix="memsnap-auth-"))
-    os.chmod(sockdir, 0o755)  # nobody must reach the socket; the daemon's peer check is what stops it
-    d = make_daemon("auth", extra=["--config", str(cfg)], socket_path=str(sockdir / "d.sock")).start()
+    # nobody must reach the socket (0755 dir); the daemon's peer check is what stops it
+    d = make_daemon("auth", extra=["--config", str(cfg)], socket_path=str(open_tmp / "d.sock")).start()
     assert oct(os.stat(d.socket).st_mode & 0o777) == "0o666"
     root_job = _run_counter(d, jobs_to_kill, mib=4)
     root_ck = json.loads(d.ctl("--json", "checkpoint", str(root_job["pid"]), check=True).stdout)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from memsnap.client import ClientError
-from tests.helpers import DaemonProc, counter_argv, start_digest, ticks, wait_for
+from tests.helpers import DaemonProc, counter_argv, restore_refused, running_job_pids, start_digest, ticks, wait_for
 
 DURABLE, STAGED, DRAINING = 4, 2, 3
 
@@ -82,6 +82,7 @@ def test_kill9_during_slow_drain_then_restart_finishes_and_restores(make_daemon,
     d.stop(signal.SIGKILL)
     # The interrupted upload left a temp object behind; recovery must clean it and finish the drain.
     assert not (d.store / ck["id"] / "manifest.json").exists()
+    assert _no_temp_files(d.store) != []
     d.extra = []  # restart without the bandwidth cap
     d.start()
     with d.client() as c:
@@ -103,14 +104,14 @@ def test_flipped_byte_in_stored_image_is_refused_and_nothing_starts(daemon, jobs
     data[len(data) // 2] ^= 0x01
     pages.write_bytes(bytes(data))
     before = _job_pids(daemon)
-    r = daemon.ctl("restore", ck["id"])
+    r = restore_refused(daemon, ck["id"], jobs_to_kill)
     assert r.returncode != 0
     assert "DATA_LOSS" in r.stderr and ("integrity" in r.stderr or "checksum" in r.stderr)
     assert _job_pids(daemon) == before
     assert not (daemon.tier / ck["id"]).exists()
 
 
-def test_flipped_byte_in_tier_copy_is_refused(daemon, jobs_to_kill):
+def test_flipped_byte_in_tier_copy_is_refused_and_nothing_starts(daemon, jobs_to_kill):
     jid, pid, log = _job(daemon, jobs_to_kill, 8)
     ck = json.loads(daemon.ctl("--json", "checkpoint", jid, "--stop", check=True).stdout)
     pages = next((daemon.tier / ck["id"]).glob("pages-*"))
@@ -119,8 +120,10 @@ def test_flipped_byte_in_tier_copy_is_refused(daemon, jobs_to_kill):
         b = f.read(1)
         f.seek(4096)
         f.write(bytes([b[0] ^ 0xFF]))
-    r = daemon.ctl("restore", ck["id"])
+    before = _job_pids(daemon), {t.hostpid for t in ticks(log)}
+    r = restore_refused(daemon, ck["id"], jobs_to_kill)
     assert r.returncode != 0 and "checksum" in r.stderr and "DATA_LOSS" in r.stderr
+    assert (_job_pids(daemon), {t.hostpid for t in ticks(log)}) == before
 
 
 def _job_pids(d: DaemonProc) -> set[int]:
@@ -241,7 +244,9 @@ def test_another_node_restores_by_job_name_from_the_shared_store(make_daemon, jo
         assert [k.id for k in c.list()] == [ck.id]
     # A node with a different key refuses the stored copy instead of restoring it.
     other = make_daemon("node-c", extra=["--store-dir", str(shared)]).start()
-    assert other.ctl("restore", "slurm-4242").returncode != 0
+    r2 = restore_refused(other, "slurm-4242", jobs_to_kill)
+    assert r2.returncode != 0 and "DATA_LOSS" in r2.stderr and "signature does not match" in r2.stderr, r2.stderr
+    assert running_job_pids(other) == set()
 
 
 def test_evict_and_delete_wait_for_a_restore_that_still_reads_the_tier_copy(make_daemon, jobs_to_kill):

@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
-from memsnap.jobs import tree_rss
-from tests.helpers import counter_argv, start_digest, ticks, wait_for
+from memsnap.proc import tree_rss
+from tests.helpers import counter_argv, restore_refused, start_digest, ticks, wait_for
 
 
 def _lazy_servers(tier: str) -> list[psutil.Process]:
@@ -38,6 +38,7 @@ def test_lazy_restore_resumes_with_same_digest_and_gets_all_pages(daemon, jobs_t
     got = ticks(job.log_path, pid)
     assert got[0].n == last + 1
     assert all(t.digest == digest for t in got), "memory differs after a lazy restore"
+    assert any(t.fresh for t in got)  # computed from the restored memory, not only carried over
     # The lazy-pages server pushes the remaining pages in the background, then exits.
     wait_for(lambda: not _lazy_servers(str(daemon.tier)), 60, what="the lazy-pages server to finish")
     rss = tree_rss(pid)  # the job runs under its init (memsnap.jobinit)
@@ -45,6 +46,7 @@ def test_lazy_restore_resumes_with_same_digest_and_gets_all_pages(daemon, jobs_t
     n = len(ticks(job.log_path, pid))
     wait_for(lambda: len(ticks(job.log_path, pid)) > n + 5, 20, what="ticks after all pages arrived")
     assert all(t.digest == digest for t in ticks(job.log_path, pid))
+    assert any(t.fresh for t in ticks(job.log_path, pid)[n:])
 
 
 def test_a_small_lazy_restore_whose_pages_all_arrived_before_criu_returned(make_daemon, jobs_to_kill):
@@ -66,6 +68,7 @@ def test_a_small_lazy_restore_whose_pages_all_arrived_before_criu_returned(make_
     jobs_to_kill.append(pid)
     wait_for(lambda: len(ticks(job.log_path, pid)) >= 6, 30, what="the lazily restored job to tick")
     assert all(t.digest == digest for t in ticks(job.log_path, pid))
+    assert any(t.fresh for t in ticks(job.log_path, pid))
     with d.client() as c:
         assert [j for j in c.jobs() if j.running and int(j.pid) == pid], "the restored job is not recorded"
 
@@ -81,7 +84,7 @@ def test_a_restore_that_fails_after_criu_returned_leaves_no_copy_running(lazy, m
     wait_for(lambda: len(ticks(job.log_path)) >= 2, 30, what="the job to tick")
     ck = json.loads(d.ctl("--json", "checkpoint", job.id, "--stop", check=True).stdout)
 
-    r = d.ctl("--json", "restore", *(["--lazy"] if lazy else []), ck["id"])
+    r = restore_refused(d, ck["id"], jobs_to_kill, *(["--lazy"] if lazy else []))
     assert r.returncode != 0 and "catalog could not be written" in r.stderr, r.stderr
     time.sleep(1.0)
     n = len(ticks(job.log_path))

@@ -4,11 +4,8 @@ the source lets go only once the target runs it, and every failure leaves it run
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,78 +15,43 @@ import psutil
 import pytest
 
 from memsnap import manifest
-from tests.e2e.test_remote import token_daemon
-from tests.helpers import COUNTER, REPO, DaemonProc, counter_argv, kill_job, start_digest, ticks, wait_for
+from tests.helpers import (
+    DaemonProc,
+    Pair,
+    kill_target_then_expect_rollback,
+    lazy_pages_of,
+    metrics_port,
+    migrate_in_background,
+    sample,
+    scrape_metrics,
+    ticks,
+    token_daemon,
+    wait_for,
+)
+from tests.helpers import counter_job as _counter
+from tests.helpers import migrate as _migrate
+from tests.helpers import ticking_with as _keeps_ticking_with
+
+pytestmark = pytest.mark.usefixtures("no_copy_outlives_the_test")
 
 BIG_MIB = 256
-
-
-@dataclass
-class Pair:
-    a: DaemonProc
-    b: DaemonProc
-    token_file: Path
-    base: Path
-
-
-def two_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    """Two daemons with one node token but each with its own HMAC key: moves must not need a shared key."""
-    if os.geteuid() != 0:
-        pytest.fail("the e2e tests run real CRIU and must run as root (CI does)")
-    base = tmp_path_factory.mktemp("migrate")
-    token = base / "token"
-    token.write_text(secrets.token_hex(32))
-    a = token_daemon(base / "a", token).start()
-    b = token_daemon(base / "b", token).start()
-    yield Pair(a, b, token, base)
-    a.cleanup()
-    b.cleanup()
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    yield from two_daemons(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def no_copy_outlives_the_test() -> Iterator[None]:
-    """Kills every counter workload started during the test: a test that fails midway may not have
-    learned the pid of a copy restored on some node (jobs outlive their daemons)."""
-    t0 = time.time() - 1
-    yield
-    for p in psutil.process_iter(["cmdline", "create_time"]):
-        try:
-            if p.info["create_time"] >= t0 and str(COUNTER) in (p.info["cmdline"] or []):
-                kill_job(p.pid)
-        except psutil.Error:
-            pass
-
-
-def _counter(d: DaemonProc, jobs_to_kill: list[int], mib: int, name: str) -> dict:
-    with d.client() as c:
-        job = c.run(counter_argv(mib, 0.1, "--digest-every", "10"), name=name)
-    jobs_to_kill.append(int(job.pid))
-    wait_for(lambda: len(ticks(job.log_path)) >= 3, 60, what="the job to tick")
-    return {"id": job.id, "pid": int(job.pid), "log": job.log_path, "digest": start_digest(job.log_path)}
-
-
-def _keeps_ticking_with(job: dict, pid: int, digest: str, fresh: int = 12) -> None:
-    """pid prints `fresh` more ticks, including recomputed digests, all equal to digest."""
-    n0 = len(ticks(job["log"], pid))
-    wait_for(lambda: len(ticks(job["log"], pid)) >= n0 + fresh, 30, what=f"pid {pid} to keep ticking")
-    assert all(t.digest == digest for t in ticks(job["log"], pid))
-
-
-def _migrate(d: DaemonProc, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return d.ctl("--json", "migrate", *args, timeout=timeout)
 
 
 def test_migrate_moves_the_job_and_the_source_lets_go(pair, jobs_to_kill):
     a, b = pair.a, pair.b
     job = _counter(a, jobs_to_kill, BIG_MIB, "mover")
+    before_a, before_b = scrape_metrics(metrics_port(a)), scrape_metrics(metrics_port(b))
 
     r = _migrate(a, job["id"], "--to", b.address)
     assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
+    # Metrics: the source counts a migration and the freeze of its dump, the target a restore.
+    src, dst = scrape_metrics(metrics_port(a)), scrape_metrics(metrics_port(b))
+    assert sample(src, "memsnap_migrations_total", result="ok") == \
+        sample(before_a, "memsnap_migrations_total", result="ok") + 1
+    assert sample(src, "memsnap_phase_seconds_count", phase="freeze") == \
+        sample(before_a, "memsnap_phase_seconds_count", phase="freeze") + 1
+    assert sample(dst, "memsnap_restores_total", result="ok") == \
+        sample(before_b, "memsnap_restores_total", result="ok") + 1
     out = json.loads(r.stdout)
     jobs_to_kill.append(out["target_pid"])
     last = ticks(job["log"], job["pid"])[-1]
@@ -124,9 +86,11 @@ def test_wrong_token_is_refused_before_the_job_is_touched(pair, jobs_to_kill, tm
     job = _counter(a, jobs_to_kill, 16, "refused")
     wrong = tmp_path / "wrong"
     wrong.write_text(secrets.token_hex(32))
+    failed = sample(scrape_metrics(metrics_port(a)), "memsnap_migrations_total", result="error")
     r = _migrate(a, job["id"], "--to", b.address, "--token-file", str(wrong))
     assert r.returncode != 0
     assert "UNAUTHENTICATED" in r.stderr and "preflight" in r.stderr, r.stderr
+    assert sample(scrape_metrics(metrics_port(a)), "memsnap_migrations_total", result="error") == failed + 1
     _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
 
 
@@ -147,23 +111,6 @@ def test_target_tier_too_small_is_refused_and_the_job_runs_on(pair, make_daemon,
             small.cleanup()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def migrate_in_background(d: DaemonProc, *args: str) -> subprocess.Popen[str]:
-    """`memsnapctl --json migrate ARGS` on d, not waited for."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": d.socket}
-    return subprocess.Popen([sys.executable, "-m", "memsnap.cli", "--json", "migrate", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def kill_target_then_expect_rollback(victim: DaemonProc, mig: subprocess.Popen[str], step: str) -> None:
-    """kill -9 the target; the move must fail at `step` and resume the job on the source."""
-    assert victim.proc is not None
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait(10)
-    _, err = mig.communicate(timeout=120)
-    assert mig.returncode != 0
-    assert f"migration failed at {step}" in err and "resumed on this node" in err, err
 
 
 def _incoming_bytes(d: DaemonProc) -> int:
@@ -226,18 +173,6 @@ def test_target_that_cannot_restore_leaves_the_job_running_here(lazy, pair, jobs
         wait_for(lambda: not lazy_pages_of(blind), 10, what="lazy-pages to be gone on the target")
     finally:
         blind.cleanup()
-
-
-def lazy_pages_of(d: DaemonProc) -> list[int]:
-    """Pids of the criu lazy-pages processes (and their supervisors) working in d's state dir."""
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "lazy-pages" in cmd and any(str(d.state) in a for a in cmd):
-            out.append(p.pid)
-    return out
 
 
 def test_migrate_via_store(pair, jobs_to_kill, tmp_path):

@@ -8,40 +8,38 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from memsnap.jobs import tree_rss
-from tests.e2e.test_migrate import (
+from memsnap.proc import tree_rss
+from tests.helpers import (
+    DaemonProc,
     Pair,
-    _counter,
-    _keeps_ticking_with,
-    _migrate,
     kill_target_then_expect_rollback,
     lazy_pages_of,
     migrate_in_background,
-    no_copy_outlives_the_test,  # noqa: F401 (autouse here too)
-    two_daemons,
+    ticks,
+    token_daemon,
+    wait_for,
+    with_proc_sys_value,
 )
-from tests.e2e.test_remote import token_daemon
-from tests.helpers import DaemonProc, ticks, wait_for
+from tests.helpers import counter_job as _counter
+from tests.helpers import migrate as _migrate
+from tests.helpers import ticking_with as _keeps_ticking_with
 
 MIB = 256
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    yield from two_daemons(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("no_copy_outlives_the_test")
 
 
 def _target_jobs(d: DaemonProc) -> dict[str, dict]:
     return {j["id"]: j for j in json.loads(d.ctl("--json", "jobs", check=True).stdout)}
 
 
-def test_lazy_move_resumes_before_the_memory_arrived_and_gets_it_all(pair: Pair, jobs_to_kill):
+def test_lazy_move_reports_resuming_before_its_pages_and_gets_them_all(pair: Pair, jobs_to_kill):
     a, b = pair.a, pair.b
     job = _counter(a, jobs_to_kill, MIB, "lazy-mover")
 
@@ -51,7 +49,7 @@ def test_lazy_move_resumes_before_the_memory_arrived_and_gets_it_all(pair: Pair,
     jobs_to_kill.append(out["target_pid"])
     last = ticks(job["log"], job["pid"])[-1]
 
-    # Phases: it resumed on the target ("restore") before the pages had all come ("pages").
+    # Phases, as the daemon reports them: it resumed on the target ("restore"), then the pages came ("pages").
     assert {"preflight", "dump", "transfer", "restore", "pages", "confirm", "cleanup"} == set(out["phases"])
     print("lazy move:", out["downtime_ms"], "ms to resume;", out["phases"])
     assert 0 < out["downtime_ms"] < 10_000
@@ -182,17 +180,19 @@ def test_lazy_move_needs_big_pipes_or_says_how(pair: Pair, jobs_to_kill):
 
         assert pipe_size_problem() == ""
         return
-    pipe_max = Path("/proc/sys/fs/pipe-max-size")
-    old = pipe_max.read_text().strip()
-    pipe_max.write_text("1048576")
+    # The source sees fs.pipe-max-size = 1 MiB in a mount namespace of its own; the host's value stays.
+    host_value = Path("/proc/sys/fs/pipe-max-size").read_text()
+    src = token_daemon(pair.base / "small-pipes", pair.token_file,
+                       wrap=with_proc_sys_value("fs/pipe-max-size", "1048576", pair.base)).start()
     try:
-        job = _counter(pair.a, jobs_to_kill, 16, "lazy-pipes")
-        r = _migrate(pair.a, job["id"], "--to", pair.b.address, "--lazy")
+        job = _counter(src, jobs_to_kill, 16, "lazy-pipes")
+        r = _migrate(src, job["id"], "--to", pair.b.address, "--lazy")
         assert r.returncode != 0 and "FAILED_PRECONDITION" in r.stderr, r.stderr
         assert "sysctl -w fs.pipe-max-size=4194304" in r.stderr and "not touched" in r.stderr
         _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
     finally:
-        pipe_max.write_text(old)
+        src.cleanup()
+    assert Path("/proc/sys/fs/pipe-max-size").read_text() == host_value
 
 
 def test_a_page_corrupted_on_the_way_ends_the_move_and_the_job_runs_on_at_the_source(pair: Pair, jobs_to_kill,

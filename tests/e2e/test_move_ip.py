@@ -374,8 +374,9 @@ def test_lazy_move_takes_the_service_address_along(lan, tmp_path, jobs_to_kill):
         time.sleep(0.1)
 
 
-def test_a_network_lock_left_by_a_killed_daemon_is_removed_at_start(lan, tmp_path):
-    # A memsnapd killed during a --tcp-established move leaves its nftables lock behind, which would drop
+def test_a_stale_network_lock_table_is_removed_at_start_and_only_it(lan, tmp_path):
+    # A memsnapd killed during a --tcp-established move leaves its nftables lock behind (planted here as it
+    # would be left, not by killing a daemon mid-move), which would drop
     # the moved address's TCP traffic on that node for good: the next start removes it, and only it.
     stale, other = "memsnap_lock_0badc0de", "someone_elses_table"
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
 import time
-import urllib.request
 
 import pytest
 
-from tests.helpers import counter_argv, start_digest, ticks, wait_for
+from memsnap.client import ClientError
+from tests.helpers import counter_argv, metrics_port, sample, scrape_metrics, start_digest, ticks, wait_for
 
 
 def _free_port() -> int:
@@ -25,58 +26,88 @@ def test_sd_notify_ready_only_when_serving_then_watchdog_and_stopping(make_daemo
     ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ns_path = tmp_path / "notify.sock"
     ns.bind(str(ns_path))
-    ns.settimeout(30)
+    ns.settimeout(1)
     d = make_daemon("notify", env={"NOTIFY_SOCKET": str(ns_path), "WATCHDOG_USEC": "400000"})
-    d.start()
     got: list[str] = []
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and sum(m == "WATCHDOG=1" for m in got) < 3:
-        got.extend(ns.recv(4096).decode().split("\n"))
-    ready_at = got.index("READY=1")
-    # READY=1 comes only after the socket answers: the client call in d.start() had to succeed first,
-    # and nothing before READY claims readiness.
-    assert all(not m.startswith("READY") for m in got[:ready_at])
-    assert sum(m == "WATCHDOG=1" for m in got[ready_at:]) >= 3
-    assert any(m.startswith("STATUS=tier ") and "drain queue" in m for m in got)
-    d.stop(signal.SIGTERM)
-    rest = []
-    ns.settimeout(5)
+    serving_at_ready: list[bool] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        # Receives during start-up: the moment READY=1 arrives, a status call with a 1 s deadline must work.
+        while not stop.is_set():
+            try:
+                msgs = ns.recv(4096).decode().split("\n")
+            except TimeoutError:
+                continue
+            if "READY=1" in msgs and not serving_at_ready:
+                try:
+                    with d.client() as c:
+                        c.status(timeout=1)
+                    serving_at_ready.append(True)
+                except ClientError:
+                    serving_at_ready.append(False)
+            got.extend(msgs)
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
     try:
-        while "STOPPING=1" not in rest:
-            rest.extend(ns.recv(4096).decode().split("\n"))
-    except TimeoutError:
-        pass
-    assert "STOPPING=1" in rest
+        d.start()
+        wait_for(lambda: sum(m == "WATCHDOG=1" for m in got[got.index("READY=1"):] if "READY=1" in got) >= 3,
+                 20, what="three watchdog pings after READY=1")
+        assert serving_at_ready == [True]
+        ready_at = got.index("READY=1")
+        assert all(not m.startswith("READY") for m in got[:ready_at])
+        assert any(m.startswith("STATUS=tier ") and "drain queue" in m for m in got)
+        d.stop(signal.SIGTERM)
+        wait_for(lambda: "STOPPING=1" in got, 5, what="STOPPING=1")
+    finally:
+        stop.set()
+        t.join(5)
+        ns.close()
 
 
-def test_metrics_checkpoint_counter_rises(make_daemon, jobs_to_kill):
-    port = _free_port()
-    d = make_daemon("metrics", extra=["--metrics-listen", f"127.0.0.1:{port}"]).start()
-
-    def scrape() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            return r.read().decode()
-
-    def count(text: str) -> float:
-        for line in text.splitlines():
-            if line.startswith('memsnap_checkpoints_total{result="ok"}'):
-                return float(line.split()[-1])
-        return 0.0
-
-    before = scrape()
-    assert "memsnap_tier_capacity_bytes" in before and "memsnap_drain_queue_depth" in before
-    assert "memsnap_moves_in_doubt 0.0" in before
+def test_metrics_record_every_documented_series_from_a_real_daemon(make_daemon, jobs_to_kill):
+    d = make_daemon("metrics", extra=["--metrics-listen", "127.0.0.1:0"]).start()
+    port = metrics_port(d)
+    before = scrape_metrics(port)
+    for name in ("memsnap_tier_capacity_bytes", "memsnap_tier_used_bytes", "memsnap_drain_queue_depth",
+                 "memsnap_drain_queue_bytes", "memsnap_moves_in_doubt", "memsnap_drained_bytes_total"):
+        assert any(k[0] == name for k in before), name
     with d.client() as c:
         job = c.run(counter_argv(8))
         jobs_to_kill.append(int(job.pid))
         wait_for(lambda: ticks(job.log_path), 20)
-        c.checkpoint(job.pid, wait_durable=True)
-    after = scrape()
-    assert count(after) == count(before) + 1
-    assert 'memsnap_phase_seconds_count{phase="dump"}' in after
-    assert 'memsnap_phase_seconds_count{phase="drain"} 1.0' in after
-    assert all(ln.startswith(("#", "memsnap_")) or not ln for ln in after.splitlines()
-               if not ln.startswith(("python_", "process_")))
+        ck = c.checkpoint(job.pid, wait_durable=True)
+        after = scrape_metrics(port)
+        # Checkpoint: freeze and dump are timed from CRIU's stats; the tree is frozen for part of the dump.
+        assert sample(after, "memsnap_checkpoints_total", result="ok") == \
+            sample(before, "memsnap_checkpoints_total", result="ok") + 1
+        assert sample(after, "memsnap_phase_seconds_count", phase="freeze") >= 1
+        assert sample(after, "memsnap_phase_seconds_count", phase="dump") >= 1
+        assert 0 < sample(after, "memsnap_phase_seconds_sum", phase="freeze") < \
+            sample(after, "memsnap_phase_seconds_sum", phase="dump")
+        assert sample(after, "memsnap_phase_seconds_count", phase="drain") == 1
+        size = c.show(ck.id).size_bytes
+        assert sample(after, "memsnap_drained_bytes_total") == size > 0
+        # Restore from the store: a fetch, then a restore.
+        c.evict(ck.id)
+        r = c.restore(ck.id)
+        jobs_to_kill.append(int(r.pid))
+        after = scrape_metrics(port)
+        assert sample(after, "memsnap_restores_total", result="ok") == 1
+        assert sample(after, "memsnap_phase_seconds_count", phase="fetch") == 1
+        assert sample(after, "memsnap_phase_seconds_count", phase="restore") == 1
+        # A storage error: a stored object gone, so the fetch fails and is counted.
+        ck2 = c.checkpoint(r.pid, wait_durable=True)
+        c.evict(ck2.id)
+        victim = max((p for p in (d.store / ck2.id).iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+        victim.unlink()
+        with pytest.raises(ClientError):
+            c.restore(ck2.id)
+    after = scrape_metrics(port)
+    assert sample(after, "memsnap_storage_errors_total", op="get") == 1
+    assert sample(after, "memsnap_restores_total", result="ok") == 1
+    assert all(k[0].startswith(("memsnap_", "python_", "process_")) for k in after)
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
@@ -143,6 +174,7 @@ def test_daemon_crash_during_stop_checkpoint_never_leaves_job_frozen(make_daemon
         with pytest.raises(ClientError):
             c.checkpoint(job.id, stop=True)  # the daemon dies mid-way
     assert d.proc is not None and d.proc.wait(10) == 137
+    assert f"test-only knob MEMSNAP_FAILPOINTS='{where}' is set" in d.log.read_text()
     # CRIU left the tree stopped (the --stop dump had finished): the job is frozen until recovery.
     assert psutil.Process(int(job.pid)).status() == psutil.STATUS_STOPPED
     d.env = {}

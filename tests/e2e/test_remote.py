@@ -3,16 +3,11 @@ their own token, or certificate), administrators by an admin credential; no head
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import random
-import secrets
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -21,86 +16,18 @@ from memsnap.auth import peer_credential
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
-from tests.helpers import REPO, DaemonProc
+from tests.helpers import (
+    REPO,
+    DaemonProc,
+    free_port,
+    make_ca,
+    make_cert,
+    peer_token_for,
+    secret_file,
+    token_daemon,
+)
 
 FORGED = ("x-memsnap-authenticated", "tcp")
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _port_pool(n: int = 48) -> list[int]:
-    """n loopback ports below the ephemeral range (so no outgoing connection takes one), free right now."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    first = random.randrange(10000, max(10001, low - 4 * n))
-    pool: list[int] = []
-    for port in range(first, low):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        pool.append(port)
-        if len(pool) == n:
-            return pool
-    raise AssertionError("no free loopback ports for the test cluster")
-
-
-# Every test daemon that listens on TCP is a node of one loopback cluster: it takes the next port of this
-# pool, is named after it, and lists every port of the pool as a peer (jobs move only to peers).
-CLUSTER_PORTS = _port_pool()
-_next_port = itertools.cycle(CLUSTER_PORTS)
-
-
-def node_name(port: int) -> str:
-    """The node name of the cluster daemon on a port."""
-    return f"n{port}"
-
-
-def cluster_toml(port: int, token_file: Path | None, more: str = "") -> str:
-    """memsnap.toml of the cluster daemon on port: its node token, and every cluster port as a peer."""
-    if token_file:
-        os.chmod(token_file, 0o600)
-    lines = ["[daemon]", f'listen = "127.0.0.1:{port}"', f'node_name = "{node_name(port)}"']
-    if token_file:
-        lines.append(f'auth_token_file = "{token_file}"')
-    lines.append(more)
-    for p in CLUSTER_PORTS:
-        lines += ["[[peers]]", f'name = "{node_name(p)}"', f'address = "127.0.0.1:{p}"']
-    return "\n".join(lines) + "\n"
-
-
-def token_daemon(base: Path, token_file: Path | None, more: str = "", extra: tuple[str, ...] = (),
-                 **kw: object) -> DaemonProc:
-    """A daemon that also listens on loopback TCP, a node of the test cluster whose node token is in
-    token_file; `more` adds [daemon] lines (e.g. admin_token_file = ...), `extra` memsnapd flags."""
-    port = next(_next_port)
-    base.mkdir(parents=True, exist_ok=True)
-    cfg = base / "memsnap.toml"
-    cfg.write_text(cluster_toml(port, token_file, more))
-    d = DaemonProc(base, extra=["--config", str(cfg), *extra], **kw)  # type: ignore[arg-type]
-    d.address = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
-    return d
-
-
-def peer_token_for(d: DaemonProc, token_file: Path) -> str:
-    """The credential a peer sends to the cluster daemon d: derived from the node token for d's name."""
-    port = int(d.address.rsplit(":", 1)[1])  # type: ignore[attr-defined]
-    return peer_credential(token_file.read_text().strip().encode(), node_name(port))
-
-
-def secret_file(path: Path, text: str = "") -> Path:
-    """A 0600 token file."""
-    path.write_text((text or secrets.token_hex(32)) + "\n")
-    os.chmod(path, 0o600)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -192,39 +119,15 @@ def test_tcp_listener_without_authentication_is_refused(tmp_path):
         d.cleanup()
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
-def _make_ca(d: Path, name: str) -> tuple[Path, Path]:
-    key, crt = d / f"{name}.key", d / f"{name}.crt"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(crt), "-subj", f"/CN={name}", "-days", "2",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
-    return key, crt
-
-
-def _make_cert(d: Path, name: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
-    key, csr, crt, ext = d / f"{name}.key", d / f"{name}.csr", d / f"{name}.crt", d / f"{name}.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
-                   "extendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey", str(ca[0]), "-CAcreateserial",
-             "-out", str(crt), "-days", "2", "-extfile", str(ext))
-    os.chmod(key, 0o600)
-    return key, crt
-
-
 def test_mutual_tls_without_token(tmp_path):
     # The client certificate is named in daemon.admin_identities: it is an administrator.
     pki = tmp_path / "pki"
     pki.mkdir()
-    ca = _make_ca(pki, "memsnap-ca")
-    node_key, node_crt = _make_cert(pki, "node", ca)
-    cli_key, cli_crt = _make_cert(pki, "client", ca)
-    rogue = _make_ca(pki, "rogue-ca")
-    rogue_key, rogue_crt = _make_cert(pki, "rogue", rogue)
+    ca = make_ca(pki, "memsnap-ca")
+    node_key, node_crt = make_cert(pki, "node", ca)
+    cli_key, cli_crt = make_cert(pki, "client", ca)
+    rogue = make_ca(pki, "rogue-ca")
+    rogue_key, rogue_crt = make_cert(pki, "rogue", rogue)
     port = free_port()
     cfg = tmp_path / "tls.toml"
     cfg.write_text('[daemon]\nadmin_identities = ["client"]\n')

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from memsnap.client import ClientError
-from tests.helpers import NOBODY, REPO, DaemonProc, as_user_kwargs, counter_argv, ticks, wait_for
+from tests.helpers import NOBODY, REPO, DaemonProc, as_user_kwargs, counter_argv, restore_refused, ticks, wait_for
 
 DURABLE = 4
 # The attacker's snippets need only the standard library; the system interpreter is one that uid 65534 can
@@ -138,7 +138,7 @@ def test_symlinked_index_entry_is_refused(make_daemon, jobs_to_kill, victim):
     before = _snapshot(victim)
     other = make_daemon("other", extra=["--store-dir", str(d.store), "--hmac-key-file",
                                         str(d.state / "hmac.key")]).start()
-    r = other.ctl("restore", "trainer")
+    r = restore_refused(other, "trainer", jobs_to_kill)
     assert r.returncode != 0 and "symbolic link" in r.stderr
     assert _running_jobs(other) == set()
     assert _snapshot(victim) == before
@@ -316,7 +316,7 @@ def test_swapped_tier_copy_gets_data_loss_and_no_process(make_daemon, jobs_to_ki
     shutil.rmtree(d.tier / a["id"])
     shutil.copytree(d.tier / b["id"], d.tier / a["id"])
     before = _running_jobs(d), len(ticks(log_b))
-    r = d.ctl("restore", a["id"])
+    r = restore_refused(d, a["id"], jobs_to_kill)
     assert r.returncode != 0 and "DATA_LOSS" in r.stderr and "swapped" in r.stderr
     assert (_running_jobs(d), len(ticks(log_b))) == before
 

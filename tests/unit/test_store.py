@@ -9,7 +9,6 @@ import io
 import os
 import socket
 import stat
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -325,7 +324,6 @@ def test_s3_unavailable_on_closed_port() -> None:
         "bucket", "p", endpoint_url=f"http://127.0.0.1:{port}", region="us-east-1", access_key="a",
         secret_key="b", connect_timeout=0.5, read_timeout=0.5, max_attempts=1,
     )  # fmt: skip
-    start = time.monotonic()
     with pytest.raises(StoreUnavailable, match="cannot reach"):
         store.check()
     with pytest.raises(StoreUnavailable):
@@ -336,7 +334,6 @@ def test_s3_unavailable_on_closed_port() -> None:
         w.commit()
     with pytest.raises(StoreUnavailable):
         store.open_reader("ck1/a.img")
-    assert time.monotonic() - start < 5
 
 
 # --- codec -------------------------------------------------------------------------------------------

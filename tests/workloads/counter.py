@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Test workload: random memory plus a counter; prints 'tick N HOSTPID DIGEST' so a restore can be checked.
+"""Test workload: random memory plus a counter; prints 'tick N HOSTPID DIGEST [fresh]' so a restore can be checked.
 
 HOSTPID comes from /proc/self, which resolves in the host's proc mount even inside a job's own PID
 namespace, so two restored copies of one image tell their lines apart.
@@ -76,9 +76,11 @@ while True:
         for off in range(0, len(chunk), 1 << 20):
             chunk[off:off + (1 << 20)] = pattern
         grown.append(chunk)
-    if n % a.digest_every == 0:
+    fresh = n % a.digest_every == 0
+    if fresh:
         d = digest()
-    print(f"tick {n} {job_pid()} {d}", flush=True)
+    # "fresh": the digest was computed from memory on this tick (else it is the last one, kept in a variable)
+    print(f"tick {n} {job_pid()} {d}{' fresh' if fresh else ''}", flush=True)
     if a.ticks and n >= a.ticks:
         sys.exit(0)
     time.sleep(a.interval)
