@@ -385,9 +385,9 @@ def test_eviction_takes_the_least_recently_used_durable_copy_first(small: Engine
     _copy(small, "ck-a", last_used=300)
     _copy(small, "ck-b", last_used=100)
     _copy(small, "ck-c", last_used=0, created=200)  # never used: its creation time counts
-    small._reserve(2 * MiB - 64 * 1024).release()
+    small.reserve(2 * MiB - 64 * 1024).release()
     assert _in_tier(small) == ["ck-a", "ck-c"] and small.tier.published_ids() == ["ck-a", "ck-c"]
-    small._reserve(3 * MiB - 64 * 1024).release()
+    small.reserve(3 * MiB - 64 * 1024).release()
     assert _in_tier(small) == ["ck-a"]
     for ck in ("ck-b", "ck-c"):
         r = small.catalog.get_checkpoint(ck)
@@ -401,9 +401,9 @@ def test_eviction_never_drops_a_copy_that_is_not_durable_in_the_store(small: Eng
     _copy(small, "ck-lost", last_used=2, state=DURABLE, in_store=False)  # durable, but its store copy is gone
     _copy(small, "ck-ok", last_used=3)
     with pytest.raises(TierExhausted):
-        small._reserve(3 * MiB)  # room only by dropping a last copy: nothing is evicted
+        small.reserve(3 * MiB)  # room only by dropping a last copy: nothing is evicted
     assert _in_tier(small) == ["ck-lost", "ck-ok", "ck-staged"]
-    small._reserve(2 * MiB - 64 * 1024).release()
+    small.reserve(2 * MiB - 64 * 1024).release()
     assert _in_tier(small) == ["ck-lost", "ck-staged"]
 
 
@@ -424,7 +424,7 @@ def test_a_copy_in_use_is_skipped_not_waited_for(small: Engine) -> None:
     t.start()
     held.wait(10)
     try:
-        small._reserve(3 * MiB - 64 * 1024).release()
+        small.reserve(3 * MiB - 64 * 1024).release()
         assert _in_tier(small) == ["ck-old"]
     finally:
         done.set()
