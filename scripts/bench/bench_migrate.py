@@ -245,7 +245,8 @@ def main() -> None:
         if args.lazy_mib:
             data["lazy_sweep"] = lazy_sweep(base, token, [int(x) for x in args.lazy_mib.split(",")], args.runs)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if not os.environ.get("MEMSNAP_KEEP_LOGS"):
+            shutil.rmtree(base, ignore_errors=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "migrate.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
