@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from memsnap import remote
+from memsnap import auth as remote
 from memsnap.auth import ADMIN, LOCAL, PEER, AuthInterceptor, CallAuth, Credentials, peer_credential
 
 NODE_TOKEN = b"n" * 64
