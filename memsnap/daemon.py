@@ -168,6 +168,11 @@ class Daemon:
         private = private_dir / "grpc.sock"
         if private.exists():
             private.unlink()
+        if len(str(private)) > 100:
+            # A Unix socket path holds at most 107 bytes; a deep state dir is reached through an fd of the
+            # private dir instead (this process binds there, and its relay connects there).
+            self._private_dirfd = os.open(private_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            private = Path(f"/proc/self/fd/{self._private_dirfd}/grpc.sock")
         server.add_insecure_port(f"unix:{private}")
         self._add_tcp(server)
         server.start()

@@ -197,3 +197,13 @@ def test_daemon_crash_during_stop_checkpoint_never_leaves_job_frozen(make_daemon
             jobs_to_kill.append(int(r.pid))
             wait_for(lambda: ticks(job.log_path, int(r.pid)), 20)
             assert ticks(job.log_path, int(r.pid))[0].n == last + 1
+
+
+def test_a_state_dir_too_deep_for_a_unix_socket_path_still_serves(make_daemon, tmp_path):
+    # A Unix socket path holds at most 107 bytes: the private socket under a deep state dir is bound through
+    # an fd of its directory (pytest's own numbered temp dirs alone reached that length on a busy machine).
+    deep = "d" * 90
+    d = make_daemon(deep, socket_path=str(tmp_path / "d.sock"))
+    assert len(str(d.state / "private" / "grpc.sock")) > 107
+    d.start()
+    assert "memsnapd" in d.ctl("status", check=True).stdout
