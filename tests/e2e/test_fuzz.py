@@ -106,15 +106,32 @@ class Gen:
         return [prog, *(self.s() for _ in range(r.choice([0, 1, 3])))]
 
     def request(self, pb: Any) -> tuple[str, Any]:
+        from memsnap.v1 import peer_pb2 as peer_pb
+
         r = self.r
         self.plain = r.random() < 0.4
         rpc = r.choices(
             ["Status", "RunJob", "ListJobs", "Checkpoint", "Restore", "ListCheckpoints", "GetCheckpoint",
              "DeleteCheckpoint", "EvictCheckpoint", "WatchCheckpoint", "Migrate", "ReceiveImage",
-             "RestoreReceived", "PageTunnel"],
-            weights=[3, 3, 3, 14, 12, 5, 8, 8, 8, 6, 10, 8, 8, 4])[0]
+             "RestoreReceived", "PageTunnel", "StopJob", "DeleteJob", "Prune", "JobLogs", "ResumeJob",
+             "Peer.CommitMove", "Peer.RestoreReceived", "Peer.ReceiveImage", "Peer.PageTunnel"],
+            weights=[3, 3, 3, 14, 12, 5, 8, 8, 8, 6, 10, 8, 8, 4, 6, 6, 2, 5, 5, 4, 4, 4, 2])[0]
         if rpc == "Status":
             return rpc, pb.StatusRequest()
+        if rpc == "StopJob":
+            return rpc, pb.StopJobRequest(job=self.target(), kill=self.b(),
+                                          timeout_s=r.choice([0.0, 0.1, -1.0, 1e300, float("nan"), 2.0]))
+        if rpc == "DeleteJob":
+            return rpc, pb.DeleteJobRequest(job=self.target(), force=self.b())
+        if rpc == "Prune":
+            return rpc, pb.PruneRequest(dry_run=self.b())
+        if rpc == "JobLogs":  # never follow: the stream would last as long as the job
+            return rpc, pb.JobLogsRequest(job=self.target(), tail_bytes=r.choice([0, 1, 1 << 20, (1 << 64) - 1]))
+        if rpc == "ResumeJob":
+            return rpc, pb.ResumeJobRequest(job=self.target(),
+                                            memory_limit_bytes=r.choice([0, 1, 1 << 30, (1 << 64) - 1]))
+        if rpc == "Peer.CommitMove":
+            return rpc, peer_pb.CommitMoveRequest(checkpoint_id=self.s())
         if rpc == "RunJob":
             env = self.smap(lambda: r.choice(["PATH", "LD_PRELOAD", "A=B", "", "X\x00", "HOME", self.s()]))
             return rpc, pb.RunJobRequest(argv=self.argv(), name=self.s(), cwd=r.choice(["", "/", self.s()]),
@@ -136,14 +153,14 @@ class Gen:
                                           move_ip=self.s(), tcp_established=self.b(),
                                           move_ip_dev_source=self.s(), move_ip_dev_target=self.s(),
                                           to_token=self.s(), plain_restore=self.b())
-        if rpc == "ReceiveImage":
+        if rpc in ("ReceiveImage", "Peer.ReceiveImage"):
             chunks = [pb.ImageChunk(checkpoint_id=self.s("fz-" + str(r.getrandbits(32))), file=self.s(),
                                     offset=self.n(), data=r.randbytes(r.choice([0, 1, 256])),
                                     blake3=r.randbytes(r.choice([0, 32])), file_done=self.b(),
                                     manifest=r.choice([b"", b"{}", r.randbytes(64)]), expected_bytes=self.n())
                       for _ in range(r.choice([0, 1, 2, 3]))]
             return rpc, chunks
-        if rpc == "RestoreReceived":
+        if rpc in ("RestoreReceived", "Peer.RestoreReceived"):
             req = pb.RestoreReceivedRequest(checkpoint_id=self.s(), lazy=self.b(), lazy_tunnel=self.s(),
                                             add_ip=self.s(), add_ip_dev=self.s(), tcp_established=self.b(),
                                             early_resume=self.b(), commit=self.b())
@@ -163,10 +180,12 @@ def fuzz(sock: str, seed: int, count: int, daemon_pid: int, uid: int | None) -> 
 
     from memsnap.v1 import memsnap_pb2 as pb
     from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
+    from memsnap.v1 import peer_pb2_grpc as peer_pb_grpc
 
     ch = grpc.insecure_channel(f"unix:{sock}", options=[("grpc.max_send_message_length", 64 << 20),
                                                          ("grpc.max_receive_message_length", 64 << 20)])
     stub = pb_grpc.MemsnapStub(ch)
+    peer_stub = peer_pb_grpc.PeerStub(ch)
     if uid is not None:  # the channel connects lazily: the daemon sees this uid
         os.setgroups([])
         os.setgid(uid)
@@ -179,12 +198,12 @@ def fuzz(sock: str, seed: int, count: int, daemon_pid: int, uid: int | None) -> 
         rpc, req = gen.request(pb)
         per_rpc[rpc] += 1
         try:
-            method = getattr(stub, rpc)
-            if rpc in ("ReceiveImage",):
+            method = getattr(peer_stub, rpc[5:]) if rpc.startswith("Peer.") else getattr(stub, rpc)
+            if rpc in ("ReceiveImage", "Peer.ReceiveImage"):
                 method(iter(req), timeout=10)
-            elif rpc == "PageTunnel":
+            elif rpc in ("PageTunnel", "Peer.PageTunnel"):
                 list(method(iter(req), timeout=5))
-            elif rpc == "WatchCheckpoint":
+            elif rpc in ("WatchCheckpoint", "JobLogs"):
                 list(method(req, timeout=5))
             else:
                 method(req, timeout=10)
@@ -249,6 +268,13 @@ def test_fuzzed_requests_as_root_and_nobody_get_no_internal_and_the_daemon_answe
     for who, res in results.items():
         assert res["n_bad"] == 0, f"as {who} (seed {SEED}): " + "\n".join(res["bad"])
         assert not BAD & set(res["codes"])
-        assert len(res["per_rpc"]) == 14, res["per_rpc"]  # every RPC was fuzzed
+        assert set(res["per_rpc"]) == _every_rpc(), res["per_rpc"]  # every RPC of both services was fuzzed
     with d.client() as c:
         assert c.status().version
+
+
+def _every_rpc() -> set[str]:
+    from memsnap.v1 import memsnap_pb2, peer_pb2
+
+    return ({m.name for m in memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"].methods}
+            | {"Peer." + m.name for m in peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods})
