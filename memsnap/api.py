@@ -19,6 +19,7 @@ from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.guard.policy import CRITICAL
 from memsnap.move.plan import MoveRequest, MoveResult
+from memsnap.retention import Policy, series_of, series_of_job
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 from memsnap.v1 import peer_pb2, peer_pb2_grpc
@@ -111,11 +112,16 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         argv, env = v.argv(request.argv), v.env(request.env)
         v.exec_size(argv, env)
         own_proc = request.own_proc if request.HasField("own_proc") else None
+        keep = _keep_rules(request)
         if request.memory_limit_bytes or request.priority or request.critical or request.on_limit:
-            return self._run_guarded(caller, request, argv, env, own_proc)
-        job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
-                                  own_proc=own_proc)
-        return pb.RunJobResponse(job=job_pb(job, True))
+            resp = self._run_guarded(caller, request, argv, env, own_proc)
+        else:
+            job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
+                                      own_proc=own_proc)
+            resp = pb.RunJobResponse(job=job_pb(job, True))
+        if keep is not None:
+            self._gc().set_policy(series_of_job(resp.job.owner_uid, resp.job.name, resp.job.id), *keep)
+        return resp
 
     @translate
     def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
@@ -128,8 +134,11 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.key("target", request.target)
         v.name("name", request.name)
         v.enum("wait", request.wait, pb.WaitFor.values())
+        keep = _keep_rules(request)
         rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
                                      tcp_established=request.tcp_established, name=request.name)
+        if keep is not None:
+            self._gc().set_policy(series_of(rec), *keep)
         if request.wait == pb.WAIT_FOR_DURABLE:
             rec = self.engine.wait_settled(caller, rec.id, context.is_active)
         return pb.CheckpointResponse(checkpoint=ckpt_pb(rec))
@@ -238,6 +247,21 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                                 log_bytes=freed)
 
     @translate
+    def Gc(self, request: pb.GcRequest, context: grpc.ServicerContext) -> pb.GcResponse:
+        rep = self._gc().run(caller_of(context), dry_run=request.dry_run)
+        return pb.GcResponse(dry_run=rep.dry_run, deleted=[ckpt_pb(r) for r in rep.deleted],
+                             kept=[pb.GcKept(id=k, reason=why) for k, why in sorted(rep.kept.items())],
+                             checkpoint_bytes=rep.checkpoint_bytes, swept=rep.swept, sweep_note=rep.sweep_note,
+                             chunks_swept=rep.sweep.deleted, chunk_bytes_freed=rep.sweep.bytes_freed,
+                             chunks_in_grace=rep.sweep.kept_in_grace, duration_ms=rep.duration_ms)
+
+    def _gc(self) -> Any:
+        gc = getattr(self.engine, "gc", None)
+        if gc is None:
+            raise FailedPrecondition("this daemon runs no garbage collector")
+        return gc
+
+    @translate
     def JobLogs(self, request: pb.JobLogsRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:
         chunks = self.engine.job_log(caller_of(context), v.key("job", request.job), follow=request.follow,
                                      tail_bytes=v.size("tail_bytes", request.tail_bytes), active=context.is_active)
@@ -295,6 +319,19 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
 
 MIN_LIMIT = 32 << 20
+
+
+def _keep_rules(request: Any) -> tuple[int | None, float | None] | None:
+    """A RunJob's or Checkpoint's --keep-last/--keep-within (None: neither given), checked."""
+    kl = request.keep_last if request.HasField("keep_last") else None
+    kw = request.keep_within_s if request.HasField("keep_within_s") else None
+    if kl is None and kw is None:
+        return None
+    try:
+        Policy(kl, kw)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    return kl, kw
 
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):

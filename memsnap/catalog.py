@@ -54,6 +54,10 @@ CREATE TABLE IF NOT EXISTS jobs (
   ended INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS ckpt_job ON checkpoints(job);
+CREATE TABLE IF NOT EXISTS retention (
+  series TEXT PRIMARY KEY,
+  policy TEXT NOT NULL DEFAULT '{}'
+);
 """
 
 
@@ -288,6 +292,19 @@ class Catalog:
         with self._lock:
             rows = self._db.execute("SELECT id FROM checkpoints").fetchall()
         return (r[0] for r in rows)
+
+    # -- retention policies (memsnap.retention): one per series, set by run/checkpoint --keep-* -------
+    def set_policy(self, series: str, policy: dict[str, Any]) -> None:
+        """Records a series' own retention rules (memsnap.retention.Policy.to_dict())."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO retention (series, policy) VALUES (?, ?)",
+                             (series, json.dumps(policy)))
+
+    def policies(self) -> dict[str, dict[str, Any]]:
+        """Every series' own retention rules."""
+        with self._lock:
+            rows = self._db.execute("SELECT series, policy FROM retention").fetchall()
+        return {s: json.loads(p or "{}") for s, p in rows}
 
     def delete_job(self, job_id: str) -> None:
         """Forgets a job (memsnapctl rm / prune)."""

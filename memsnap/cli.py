@@ -90,7 +90,7 @@ def ckpt_dict(c: pb.CheckpointInfo) -> dict[str, Any]:
     d = _to_dict(c)
     d["state"] = state_name(c.state)
     for k in ("pid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "drained_bytes", "stored_bytes",
-              "durable_unix_ms"):
+              "durable_unix_ms", "logical_bytes", "new_bytes"):
         d[k] = int(d.get(k, 0))
     return d
 
@@ -318,11 +318,15 @@ def status_cmd(obj: Ctx) -> None:
                                                "(never parked by node pressure)")
 @click.option("--on-limit", type=click.Choice(["park", "kill"]), default="park", show_default=True,
               help="at its memory limit: checkpoint and stop it (resume later), or let it be killed")
+@click.option("--keep-last", type=click.IntRange(0, 1_000_000), default=None, metavar="N",
+              help="gc keeps its newest N checkpoints (and always its newest durable one)")
+@click.option("--keep-within", default=None, metavar="DURATION",
+              help="gc keeps its checkpoints younger than this, e.g. 30m, 2h, 7d")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 @handle_errors
 def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, priority: str, on_limit: str,
-            argv: tuple[str, ...]) -> None:
+            keep_last: int | None, keep_within: str | None, argv: tuple[str, ...]) -> None:
     """Start CMD as a managed job in its own PID namespace: memsnapctl run [--name N] -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
     limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
@@ -335,8 +339,9 @@ def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, prior
                                "on_limit": on_limit if (limit or prio or critical) else ""}
     if not obj.address:
         _check_command(argv[0], env.get("PATH", os.defpath))
+    keep: dict[str, Any] = {"keep_last": keep_last, "keep_within_s": _duration_arg(keep_within, "--keep-within")}
     with obj.client() as c:
-        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, **guarded)
+        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, **guarded, **keep)
     obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path},
              f"started {job.id} ({job.name}) as pid {job.pid}; output: memsnapctl logs -f {job.id}")
 
@@ -393,20 +398,27 @@ def _ckpt_summary(d: dict[str, Any]) -> str:
               show_default=True, help="return once the checkpoint is staged or durable")
 @click.option("--tcp-established", is_flag=True, help="also dump established TCP connections")
 @click.option("--name", default="", help="label for the checkpoint")
+@click.option("--keep-last", type=click.IntRange(0, 1_000_000), default=None, metavar="N",
+              help="from now on gc keeps the newest N checkpoints of this job (or process)")
+@click.option("--keep-within", default=None, metavar="DURATION",
+              help="from now on gc keeps its checkpoints younger than this, e.g. 30m, 2h, 7d")
 @click.pass_obj
 @handle_errors
-def checkpoint_cmd(obj: Ctx, target: str, stop: bool, wait_for: str, tcp_established: bool, name: str) -> None:
+def checkpoint_cmd(obj: Ctx, target: str, stop: bool, wait_for: str, tcp_established: bool, name: str,
+                   keep_last: int | None, keep_within: str | None) -> None:
     """Checkpoint a PID or JOB into the memory tier (it keeps running unless --stop)."""
     durable = wait_for == "durable"
     bar = obj.progress("") if durable else None
+    keep: dict[str, Any] = {"keep_last": keep_last, "keep_within_s": _duration_arg(keep_within, "--keep-within")}
     with obj.client() as c:
         if bar is None:
-            ck = c.checkpoint(target, stop=stop, wait_durable=durable, tcp_established=tcp_established, name=name)
+            ck = c.checkpoint(target, stop=stop, wait_durable=durable, tcp_established=tcp_established, name=name,
+                              **keep)
         else:
             if c.status().store in ("", "none"):
                 raise Failure("INVALID_ARGUMENT", "this daemon has no store configured, so nothing becomes "
                                                   "durable; use --wait staged")
-            ck = c.checkpoint(target, stop=stop, tcp_established=tcp_established, name=name)
+            ck = c.checkpoint(target, stop=stop, tcp_established=tcp_established, name=name, **keep)
             bar.label = f"draining {ck.id}"
             _follow_drain(c, ck.id, bar)
             ck = c.show(ck.id)
@@ -502,13 +514,19 @@ def list_cmd(obj: Ctx, job: str) -> None:
         cks = c.list(job)
     rows, wide = [], []
     for k in cks:
-        row = [k.id, k.name or "-", state_name(k.state), k.job or str(k.pid), human_bytes(k.size_bytes),
-               _location(k), age(k.created_unix_ms)]
+        row = [k.id, k.name or "-", state_name(k.state), k.job or str(k.pid), human_bytes(k.logical_bytes),
+               *_stored_cols(k), _location(k), age(k.created_unix_ms)]
         rows.append(row)
-        wide.append([*row, human_ms(k.frozen_ms), human_bytes(k.stored_bytes) if k.in_store else "-",
-                     (k.last_error or "-")[:60]])
-    head = ["ID", "NAME", "STATE", "JOB/PID", "SIZE", "WHERE", "AGE"]
-    obj.emit([ckpt_dict(k) for k in cks], table(rows, head), table(wide, [*head, "FROZEN", "STORED", "ERROR"]))
+        wide.append([*row, human_ms(k.frozen_ms), (k.last_error or "-")[:60]])
+    head = ["ID", "NAME", "STATE", "JOB/PID", "SIZE", "STORED", "NEW", "WHERE", "AGE"]
+    obj.emit([ckpt_dict(k) for k in cks], table(rows, head), table(wide, [*head, "FROZEN", "ERROR"]))
+
+
+def _stored_cols(k: pb.CheckpointInfo) -> list[str]:
+    """STORED and NEW: what its stored copy takes, and what it added to the store ("-" until durable)."""
+    if not k.in_store:
+        return ["-", "-"]
+    return [human_bytes(k.stored_bytes), human_bytes(k.new_bytes)]
 
 
 @cli.command("show")
@@ -526,7 +544,8 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
         f"command     {' '.join(command_of(list(k.argv)))}", f"host        {k.hostname}  criu {k.criu_version}",
         f"created     {timestamp(k.created_unix_ms)} ({age(k.created_unix_ms)} ago)",
         f"durable     {timestamp(k.durable_unix_ms)}",
-        f"size        {human_bytes(k.size_bytes)}  frozen {human_ms(k.frozen_ms)}  dump {human_ms(k.dump_ms)}",
+        f"size        {human_bytes(k.logical_bytes)}  frozen {human_ms(k.frozen_ms)}  dump {human_ms(k.dump_ms)}",
+        f"stored      {_stored_line(k)}",
         f"in_tier     {str(k.in_tier).lower()}", f"in_store    {str(k.in_store).lower()}",
         f"drained     {human_bytes(k.drained_bytes)} of {human_bytes(k.size_bytes)} "
         f"({human_bytes(k.stored_bytes)} stored, {k.drain_attempts} attempts)",
@@ -536,6 +555,13 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
         lines.append(f"gpu         {g.model} {g.uuid} driver {g.driver_version} "
                      f"{human_bytes(g.device_bytes)} (pid {g.pid})")
     obj.emit(d, "\n".join(lines))
+
+
+def _stored_line(k: pb.CheckpointInfo) -> str:
+    if not k.in_store:
+        return "- (not in the store yet)"
+    return (f"{human_bytes(k.stored_bytes)} in the store, {human_bytes(k.new_bytes)} of it new "
+            f"(logical {human_bytes(k.logical_bytes)})")
 
 
 @cli.command("delete")
@@ -649,6 +675,47 @@ def prune_cmd(obj: Ctx, dry_run: bool) -> None:
               "log_bytes": int(r.log_bytes)}, "\n".join(lines))
 
 
+@cli.command("gc")
+@click.option("--dry-run", is_flag=True, help="only report what would be deleted and swept")
+@click.pass_obj
+@handle_errors
+def gc_cmd(obj: Ctx, dry_run: bool) -> None:
+    """Delete the checkpoints the retention policy lets go (never a job's newest durable one, nor one in
+    use) and, as root, sweep store chunks no checkpoint references. docs/retention.md says how."""
+    with obj.client() as c:
+        r = c.gc(dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    lines = [f"{verb} {k.id} ({k.name or k.job or k.pid}, {age(k.created_unix_ms)} old, "
+             f"{human_bytes(k.new_bytes)} of its own in the store)" for k in r.deleted]
+    kept = [f"kept {g.id}: {g.reason}" for g in r.kept]
+    summary = [f"{verb} {len(r.deleted)} checkpoints ({human_bytes(r.checkpoint_bytes)}), kept {len(r.kept)}"]
+    if r.swept:
+        summary.append(f"{'would sweep' if dry_run else 'swept'} {r.chunks_swept} chunks "
+                       f"({human_bytes(r.chunk_bytes_freed)}); {r.chunks_in_grace} unreferenced chunks in their "
+                       "grace period")
+    else:
+        summary.append(f"no chunk sweep: {r.sweep_note}")
+    obj.emit({"dry_run": r.dry_run, "deleted": [k.id for k in r.deleted],
+              "kept": [{"id": g.id, "reason": g.reason} for g in r.kept],
+              "checkpoint_bytes": int(r.checkpoint_bytes), "swept": r.swept, "sweep_note": r.sweep_note,
+              "chunks_swept": int(r.chunks_swept), "chunk_bytes_freed": int(r.chunk_bytes_freed),
+              "chunks_in_grace": int(r.chunks_in_grace), "bytes_freed": int(r.checkpoint_bytes + r.chunk_bytes_freed),
+              "duration_ms": int(r.duration_ms)},
+             "\n".join([*lines, *summary]), "\n".join([*lines, *kept, *summary]))
+
+
+def _duration_arg(text: str | None, hint: str) -> float | None:
+    """'30m', '2h', '7d' -> seconds (None stays None)."""
+    if text is None:
+        return None
+    from memsnap.retention import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
 @cli.command("logs")
 @click.argument("job")
 @click.option("-f", "--follow", is_flag=True, help="keep printing what the job writes until it ends")
@@ -717,7 +784,8 @@ def hoist_output_options(args: list[str]) -> list[str]:
 
 
 _VALUED_GLOBALS = ("--socket", "--address", "--token-file", "--tls-ca", "--tls-cert", "--tls-key")
-_VALUED_RUN = ("--name", "--interval", "--grace", "--socket")  # options of run / slurm run that take a value
+# options of run / slurm run that take a value
+_VALUED_RUN = ("--name", "--interval", "--grace", "--socket", "--keep-last", "--keep-within")
 
 
 def _wants_json(args: list[str]) -> str:

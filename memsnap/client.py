@@ -90,12 +90,13 @@ class MemsnapClient:
 
     def run(self, argv: list[str], name: str = "", cwd: str = "", env: dict[str, str] | None = None,
             timeout: float = 30.0, own_proc: bool | None = None, memory_limit: int = 0, priority: int = 0,
-            critical: bool = False, on_limit: str = "") -> pb.Job:
+            critical: bool = False, on_limit: str = "", keep_last: int | None = None,
+            keep_within_s: float | None = None) -> pb.Job:
         """Starts a managed job (own_proc None: the node decides whether it gets its own /proc); memory_limit,
-        priority, critical and on_limit are the memory guard's."""
+        priority, critical and on_limit are the memory guard's; keep_last and keep_within_s its retention."""
         req = pb.RunJobRequest(argv=argv, name=name, cwd=cwd, env=env or {}, own_proc=own_proc,
                                memory_limit_bytes=memory_limit, priority=priority, critical=critical,
-                               on_limit=on_limit)
+                               on_limit=on_limit, keep_last=keep_last, keep_within_s=keep_within_s)
         return self._call("RunJob", req, timeout).job  # type: ignore[attr-defined,no-any-return]
 
     def jobs(self, timeout: float = QUICK_S) -> list[pb.Job]:
@@ -103,10 +104,13 @@ class MemsnapClient:
         return list(self._call("ListJobs", pb.ListJobsRequest(), timeout).jobs)  # type: ignore[attr-defined]
 
     def checkpoint(self, target: str | int, stop: bool = False, wait_durable: bool = False,
-                   tcp_established: bool = False, name: str = "", timeout: float = LONG_S) -> pb.CheckpointInfo:
-        """Checkpoints a pid or job; returns once staged (or durable)."""
+                   tcp_established: bool = False, name: str = "", timeout: float = LONG_S,
+                   keep_last: int | None = None, keep_within_s: float | None = None) -> pb.CheckpointInfo:
+        """Checkpoints a pid or job; returns once staged (or durable). keep_last/keep_within_s set the
+        retention of its checkpoints from now on."""
         req = pb.CheckpointRequest(target=str(target), stop=stop, tcp_established=tcp_established, name=name,
-                                   wait=pb.WAIT_FOR_DURABLE if wait_durable else pb.WAIT_FOR_STAGED)
+                                   wait=pb.WAIT_FOR_DURABLE if wait_durable else pb.WAIT_FOR_STAGED,
+                                   keep_last=keep_last, keep_within_s=keep_within_s)
         return self._call("Checkpoint", req, timeout).checkpoint  # type: ignore[attr-defined,no-any-return]
 
     def restore(self, checkpoint_id: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
@@ -179,6 +183,10 @@ class MemsnapClient:
     def prune(self, dry_run: bool = False, timeout: float = 600.0) -> pb.PruneResponse:
         """Removes ended jobs and failed checkpoints."""
         return self._call("Prune", pb.PruneRequest(dry_run=dry_run), timeout)  # type: ignore[return-value]
+
+    def gc(self, dry_run: bool = False, timeout: float = 3600.0) -> pb.GcResponse:
+        """Applies the retention policy and sweeps unreferenced store chunks (root); dry_run only reports."""
+        return self._call("Gc", pb.GcRequest(dry_run=dry_run), timeout)  # type: ignore[return-value]
 
     def job_logs(self, job: str, follow: bool = False, tail_bytes: int = 0,
                  timeout: float | None = None) -> Iterator[pb.LogChunk]:

@@ -409,6 +409,51 @@ class GuardConfig:
                                  "before keeping the tier copy")
 
 
+def _count_or_unset(value: object) -> int | None:
+    """Empty (None: the rule is not set) or an integer >= 0."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    number = _as_int(value)
+    if number is None or not 0 <= number <= 1_000_000:
+        raise _Bad('"" (not set) or a count from 0 to 1000000')
+    return number
+
+
+def _duration(value: object) -> float:
+    """Seconds: a number, or a string such as "90s", "30m", "2h", "7d", "1h30m"."""
+    from memsnap.retention import parse_duration
+
+    number = _as_float(value) if not isinstance(value, str) else None
+    if number is not None and number >= 0:
+        return number
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ValueError:
+            pass
+    raise _Bad('a duration such as "30m", "2h", "7d" (or seconds)')
+
+
+def _duration_or_unset(value: object) -> float | None:
+    """Empty (None: the rule is not set) or a duration."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    return _duration(value)
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """[retention]: the default policy of `memsnapctl gc` (a job's own --keep-last/--keep-within win rule by
+    rule) and the daemon's periodic gc. Both rules unset: every checkpoint is kept."""
+
+    keep_last: int | None = _opt(None, _count_or_unset, 'keep the newest N checkpoints of each job; "" = not set')
+    keep_within: float | None = _opt(None, _duration_or_unset,
+                                     'keep checkpoints younger than this (e.g. "2h", "7d"); "" = not set')
+    gc_interval: float = _opt(3600.0, _duration, 'how often memsnapd runs gc (e.g. "1h"); 0 = never')
+    chunk_grace: float = _opt(86400.0, _duration, "a store chunk no manifest references is swept only once it "
+                              "is older than this (uploads of drains still in flight on any node stay)")
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole effective memsnapd configuration."""
@@ -420,6 +465,7 @@ class Config:
     state: StateConfig = field(default_factory=StateConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     peers: tuple[PeerConfig, ...] = ()
 
     def peer(self, to: str) -> PeerConfig | None:
@@ -455,6 +501,7 @@ SECTIONS: dict[str, type[Any]] = {
     "state": StateConfig,
     "security": SecurityConfig,
     "guard": GuardConfig,
+    "retention": RetentionConfig,
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from memsnap.catalog import CheckpointRecord, JobRecord
+from memsnap.retention import sizes
 from memsnap.v1 import memsnap_pb2 as pb
 
 STATE_TO_PB = {
@@ -27,6 +28,7 @@ def _u64(x: int) -> int:
 def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
     """A catalog record as a proto message."""
     m = r.meta
+    logical, stored, new = sizes(r)
     gpus = [pb.GpuInfo(model=str(g.get("model", "")), uuid=str(g.get("uuid", "")),
                        driver_version=str(g.get("driver_version", "")),
                        device_bytes=int(g.get("device_bytes", 0)), pid=int(g.get("pid", 0)))
@@ -35,12 +37,13 @@ def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
         id=r.id, state=STATE_TO_PB.get(r.state, pb.CHECKPOINT_STATE_UNSPECIFIED), pid=r.pid, job=r.job,
         name=r.name, owner_uid=_u32(r.owner_uid), created_unix_ms=r.created_ms, size_bytes=_u64(r.size_bytes),
         frozen_ms=_u64(r.frozen_ms), dump_ms=_u64(r.dump_ms), in_tier=r.in_tier, in_store=r.in_store,
-        drained_bytes=_u64(r.drained_bytes), stored_bytes=_u64(r.stored_bytes), last_error=r.last_error,
+        drained_bytes=_u64(r.drained_bytes), stored_bytes=_u64(stored), last_error=r.last_error,
         drain_attempts=_u32(r.drain_attempts), argv=[str(a) for a in m.get("argv", []) or []],
         hostname=str(m.get("host", "")), criu_version=str(m.get("criu_version", "")), gpus=gpus,
         durable_unix_ms=r.durable_ms,
         parked_reason=str((m.get("parked") or {}).get("reason", "")),
         parked_unix_ms=_u64(int((m.get("parked") or {}).get("at_ms", 0))),
+        logical_bytes=_u64(logical), new_bytes=_u64(new),
     )
 
 

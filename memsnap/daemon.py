@@ -89,6 +89,7 @@ class Daemon:
             observe=self._observe,
         )
         self.engine.guard = self.guard = self._make_guard(state, key)
+        self.engine.gc = self.gc = self._make_gc()
         self.notifier = Notifier.from_env(unset=True)
         self._stopped = threading.Event()
         self._servers: list[Any] = []
@@ -109,6 +110,15 @@ class Daemon:
                            self.catalog, tier, self.criu, key, drain=None, gpu=self.engine.gpu,
                            observe=self._observe)
         return Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
+
+    def _make_gc(self) -> Any:
+        """Retention and the chunk sweep (memsnap.gc), with the [retention] defaults."""
+        from memsnap.gc import Collector, chunk_sweeper
+        from memsnap.retention import Policy
+
+        r = self.cfg.retention
+        return Collector(self.engine, Policy(r.keep_last, r.keep_within), r.chunk_grace,
+                         chunk_sweeper(self.drain, r.chunk_grace), self.metrics)
 
     def _make_drain(self, key: bytes) -> Any:
         return build_drain(self.cfg, self.catalog, self.tier, key, self.metrics)
@@ -189,6 +199,7 @@ class Daemon:
                                    lambda: float(self.tier.capacity_bytes()))
             if migrator is not None:
                 self.metrics.moves_in_doubt.set_function(lambda: float(len(migrator.moves_in_doubt())))
+            self.metrics.bind_store(self.gc.totals)
             if self.drain is not None:
                 self.metrics.bind_drain_queue(lambda: float(self.drain.queue_stats()[0]),
                                               lambda: float(self.drain.queue_stats()[1]))
@@ -196,6 +207,7 @@ class Daemon:
             log.info("metrics on http://%s:%d/metrics", self._servers[-1].host, self._servers[-1].port)
 
         self.guard.start()
+        self.gc.start(self.cfg.retention.gc_interval)
         self.notifier.ready()
         self._start_background()
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
@@ -255,6 +267,7 @@ class Daemon:
             else:
                 s.shutdown()
         self.guard.stop()
+        self.gc.stop()
         if self.drain is not None:
             self.drain.stop()
         self.heartbeat.stop()

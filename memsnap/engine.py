@@ -192,6 +192,7 @@ class Engine:
         # every page already (small jobs), but reap_lazy must not remove the dir under the restore.
         self._restoring: set[Path] = set()
         self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
+        self.gc: Any = None  # memsnap.gc.Collector, set by the daemon
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager
@@ -808,10 +809,32 @@ class Engine:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
         with self._ckpt_lock(ckpt_id):
             self._refuse_in_use(ckpt_id)
-            if rec.in_store and self.drain is not None:
-                self.drain.delete(rec)
-            self.tier.remove(ckpt_id)
-            self.catalog.delete_checkpoint(ckpt_id)
+            self._delete_copies(rec)
+
+    def _delete_copies(self, rec: CheckpointRecord) -> None:
+        """Store copy, tier copy, then the catalog row; the caller holds _ckpt_lock(rec.id)."""
+        if rec.in_store and self.drain is not None:
+            self.drain.delete(rec)
+        self.tier.remove(rec.id)
+        self.catalog.delete_checkpoint(rec.id)
+
+    def try_delete(self, ckpt_id: str, veto: Callable[[CheckpointRecord], str]) -> str:
+        """Deletes a checkpoint (memsnap.gc) unless someone holds its lock (a fetch, restore, evict or
+        delete: never waited for) or veto(its current record) names a reason. "" once deleted, else why not."""
+        lock = self._lock_for(ckpt_id)
+        if not lock.acquire(blocking=False):
+            return "busy: a fetch, restore or delete holds it"
+        try:
+            rec = self.catalog.get_checkpoint(ckpt_id)
+            if rec is None:
+                return "already deleted"
+            why = veto(rec)
+            if why:
+                return why
+            self._delete_copies(rec)
+            return ""
+        finally:
+            lock.release()
 
     def evict(self, caller: Caller, ckpt_id: str) -> CheckpointRecord:
         """Drops the tier copy of a durable checkpoint; staged-only ones are never evicted."""

@@ -102,6 +102,27 @@ class Metrics:
             "memsnap_guard_peak_node_bytes", "Peak node memory in use (MemTotal - MemAvailable) during the "
             "last park.", registry=r
         )
+        # memsnap.gc: retention and the chunk sweep; the store's size as this node's catalog sees it
+        self.gc_runs = Counter("memsnap_gc_runs_total", "gc runs (memsnapctl gc and the periodic one), by "
+                               "result.", ["result"], registry=r)
+        self.gc_checkpoints_deleted = Counter(
+            "memsnap_gc_checkpoints_deleted_total", "Checkpoints gc deleted under the retention policy.", registry=r)
+        self.gc_chunks_swept = Counter(
+            "memsnap_gc_chunks_swept_total", "Store chunks gc swept (referenced by no manifest).", registry=r)
+        self.gc_bytes_freed = Counter(
+            "memsnap_gc_bytes_freed_total", "Store bytes gc freed (deleted checkpoints' own bytes and swept "
+            "chunks).", registry=r)
+        self.store_bytes = Gauge(
+            "memsnap_store_bytes", "Bytes this node's durable checkpoints take in the store (each chunk counted "
+            "once, by the checkpoint that added it).", registry=r)
+        self.store_logical_bytes = Gauge(
+            "memsnap_store_logical_bytes", "Image bytes of this node's durable checkpoints (before compression "
+            "and deduplication).", registry=r)
+        self.store_dedup_ratio = Gauge(
+            "memsnap_store_dedup_ratio", "memsnap_store_logical_bytes / memsnap_store_bytes (compression and "
+            "deduplication together; 0 when the store holds nothing).", registry=r)
+        for result in RESULTS:
+            self.gc_runs.labels(result=result)
         for kind in ("limit", "node"):
             self.guard_events.labels(kind=kind)
         for result in ("ok", "error", "observed"):
@@ -131,6 +152,17 @@ class Metrics:
         """Compute the drain-queue gauges at scrape time from these callbacks."""
         self.drain_queue_depth.set_function(depth)
         self.drain_queue_bytes.set_function(size)
+
+    def bind_store(self, totals: Callable[[], tuple[float, float]]) -> None:
+        """Compute the store gauges at scrape time: totals() = (stored bytes, logical bytes)."""
+        self.store_bytes.set_function(lambda: totals()[0])
+        self.store_logical_bytes.set_function(lambda: totals()[1])
+
+        def ratio() -> float:
+            stored, logical = totals()
+            return logical / stored if stored > 0 else 0.0
+
+        self.store_dedup_ratio.set_function(ratio)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""

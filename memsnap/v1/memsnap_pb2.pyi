@@ -117,7 +117,7 @@ class Job(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ..., guard_state: _Optional[str] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., parked_checkpoint: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., resumed_as: _Optional[str] = ...) -> None: ...
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("argv", "name", "cwd", "env", "own_proc", "memory_limit_bytes", "priority", "critical", "on_limit")
+    __slots__ = ("argv", "name", "cwd", "env", "own_proc", "memory_limit_bytes", "priority", "critical", "on_limit", "keep_last", "keep_within_s")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class RunJobRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CRITICAL_FIELD_NUMBER: _ClassVar[int]
     ON_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    KEEP_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
     argv: _containers.RepeatedScalarFieldContainer[str]
     name: str
     cwd: str
@@ -143,7 +145,9 @@ class RunJobRequest(_message.Message):
     priority: int
     critical: bool
     on_limit: str
-    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., own_proc: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., critical: _Optional[bool] = ..., on_limit: _Optional[str] = ...) -> None: ...
+    keep_last: int
+    keep_within_s: float
+    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., own_proc: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., critical: _Optional[bool] = ..., on_limit: _Optional[str] = ..., keep_last: _Optional[int] = ..., keep_within_s: _Optional[float] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
     __slots__ = ("job",)
@@ -176,7 +180,7 @@ class GpuInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., uuid: _Optional[str] = ..., driver_version: _Optional[str] = ..., device_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms", "parked_reason", "parked_unix_ms")
+    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms", "parked_reason", "parked_unix_ms", "logical_bytes", "new_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +204,8 @@ class CheckpointInfo(_message.Message):
     DURABLE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     PARKED_REASON_FIELD_NUMBER: _ClassVar[int]
     PARKED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEW_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: CheckpointState
     pid: int
@@ -223,21 +229,27 @@ class CheckpointInfo(_message.Message):
     durable_unix_ms: int
     parked_reason: str
     parked_unix_ms: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ...) -> None: ...
+    logical_bytes: int
+    new_bytes: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., new_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("target", "stop", "wait", "tcp_established", "name")
+    __slots__ = ("target", "stop", "wait", "tcp_established", "name", "keep_last", "keep_within_s")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    KEEP_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
     target: str
     stop: bool
     wait: WaitFor
     tcp_established: bool
     name: str
-    def __init__(self, target: _Optional[str] = ..., stop: _Optional[bool] = ..., wait: _Optional[_Union[WaitFor, str]] = ..., tcp_established: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
+    keep_last: int
+    keep_within_s: float
+    def __init__(self, target: _Optional[str] = ..., stop: _Optional[bool] = ..., wait: _Optional[_Union[WaitFor, str]] = ..., tcp_established: _Optional[bool] = ..., name: _Optional[str] = ..., keep_last: _Optional[int] = ..., keep_within_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("checkpoint",)
@@ -525,3 +537,41 @@ class ResumeJobRequest(_message.Message):
     job: str
     memory_limit_bytes: int
     def __init__(self, job: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+
+class GcRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class GcKept(_message.Message):
+    __slots__ = ("id", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    reason: str
+    def __init__(self, id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GcResponse(_message.Message):
+    __slots__ = ("dry_run", "deleted", "kept", "checkpoint_bytes", "swept", "sweep_note", "chunks_swept", "chunk_bytes_freed", "chunks_in_grace", "duration_ms")
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWEPT_FIELD_NUMBER: _ClassVar[int]
+    SWEEP_NOTE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SWEPT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_IN_GRACE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    deleted: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    kept: _containers.RepeatedCompositeFieldContainer[GcKept]
+    checkpoint_bytes: int
+    swept: bool
+    sweep_note: str
+    chunks_swept: int
+    chunk_bytes_freed: int
+    chunks_in_grace: int
+    duration_ms: int
+    def __init__(self, dry_run: _Optional[bool] = ..., deleted: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[GcKept, _Mapping]]] = ..., checkpoint_bytes: _Optional[int] = ..., swept: _Optional[bool] = ..., sweep_note: _Optional[str] = ..., chunks_swept: _Optional[int] = ..., chunk_bytes_freed: _Optional[int] = ..., chunks_in_grace: _Optional[int] = ..., duration_ms: _Optional[int] = ...) -> None: ...

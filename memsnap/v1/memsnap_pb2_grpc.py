@@ -129,6 +129,11 @@ class MemsnapStub:
                 request_serializer=memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.SerializeToString,
                 response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.Gc = channel.unary_unary(
+                '/memsnap.v1.Memsnap/Gc',
+                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.GcRequest.SerializeToString,
+                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.GcResponse.FromString,
+                _registered_method=True)
 
 
 class MemsnapServicer:
@@ -269,6 +274,16 @@ class MemsnapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gc(self, request, context):
+        """Retention and garbage collection (docs/retention.md): deletes the checkpoints the retention policy
+        lets go (never a job's last durable one, nor one in use), then, for root only, sweeps the store's
+        chunks that no stored manifest references and that are older than the grace period. A non-root caller
+        collects only its own checkpoints. dry_run only reports.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemsnapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -366,6 +381,11 @@ def add_MemsnapServicer_to_server(servicer, server):
                     servicer.ResumeJob,
                     request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.FromString,
                     response_serializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.SerializeToString,
+            ),
+            'Gc': grpc.unary_unary_rpc_method_handler(
+                    servicer.Gc,
+                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.GcRequest.FromString,
+                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.GcResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -881,6 +901,33 @@ class Memsnap:
             '/memsnap.v1.Memsnap/ResumeJob',
             memsnap_dot_v1_dot_memsnap__pb2.ResumeJobRequest.SerializeToString,
             memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memsnap.v1.Memsnap/Gc',
+            memsnap_dot_v1_dot_memsnap__pb2.GcRequest.SerializeToString,
+            memsnap_dot_v1_dot_memsnap__pb2.GcResponse.FromString,
             options,
             channel_credentials,
             insecure,

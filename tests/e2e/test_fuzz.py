@@ -98,6 +98,14 @@ class Gen:
         keys = keys or self.s
         return {keys(): self.s() for _ in range(self.r.choice([0, 0, 1, 2, 5]))}
 
+    def keep(self) -> dict[str, Any]:
+        """Retention rules (unset half the time)."""
+        r = self.r
+        if r.random() < 0.5:
+            return {}
+        return {"keep_last": r.choice([0, 1, 3, 1_000_001, (1 << 32) - 1]),
+                "keep_within_s": r.choice([0.0, 60.0, -1.0, 1e300, float("nan"), float("inf")])}
+
     def argv(self) -> list[str]:
         r = self.r
         if r.random() < 0.1:
@@ -114,8 +122,8 @@ class Gen:
             ["Status", "RunJob", "ListJobs", "Checkpoint", "Restore", "ListCheckpoints", "GetCheckpoint",
              "DeleteCheckpoint", "EvictCheckpoint", "WatchCheckpoint", "Migrate", "ReceiveImage",
              "RestoreReceived", "PageTunnel", "StopJob", "DeleteJob", "Prune", "JobLogs", "ResumeJob",
-             "Peer.CommitMove", "Peer.RestoreReceived", "Peer.ReceiveImage", "Peer.PageTunnel"],
-            weights=[3, 3, 3, 14, 12, 5, 8, 8, 8, 6, 10, 8, 8, 4, 6, 6, 2, 5, 5, 4, 4, 4, 2])[0]
+             "Peer.CommitMove", "Peer.RestoreReceived", "Peer.ReceiveImage", "Peer.PageTunnel", "Gc"],
+            weights=[3, 3, 3, 14, 12, 5, 8, 8, 8, 6, 10, 8, 8, 4, 6, 6, 2, 5, 5, 4, 4, 4, 2, 2])[0]
         if rpc == "Status":
             return rpc, pb.StatusRequest()
         if rpc == "StopJob":
@@ -125,6 +133,8 @@ class Gen:
             return rpc, pb.DeleteJobRequest(job=self.target(), force=self.b())
         if rpc == "Prune":
             return rpc, pb.PruneRequest(dry_run=self.b())
+        if rpc == "Gc":
+            return rpc, pb.GcRequest(dry_run=self.b())
         if rpc == "JobLogs":  # never follow: the stream would last as long as the job
             return rpc, pb.JobLogsRequest(job=self.target(), tail_bytes=r.choice([0, 1, 1 << 20, (1 << 64) - 1]))
         if rpc == "ResumeJob":
@@ -135,12 +145,12 @@ class Gen:
         if rpc == "RunJob":
             env = self.smap(lambda: r.choice(["PATH", "LD_PRELOAD", "A=B", "", "X\x00", "HOME", self.s()]))
             return rpc, pb.RunJobRequest(argv=self.argv(), name=self.s(), cwd=r.choice(["", "/", self.s()]),
-                                         env=env)
+                                         env=env, **self.keep())
         if rpc == "ListJobs":
             return rpc, pb.ListJobsRequest()
         if rpc == "Checkpoint":
             return rpc, pb.CheckpointRequest(target=self.target(), stop=self.b(), tcp_established=self.b(),
-                                             name=self.s(), wait=r.choice([0, 1, 2, 3, 99, -1]))
+                                             name=self.s(), wait=r.choice([0, 1, 2, 3, 99, -1]), **self.keep())
         if rpc == "Restore":
             return rpc, pb.RestoreRequest(checkpoint_id=self.s(), lazy=self.b(), gpu_map=self.smap(),
                                           tcp_established=self.b())

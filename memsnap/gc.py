@@ -1,0 +1,213 @@
+"""Garbage collection: `memsnapctl gc` and memsnapd's periodic run (docs/retention.md).
+
+One run: (1) the retention policy (memsnap.retention) picks checkpoints of this node's catalog to delete;
+each goes through the engine's delete path (store copy, tier copy, catalog) under its checkpoint lock, and
+only if, at that moment, nothing uses it (a restore, a move, a park, a drain). (2) For root only, the
+chunk sweep of the whole store: mark = the chunks every stored manifest references (every node's, since
+nodes share a store) plus those of drains in flight here; sweep = unreferenced chunks older than the
+grace period (so uploads of drains in flight on other nodes stay). A crash anywhere leaves every chunk a
+durable checkpoint references: a manifest is deleted before any chunk it alone referenced, and a chunk
+is deleted only once no manifest references it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from memsnap.catalog import DURABLE, CheckpointRecord
+from memsnap.engine import ROOT, Caller
+from memsnap.errors import MemsnapError
+from memsnap.retention import Ckpt, Plan, Policy, plan, sizes
+
+log = logging.getLogger("memsnap.gc")
+
+
+@dataclass
+class SweepResult:
+    """What a chunk sweep did (or would do, dry run)."""
+
+    deleted: int = 0
+    bytes_freed: int = 0
+    kept_in_grace: int = 0
+
+
+class ChunkSweeper(Protocol):
+    """The store's chunk sweep (memsnap.store.chunks), behind the drain that owns the store."""
+
+    def sweep(self, dry_run: bool, now: float, gone: set[str]) -> SweepResult:
+        """Sweeps unreferenced chunks older than the grace period; gone: checkpoint ids whose manifests
+        count as deleted already (a dry run's deletions)."""
+        ...
+
+
+@dataclass
+class GcReport:
+    """The outcome of one gc run."""
+
+    dry_run: bool
+    deleted: list[CheckpointRecord] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    checkpoint_bytes: int = 0
+    swept: bool = False
+    sweep_note: str = ""
+    sweep: SweepResult = field(default_factory=SweepResult)
+    duration_ms: int = 0
+
+
+# Why a checkpoint stays whatever the policy says (also re-checked under its lock, just before deletion).
+IN_RESTORE = "a restore reads its tier copy"
+IN_MOVE = "a move holds it"
+PARKED = "its job is parked on it"
+
+
+class Collector:
+    """Runs gc for the API (memsnapctl gc) and periodically for the daemon; one run at a time."""
+
+    def __init__(self, engine: Any, default: Policy, grace_s: float, sweeper: ChunkSweeper | None = None,
+                 metrics: Any = None, clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self.default = default
+        self.grace_s = grace_s
+        self.sweeper = sweeper
+        self.metrics = metrics
+        self.clock = clock
+        self._run_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- policy -------------------------------------------------------------------------------
+    def policy_for(self, series: str, own: dict[str, dict[str, Any]] | None = None) -> Policy:
+        """A series' effective policy: its own rules (run/checkpoint --keep-*) over the node's default."""
+        mine = (own if own is not None else self.engine.catalog.policies()).get(series)
+        return Policy.from_dict(mine).over(self.default) if mine else self.default
+
+    def set_policy(self, series: str, keep_last: int | None, keep_within_s: float | None) -> Policy:
+        """Sets the given rules of a series' own policy (the others stay as they were)."""
+        old = Policy.from_dict(self.engine.catalog.policies().get(series, {}))
+        new = Policy(keep_last if keep_last is not None else old.keep_last,
+                     keep_within_s if keep_within_s is not None else old.keep_within_s)
+        self.engine.catalog.set_policy(series, new.to_dict())
+        log.info("retention of %s: %s", series, new.describe())
+        return new
+
+    def in_use(self, rec: Ckpt) -> str:
+        """Why rec (a CheckpointRecord) must stay now whatever the policy says, or ""."""
+        assert isinstance(rec, CheckpointRecord)
+        if rec.state != DURABLE:
+            return f"not durable ({rec.state})"
+        if self.engine.tier_copy_in_use(rec.id):
+            return IN_RESTORE
+        m = rec.marks
+        if m.hold or m.lazy_move or m.committing_to or m.move_pending or m.pages_remote:
+            return IN_MOVE
+        guard = getattr(self.engine, "guard", None)
+        g = guard.get(rec.job) if guard is not None and rec.job else None
+        if g is not None and g.state == "parked" and g.checkpoint == rec.id:
+            return PARKED
+        return ""
+
+    def plan(self, caller: Caller) -> tuple[Plan, list[CheckpointRecord]]:
+        """What the policy deletes among the checkpoints caller may see."""
+        recs = [r for r in self.engine.catalog.checkpoints() if caller.is_root or r.owner_uid == caller.uid]
+        own = self.engine.catalog.policies()
+        p = plan(recs, lambda s: self.policy_for(s, own), int(self.clock() * 1000), self.in_use)
+        return p, recs
+
+    def totals(self) -> tuple[float, float]:
+        """(stored, logical) bytes of this node's durable checkpoints (the store gauges, memsnap.metrics)."""
+        stored = logical = 0
+        for r in self.engine.catalog.checkpoints(states=(DURABLE,)):
+            if r.in_store:
+                lg, _, new = sizes(r)
+                stored, logical = stored + new, logical + lg
+        return float(stored), float(logical)
+
+    # -- a run --------------------------------------------------------------------------------
+    def run(self, caller: Caller, dry_run: bool = False) -> GcReport:
+        """One gc run as caller (root: every checkpoint and the chunk sweep; else only the caller's own)."""
+        t0 = time.monotonic()
+        with self._run_lock:
+            try:
+                rep = self._run(caller, dry_run)
+            except Exception:
+                self._count("error")
+                raise
+        rep.duration_ms = int((time.monotonic() - t0) * 1000)
+        self._count("ok", rep)
+        log.info("gc%s: %d checkpoints %sdeleted (%d bytes), %s", " (dry run)" if dry_run else "",
+                 len(rep.deleted), "would be " if dry_run else "", rep.checkpoint_bytes,
+                 f"{rep.sweep.deleted} chunks swept ({rep.sweep.bytes_freed} bytes), "
+                 f"{rep.sweep.kept_in_grace} in grace" if rep.swept else f"no sweep: {rep.sweep_note}",
+                 extra={"uid": caller.uid})
+        return rep
+
+    def _run(self, caller: Caller, dry_run: bool) -> GcReport:
+        rep = GcReport(dry_run=dry_run)
+        p, recs = self.plan(caller)
+        by_id = {r.id: r for r in recs}
+        rep.kept = dict(p.keep)
+        for ckpt_id in p.delete:
+            rec = by_id[ckpt_id]
+            try:
+                why = "" if dry_run else self.engine.try_delete(ckpt_id, self.in_use)
+            except MemsnapError as exc:  # the store refused or is out of reach: kept, retried next run
+                why = f"not deleted: {exc}"
+            if why:
+                rep.kept[ckpt_id] = why
+                continue
+            rep.deleted.append(rec)
+            rep.checkpoint_bytes += sizes(rec)[2]
+        if not caller.is_root:
+            rep.sweep_note = "the chunk sweep covers the whole store: root only"
+        elif self.sweeper is None:
+            rep.sweep_note = ("no store" if self.engine.drain is None else
+                              "the store holds no chunks (whole-file checkpoints only)")
+        else:
+            rep.sweep = self.sweeper.sweep(dry_run, self.clock(), {r.id for r in rep.deleted} if dry_run else set())
+            rep.swept = True
+        return rep
+
+    def _count(self, result: str, rep: GcReport | None = None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.gc_runs.labels(result=result).inc()
+        if rep is not None and not rep.dry_run:
+            self.metrics.gc_checkpoints_deleted.inc(len(rep.deleted))
+            self.metrics.gc_chunks_swept.inc(rep.sweep.deleted)
+            self.metrics.gc_bytes_freed.inc(rep.checkpoint_bytes + rep.sweep.bytes_freed)
+
+    # -- periodic -----------------------------------------------------------------------------
+    def start(self, interval_s: float) -> None:
+        """Runs gc as root every interval_s (0: never), the first time one interval after start."""
+        if interval_s <= 0:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.run(ROOT)
+                except Exception:  # logged; the next interval tries again
+                    log.exception("periodic gc failed")
+
+        self._thread = threading.Thread(target=loop, name="gc", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the periodic run (a run in progress finishes: every step of it is crash-safe anyway)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+def chunk_sweeper(drain: Any, grace_s: float) -> ChunkSweeper | None:
+    """The chunk sweep of the store behind drain, or None when there is nothing to sweep (no store, or a
+    store of whole-file checkpoints only)."""
+    return None
+
+
+__all__ = ["ChunkSweeper", "Collector", "GcReport", "SweepResult", "chunk_sweeper"]
