@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.engine import ROOT, Caller
-from memsnap.errors import MemsnapError
+from memsnap.errors import FailedPrecondition, MemsnapError
 from memsnap.retention import Ckpt, Plan, Policy, plan, sizes
 
 log = logging.getLogger("memsnap.gc")
@@ -56,6 +56,7 @@ class GcReport:
     swept: bool = False
     sweep_note: str = ""
     sweep: SweepResult = field(default_factory=SweepResult)
+    sweep_failed: bool = False
     duration_ms: int = 0
 
 
@@ -138,7 +139,7 @@ class Collector:
                 self._count("error")
                 raise
         rep.duration_ms = int((time.monotonic() - t0) * 1000)
-        self._count("ok", rep)
+        self._count("error" if rep.sweep_failed else "ok", rep)
         log.info("gc%s: %d checkpoints %sdeleted (%d bytes), %s", " (dry run)" if dry_run else "",
                  len(rep.deleted), "would be " if dry_run else "", rep.checkpoint_bytes,
                  f"{rep.sweep.deleted} chunks swept ({rep.sweep.bytes_freed} bytes), "
@@ -168,8 +169,15 @@ class Collector:
             rep.sweep_note = ("no store" if self.engine.drain is None else
                               "the store holds no chunks (whole-file checkpoints only)")
         else:
-            rep.sweep = self.sweeper.sweep(dry_run, self.clock(), {r.id for r in rep.deleted} if dry_run else set())
-            rep.swept = True
+            from memsnap.store import StoreError
+
+            try:
+                rep.sweep = self.sweeper.sweep(dry_run, self.clock(),
+                                               {r.id for r in rep.deleted} if dry_run else set())
+                rep.swept = True
+            except (MemsnapError, StoreError) as exc:  # the deletions above stand; the next run sweeps
+                rep.sweep_note = f"the sweep failed: {exc}"
+                rep.sweep_failed = True
         return rep
 
     def _count(self, result: str, rep: GcReport | None = None) -> None:
@@ -204,10 +212,71 @@ class Collector:
             self._thread.join(timeout=5)
 
 
+class SweepRefused(FailedPrecondition):
+    """The mark could not be completed (a manifest unreadable): nothing was swept."""
+
+
+class StoreSweeper:
+    """Mark and sweep over the chunked store behind a drain (memsnap.store.chunks).
+
+    Mark: the chunks every stored manifest in the store references (every node's), minus those of `gone`
+    (a dry run's deletions), plus those drains in flight here report. Sweep: chunks outside the mark whose
+    last upload or reuse (mtime: a drain touches a chunk it reuses) is older than the grace period, counted
+    from the moment the oldest checkpoint still dumping or draining here was taken: every chunk such a
+    drain relies on was uploaded or touched after that. A manifest that cannot be read stops the run before
+    anything is swept (its chunks are unknown).
+    """
+
+    def __init__(self, drain: Any, grace_s: float, chunks: Any) -> None:
+        self.drain = drain
+        self.grace_s = grace_s
+        self.chunks = chunks
+
+    def mark(self, gone: set[str]) -> set[str]:
+        """The chunk ids to keep."""
+        from memsnap.store import MANIFEST_NAME, StoreError, StoreNotFound
+
+        store = self.drain.store
+        keep: set[str] = set()
+        for key in store.list(""):
+            ckpt_id, _, rest = key.partition("/")
+            if rest != MANIFEST_NAME or ckpt_id in gone:
+                continue
+            try:
+                keep |= self.chunks.referenced_chunks(self.chunks.load_stored_manifest(store, ckpt_id))
+            except StoreNotFound:
+                continue  # deleted meanwhile: its chunks may go
+            except (StoreError, ValueError, TypeError, KeyError) as exc:
+                raise SweepRefused(f"the stored manifest of {ckpt_id} cannot be read ({exc}): the sweep stopped "
+                                   "before deleting anything; fix or delete that checkpoint") from exc
+        inflight = getattr(self.drain, "inflight_chunks", None)
+        if inflight is not None:
+            keep |= set(inflight())
+        return keep
+
+    def sweep(self, dry_run: bool, now: float, gone: set[str]) -> SweepResult:
+        """Marks, then sweeps (failpoint sweep-deleted-one: die after the first chunk deleted)."""
+        from memsnap.catalog import DRAINING, DUMPING, STAGED
+
+        pending = [r.created_ms / 1000 for r in self.drain.catalog.checkpoints(states=(DUMPING, STAGED, DRAINING))]
+        since = min([now, *pending])  # before the mark: a drain that starts later touches after `now`
+        keep = self.mark(gone)
+        r = self.chunks.sweep(self.drain.store, keep, self.grace_s, dry_run=dry_run, now=since)
+        return SweepResult(int(r.deleted), int(r.bytes_freed), int(r.kept_in_grace))
+
+
 def chunk_sweeper(drain: Any, grace_s: float) -> ChunkSweeper | None:
     """The chunk sweep of the store behind drain, or None when there is nothing to sweep (no store, or a
-    store of whole-file checkpoints only)."""
-    return None
+    store that cannot hold chunks)."""
+    import importlib
+
+    try:
+        chunks = importlib.import_module("memsnap.store.chunks")
+    except ImportError:
+        return None
+    if drain is None or not hasattr(drain.store, "list_with_mtime"):
+        return None
+    return StoreSweeper(drain, grace_s, chunks)
 
 
 __all__ = ["ChunkSweeper", "Collector", "GcReport", "SweepResult", "chunk_sweeper"]
