@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -182,3 +184,34 @@ def test_sweep_deletes_unreferenced_chunks_past_grace_and_keeps_young_ones(tmp_p
     assert res.bytes_freed == dry.bytes_freed > 0
     assert all((store.root / chunk_key(c)).exists() for c in keep)
     assert ChunkReader(store, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
+
+
+_SWEEP_CHILD = """
+import sys, time
+from memsnap.store.chunks import sweep
+from memsnap.store.posix import PosixStore
+keep = set(sys.argv[2].split(","))
+sweep(PosixStore(sys.argv[1]), keep, grace_s=60, dry_run=False, now=time.time())
+"""
+
+
+def test_kill9_during_sweep_never_loses_a_referenced_chunk(tmp_path: Path, store: PosixStore) -> None:
+    d, files = _tier(tmp_path, _pages(400, 13))
+    m1, _ = _drain(store, d, files, "ck-1")
+    (d / "pages-1.img").write_bytes(_pages(400, 14))
+    files2 = dict(files, **{"pages-1.img": {"size": 400 * PAGE,
+                                             "blake3": blake3.blake3((d / "pages-1.img").read_bytes()).hexdigest()}})
+    m2, _ = _drain(store, d, files2, "ck-2")
+    old = referenced_chunks(m1) - referenced_chunks(m2)
+    for p in (store.root / "chunks").rglob("*"):
+        if p.is_file():
+            os.utime(p, (time.time() - 3600, time.time() - 3600))
+    env = {**os.environ, "MEMSNAP_FAILPOINTS": "sweep-deleted-one", "PYTHONPATH": str(Path(__file__).parents[2])}
+    r = subprocess.run([sys.executable, "-c", _SWEEP_CHILD, str(store.root), ",".join(referenced_chunks(m2))],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 137, r.stderr  # died after the first delete
+    left = {p.name for p in (store.root / "chunks").rglob("*") if p.is_file()}
+    assert len(old - left) == 1 and referenced_chunks(m2) <= left
+    assert ChunkReader(store, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
+    # A sweep run again finishes the job.
+    assert sweep(store, referenced_chunks(m2), grace_s=60).deleted == len(old) - 1
