@@ -523,7 +523,8 @@ def list_cmd(obj: Ctx, job: str) -> None:
 
 
 def _stored_cols(k: pb.CheckpointInfo) -> list[str]:
-    """STORED and NEW: what its stored copy takes, and what it added to the store ("-" until durable)."""
+    """STORED and NEW: what it wrote to the store, and how much of its image was new there ("-" until
+    durable)."""
     if not k.in_store:
         return ["-", "-"]
     return [human_bytes(k.stored_bytes), human_bytes(k.new_bytes)]
@@ -560,8 +561,8 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
 def _stored_line(k: pb.CheckpointInfo) -> str:
     if not k.in_store:
         return "- (not in the store yet)"
-    return (f"{human_bytes(k.stored_bytes)} in the store, {human_bytes(k.new_bytes)} of it new "
-            f"(logical {human_bytes(k.logical_bytes)})")
+    return (f"{human_bytes(k.stored_bytes)} written to the store; {human_bytes(k.new_bytes)} of its "
+            f"{human_bytes(k.logical_bytes)} were new there (the rest deduplicated)")
 
 
 @cli.command("delete")
@@ -686,7 +687,7 @@ def gc_cmd(obj: Ctx, dry_run: bool) -> None:
         r = c.gc(dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
     lines = [f"{verb} {k.id} ({k.name or k.job or k.pid}, {age(k.created_unix_ms)} old, "
-             f"{human_bytes(k.new_bytes)} of its own in the store)" for k in r.deleted]
+             f"{human_bytes(k.stored_bytes)} stored)" for k in r.deleted]
     kept = [f"kept {g.id}: {g.reason}" for g in r.kept]
     summary = [f"{verb} {len(r.deleted)} checkpoints ({human_bytes(r.checkpoint_bytes)}), kept {len(r.kept)}"]
     if r.swept:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.engine import ROOT, Caller
 from memsnap.errors import FailedPrecondition, MemsnapError
-from memsnap.retention import Ckpt, Plan, Policy, plan, sizes
+from memsnap.retention import Ckpt, Plan, Policy, chunked, plan, sizes
 
 log = logging.getLogger("memsnap.gc")
 
@@ -124,8 +124,8 @@ class Collector:
         stored = logical = 0
         for r in self.engine.catalog.checkpoints(states=(DURABLE,)):
             if r.in_store:
-                lg, _, new = sizes(r)
-                stored, logical = stored + new, logical + lg
+                lg, st, _ = sizes(r)
+                stored, logical = stored + st, logical + lg
         return float(stored), float(logical)
 
     # -- a run --------------------------------------------------------------------------------
@@ -162,7 +162,8 @@ class Collector:
                 rep.kept[ckpt_id] = why
                 continue
             rep.deleted.append(rec)
-            rep.checkpoint_bytes += sizes(rec)[2]
+            if not chunked(rec):  # a chunked one's chunks are freed by the sweep, if no one else has them
+                rep.checkpoint_bytes += sizes(rec)[1]
         if not caller.is_root:
             rep.sweep_note = "the chunk sweep covers the whole store: root only"
         elif self.sweeper is None:
@@ -266,15 +267,10 @@ class StoreSweeper:
 
 
 def chunk_sweeper(drain: Any, grace_s: float) -> ChunkSweeper | None:
-    """The chunk sweep of the store behind drain, or None when there is nothing to sweep (no store, or a
-    store that cannot hold chunks)."""
-    import importlib
+    """The chunk sweep of the store behind drain, or None when there is no store."""
+    from memsnap.store import chunks
 
-    try:
-        chunks = importlib.import_module("memsnap.store.chunks")
-    except ImportError:
-        return None
-    if drain is None or not hasattr(drain.store, "list_with_mtime"):
+    if drain is None:
         return None
     return StoreSweeper(drain, grace_s, chunks)
 

@@ -113,8 +113,8 @@ class Metrics:
             "memsnap_gc_bytes_freed_total", "Store bytes gc freed (deleted checkpoints' own bytes and swept "
             "chunks).", registry=r)
         self.store_bytes = Gauge(
-            "memsnap_store_bytes", "Bytes this node's durable checkpoints take in the store (each chunk counted "
-            "once, by the checkpoint that added it).", registry=r)
+            "memsnap_store_bytes", "Bytes this node's durable checkpoints wrote to the store (compressed; each "
+            "chunk counted once, by the checkpoint that uploaded it).", registry=r)
         self.store_logical_bytes = Gauge(
             "memsnap_store_logical_bytes", "Image bytes of this node's durable checkpoints (before compression "
             "and deduplication).", registry=r)

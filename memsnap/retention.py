@@ -145,19 +145,29 @@ class Sized(Protocol):
 
     size_bytes: int
     stored_bytes: int
+    in_store: bool
     meta: dict[str, Any]
 
 
 def sizes(rec: Sized) -> tuple[int, int, int]:
-    """(logical, stored, new) bytes of a checkpoint: what a restore writes back, what its stored copy
-    takes (compressed; for a chunked one, every chunk it references) and what it added to the store (chunks
-    no earlier checkpoint had). The chunked store records them in meta; a whole-file copy added all it
-    stored."""
-    m = rec.meta
-    logical = int(m.get("logical_bytes") or rec.size_bytes)
-    stored = int(m.get("stored_bytes") or rec.stored_bytes)
-    new = int(m["new_bytes"]) if m.get("new_bytes") is not None else stored
+    """(logical, stored, new) bytes of a checkpoint: its image (what a restore writes back); what it wrote
+    to the store (compressed: its new chunks, bundle and manifest; a whole-file copy: all of it); and the
+    image bytes it did not find in the store already (the rest deduplicated; a whole-file copy: all of
+    them). The chunked drain records them in meta["store"] (memsnap.store.chunked)."""
+    st = rec.meta.get("store") or {}
+    logical = int(st.get("logical_bytes") or rec.size_bytes)
+    stored = int(rec.stored_bytes or st.get("stored_bytes") or 0)
+    if st.get("new_bytes") is not None:
+        new = int(st["new_bytes"])
+    else:
+        new = logical if rec.in_store else 0
     return logical, stored, new
+
+
+def chunked(rec: Sized) -> bool:
+    """Whether the stored copy is chunked (deleting it frees its chunks only once the sweep finds them
+    unreferenced)."""
+    return (rec.meta.get("store") or {}).get("format") == "chunked"
 
 
 @dataclass
@@ -211,4 +221,5 @@ def _why_kept(r: Ckpt, pol: Policy, newest_durable: str | None, counted: int, no
     return in_use(r)
 
 
-__all__ = ["Ckpt", "Plan", "Policy", "format_duration", "parse_duration", "plan", "series_of", "series_of_job", "sizes"]
+__all__ = ["Ckpt", "Plan", "Policy", "chunked", "format_duration", "parse_duration", "plan", "series_of",
+           "series_of_job", "sizes"]
