@@ -689,7 +689,8 @@ def gc_cmd(obj: Ctx, dry_run: bool) -> None:
     lines = [f"{verb} {k.id} ({k.name or k.job or k.pid}, {age(k.created_unix_ms)} old, "
              f"{human_bytes(k.stored_bytes)} stored)" for k in r.deleted]
     kept = [f"kept {g.id}: {g.reason}" for g in r.kept]
-    summary = [f"{verb} {len(r.deleted)} checkpoints ({human_bytes(r.checkpoint_bytes)}), kept {len(r.kept)}"]
+    whole = f" ({human_bytes(r.checkpoint_bytes)} of whole-file copies)" if r.checkpoint_bytes else ""
+    summary = [f"{verb} {len(r.deleted)} checkpoints{whole}, kept {len(r.kept)}"]
     if r.swept:
         summary.append(f"{'would sweep' if dry_run else 'swept'} {r.chunks_swept} chunks "
                        f"({human_bytes(r.chunk_bytes_freed)}); {r.chunks_in_grace} unreferenced chunks in their "
