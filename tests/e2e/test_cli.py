@@ -44,10 +44,10 @@ def test_human_output_is_tables_and_one_line_summaries(daemon, jobs_to_kill):
     ck_id = ck.split(":")[0]
 
     lst = daemon.ctl("list", check=True).stdout.splitlines()
-    assert lst[0].split() == ["ID", "NAME", "STATE", "JOB/PID", "SIZE", "WHERE", "AGE"]
+    assert lst[0].split() == ["ID", "NAME", "STATE", "JOB/PID", "SIZE", "STORED", "NEW", "WHERE", "AGE"]
     assert any(r.startswith(ck_id) and "human-out" in r and "MiB" in r for r in lst[1:])
     wide = daemon.ctl("list", "-o", "wide", check=True).stdout.splitlines()[0].split()
-    assert wide[-3:] == ["FROZEN", "STORED", "ERROR"]
+    assert wide[-2:] == ["FROZEN", "ERROR"]
 
     show = daemon.ctl("show", ck_id, check=True).stdout
     assert re.search(r"^name +human-out$", show, re.M) and re.search(r"^created +\d{4}-\d\d-\d\d ", show, re.M)

@@ -109,6 +109,9 @@ def test_gc_dry_run_deletes_nothing(make_daemon, tmp_path, jobs_to_kill):
     assert sorted(p.name for p in d.store.iterdir()) == before and all((d.tier / i).is_dir() for i in ids)
     human = d.ctl("gc", "--dry-run", check=True).stdout
     assert f"would delete {ids[0]}" in human and "would delete 2 checkpoints" in human
+    wide = d.ctl("gc", "--dry-run", "-o", "wide", check=True).stdout
+    assert f"kept {ids[2]}: last durable checkpoint of its job" in wide
+    assert _ids(d) == ids
 
 
 def test_run_keep_last_applies_to_that_job_and_the_node_default_to_the_others(make_daemon, tmp_path, jobs_to_kill):
@@ -211,3 +214,12 @@ def test_kill9_in_the_chunk_sweep_loses_no_chunk_of_a_durable_checkpoint(make_da
     assert r2["swept"] and r2["chunks_swept"] > 0 and r2["chunk_bytes_freed"] > 0 and old not in _ids(d)
     _referenced_chunks_present(d, kept)
     _restores_where_it_stopped(d, kept, job, jobs_to_kill)
+
+
+def test_the_daemon_runs_gc_every_gc_interval(make_daemon, tmp_path, jobs_to_kill):
+    d = _daemon(make_daemon, tmp_path, "periodic", "keep_last = 1")
+    (tmp_path / "periodic.toml").write_text("[retention]\nkeep_last = 1\ngc_interval = \"1s\"\n")
+    d.stop()
+    d.start()
+    job, ids = _three_checkpoints(d, jobs_to_kill)
+    wait_for(lambda: _ids(d) == ids[2:], 30, what="the periodic gc to delete the older checkpoints")
