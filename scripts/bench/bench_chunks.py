@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from memsnap import manifest  # noqa: E402
 from memsnap.catalog import Catalog, CheckpointRecord  # noqa: E402
 from memsnap.drain import ChunkOpts, DrainService  # noqa: E402
-from memsnap.store import Codec, PosixStore  # noqa: E402
+from memsnap.store import Codec, PosixStore, Throttle  # noqa: E402
 from memsnap.store.chunks import Chunking, chunk_id, is_bundled  # noqa: E402
 from memsnap.tier import MemoryTier  # noqa: E402
 from tests.helpers import DaemonProc  # noqa: E402
@@ -56,6 +55,63 @@ class Counting:
         return attr
 
 
+class _LinkWriter:
+    def __init__(self, w: Any, t: Throttle) -> None:
+        self._w, self._t, self.key = w, t, w.key
+
+    def write(self, data: Any) -> int:
+        self._t.consume(len(data))
+        return int(self._w.write(data))
+
+    def commit(self) -> Any:
+        return self._w.commit()
+
+    def abort(self) -> None:
+        self._w.abort()
+
+    def __enter__(self) -> _LinkWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._w.abort()
+
+
+class _LinkReader:
+    def __init__(self, r: Any, t: Throttle) -> None:
+        self._r, self._t = r, t
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self._r.read(n)
+        self._t.consume(len(data))
+        return data
+
+    def close(self) -> None:
+        self._r.close()
+
+    def __enter__(self) -> _LinkReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._r.close()
+
+
+class Linked:
+    """A store proxy whose object bytes cross a link of `rate` bytes/s each way (memsnap's token bucket): a
+    stand-in for a network store where none can be set up (no sshd for scripts/bench/netstore.py)."""
+
+    def __init__(self, inner: Any, up: Throttle, down: Throttle) -> None:
+        self._inner, self._up, self._down = inner, up, down
+
+    def open_writer(self, key: str) -> _LinkWriter:
+        return _LinkWriter(self._inner.open_writer(key), self._up)
+
+    def open_reader(self, key: str) -> _LinkReader:
+        return _LinkReader(self._inner.open_reader(key), self._down)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def workloads(weights_mib: int) -> dict[str, list[str]]:
     py = sys.executable
     return {
@@ -69,12 +125,18 @@ def workloads(weights_mib: int) -> dict[str, list[str]]:
 class Bench:
     def __init__(self, base: Path, args: argparse.Namespace) -> None:
         self.base, self.args = base, args
+        self.stores = base
         self.d = DaemonProc(base / "daemon", extra=["--drain-bandwidth", "1K", "--store-format", "whole"])
         self.key = b""
         self.cat = Catalog(base / "bench-state")
-        self.whole_store = PosixStore(base / "store-whole", create=True)
-        self.chunk_store = PosixStore(base / "store-chunked", create=True)
         self.codec = Codec(level=3, threads=-1)
+        self.link = (Throttle(args.link_mbit * 125_000), Throttle(args.link_mbit * 125_000)) if args.link_mbit \
+            else None
+        self.whole_store = self.linked(PosixStore(self.stores / "store-whole", create=True))
+        self.chunk_store = self.linked(PosixStore(self.stores / "store-chunked", create=True))
+
+    def linked(self, store: PosixStore) -> Any:
+        return Linked(store, *self.link) if self.link else store
 
     def start(self) -> None:
         self.d.start()
@@ -131,7 +193,8 @@ class Bench:
                                                  statistics.median(r["chunked"]["stored_bytes"] for r in later), 2)
             out["seconds_ratio_from_2nd"] = round(statistics.median(r["whole"]["seconds"] for r in later) /
                                                   statistics.median(r["chunked"]["seconds"] for r in later), 2)
-        out["dedup_by_chunk_size"] = self.sweep_sizes(recs)
+        if not self.args.no_sweep:
+            out["dedup_by_chunk_size"] = self.sweep_sizes(recs)
         out["restore"] = self.restore(recs)
         out["_recs"] = recs
         return out
@@ -203,28 +266,27 @@ class Bench:
         """Throughput of a plain write (fsynced) of the checkpoint's bytes into the store's filesystem vs the
         first chunked drain of the same bytes into an empty chunk store (everything new)."""
         src = self.tier.path(rec.id)
-        target = self.base / "plain-write"
+        plain_store = self.linked(PosixStore(self.stores / "store-plain", create=True))
         t0 = time.monotonic()
-        with open(target, "wb") as out:
+        with plain_store.open_writer("plain-write") as out:  # (fsynced by commit)
             for p in sorted(src.iterdir()):
                 with open(p, "rb") as f:
                     while data := f.read(4 * MiB):
                         out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
+            out.commit()
         plain = time.monotonic() - t0
-        target.unlink()
-        fresh = PosixStore(self.base / "store-fresh", create=True)
+        shutil.rmtree(self.stores / "store-plain", ignore_errors=True)
+        fresh = self.linked(PosixStore(self.stores / "store-fresh", create=True))
         svc = self.service("chunked", fresh, str(self.base / "fresh-state"))
         t0 = time.monotonic()
         svc._drain(rec)
         chunked = time.monotonic() - t0
-        svc_w = self.service("whole", PosixStore(self.base / "store-fresh-whole", create=True))
+        svc_w = self.service("whole", self.linked(PosixStore(self.stores / "store-fresh-whole", create=True)))
         t0 = time.monotonic()
         svc_w._drain(rec)
         whole = time.monotonic() - t0
-        shutil.rmtree(self.base / "store-fresh", ignore_errors=True)
-        shutil.rmtree(self.base / "store-fresh-whole", ignore_errors=True)
+        shutil.rmtree(self.stores / "store-fresh", ignore_errors=True)
+        shutil.rmtree(self.stores / "store-fresh-whole", ignore_errors=True)
         shutil.rmtree(self.base / "fresh-state", ignore_errors=True)
         mb = rec.size_bytes / MiB
         return {"bytes": rec.size_bytes, "plain_write_MBps": round(mb / plain), "chunked_first_drain_MBps":
@@ -242,6 +304,48 @@ class Bench:
                 "chunked_over_whole": round(ch["stored_bytes"] / w["stored_bytes"], 3)}
 
 
+def _mb(n: float) -> str:
+    return f"{n / MiB:.1f}"
+
+
+def render(results: dict[str, Any], title: str) -> str:
+    """A markdown report of one run."""
+    p = results["params"]
+    out = [f"## {title}", "", f"Params: {json.dumps(p)}", ""]
+    for name, w in results["workloads"].items():
+        out += [f"### {name}", "", "| # | logical MiB | whole stored MiB | whole s | whole ops | chunked stored MiB | "
+                "chunked new MiB | chunked s | chunked ops | chunks (new) |", "|---" * 10 + "|"]
+        for r in w["checkpoints"]:
+            wh, ch = r["whole"], r["chunked"]
+            out.append(f"| {r['n']} | {_mb(r['logical_bytes'])} | {_mb(wh['stored_bytes'])} | {wh['seconds']} | "
+                       f"{wh['store_ops']} | {_mb(ch['stored_bytes'])} | {_mb(ch['new_bytes'])} | {ch['seconds']} | "
+                       f"{ch['store_ops']} | {ch['chunks']} ({ch['new_chunks']}) |")
+        out += ["", "Median from the 2nd checkpoint on: whole/chunked stored bytes "
+                f"**{w.get('stored_ratio_from_2nd')}x**, time to durable **{w.get('seconds_ratio_from_2nd')}x**.", ""]
+        if "dedup_by_chunk_size" in w:
+            out += ["| avg chunk | median new MiB per checkpoint (2nd on) | chunks per checkpoint | chunking MB/s |",
+                    "|---|---|---|---|"]
+            for k, v in w["dedup_by_chunk_size"].items():
+                out.append(f"| {k} | {_mb(v['median_new_from_2nd'])} | {v['chunks_per_checkpoint']} | "
+                           f"{v['chunking_MBps']} |")
+            out.append("")
+        rs = w["restore"]
+        out += [f"Restore of the last checkpoint (s): whole {rs['whole']}, chunked cold {rs['chunked_cold']}, "
+                f"chunked warm cache {rs['chunked_warm_cache']}, chunked with the other checkpoints' tier copies "
+                f"{rs['chunked_tier_chunks']}; warm cache speedup **{rs['speedup_warm_cache']}x**.", ""]
+        if "second_job_same_weights" in w:
+            sj = w["second_job_same_weights"]
+            out += [f"Second job, same weights: whole {_mb(sj['whole']['stored_bytes'])} MiB, chunked "
+                    f"{_mb(sj['chunked']['stored_bytes'])} MiB = **{sj['chunked_over_whole'] * 100:.1f}%**.", ""]
+        if "throughput" in w:
+            t = w["throughput"]
+            out += [f"Drain throughput, first checkpoint (all new), {_mb(t['bytes'])} MiB: plain write "
+                    f"{t['plain_write_MBps']} MB/s, chunked drain {t['chunked_first_drain_MBps']} MB/s "
+                    f"(**{t['chunked_vs_plain']}** of plain), whole drain {t['whole_drain_MBps']} MB/s "
+                    f"({t['whole_vs_plain']}).", ""]
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--weights-mib", type=int, default=1024)
@@ -252,7 +356,14 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated workloads (train, infer, counter)")
     p.add_argument("--base", default="/var/tmp/memsnap-bench-chunks")
     p.add_argument("--out", default=str(REPO / "bench/results/chunks.json"))
+    p.add_argument("--no-sweep", action="store_true", help="skip the dedup-vs-chunk-size sweep")
+    p.add_argument("--link-mbit", type=int, default=0, help="object bytes to and from the stores cross a "
+                   "token bucket of this many Mbit/s each way (see Linked)")
+    p.add_argument("--render", nargs="*", help="TITLE=results.json ...: print a markdown report and exit")
     args = p.parse_args()
+    if args.render:
+        print("\n".join(render(json.loads(Path(f).read_text()), t) for t, f in (a.split("=", 1) for a in args.render)))
+        return
     base = Path(args.base)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
