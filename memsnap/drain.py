@@ -437,7 +437,8 @@ class DrainService:
         return found
 
     def delete(self, rec: CheckpointRecord) -> None:
-        """Removes the stored copy."""
+        """Removes the stored copy (its chunks stay until a sweep finds them unreferenced)."""
+        self.node_chunks.forget(rec.id)
         try:
             self.store.delete_prefix(rec.id + "/")
         except StoreUnavailable as exc:

@@ -96,6 +96,11 @@ class NodeChunks:
         if self.maps_dir is not None:
             save_chunk_map(self.maps_dir, ckpt_id, storage)
 
+    def forget(self, ckpt_id: str) -> None:
+        """Drops the chunk map of a deleted checkpoint."""
+        if self.maps_dir is not None:
+            (self.maps_dir / f"{ckpt_id}.json").unlink(missing_ok=True)
+
 
 @dataclass
 class DrainStats:
