@@ -223,3 +223,20 @@ def test_the_daemon_runs_gc_every_gc_interval(make_daemon, tmp_path, jobs_to_kil
     d.start()
     job, ids = _three_checkpoints(d, jobs_to_kill)
     wait_for(lambda: _ids(d) == ids[2:], 30, what="the periodic gc to delete the older checkpoints")
+
+
+@pytest.mark.parametrize("backend", ["posix", "s3"])
+def test_sweep_frees_the_chunks_only_deleted_checkpoints_had_and_the_kept_one_restores(make_daemon, tmp_path,
+                                                                                       jobs_to_kill, backend,
+                                                                                       request):
+    s3 = request.getfixturevalue("s3_server") if backend == "s3" else None
+    d = _daemon(make_daemon, tmp_path, "sweep", "keep_last = 1\nchunk_grace = 0", s3=s3)
+    gone = start_counter(d, jobs_to_kill, 8)  # random memory of its own: its chunks are no one else's
+    _ctl_json(d, "delete", _durable(d, gone.id, "--stop"))
+    job, ids = _three_checkpoints(d, jobs_to_kill)
+    dry = _ctl_json(d, "gc", "--dry-run")
+    r = _ctl_json(d, "gc")
+    assert r["deleted"] == ids[:2] and r["swept"]
+    assert r["chunks_swept"] == dry["chunks_swept"] > 0 and r["chunk_bytes_freed"] >= 8 << 20
+    assert _ctl_json(d, "gc")["chunks_swept"] == 0
+    _restores_where_it_stopped(d, ids[2], job, jobs_to_kill)
