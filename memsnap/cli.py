@@ -325,20 +325,25 @@ def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, prior
             argv: tuple[str, ...]) -> None:
     """Start CMD as a managed job in its own PID namespace: memsnapctl run [--name N] -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
-    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
-    critical = priority.strip().lower() == "critical"
-    try:
-        prio = 0 if critical else int(priority)
-    except ValueError:
-        raise click.BadParameter(f"{priority!r} is not a number or critical", param_hint="--priority") from None
-    guarded: dict[str, Any] = {"memory_limit": limit, "priority": prio, "critical": critical,
-                               "on_limit": on_limit if (limit or prio or critical) else ""}
+    guarded = guard_args(memory_limit, priority, on_limit)
     if not obj.address:
         _check_command(argv[0], env.get("PATH", os.defpath))
     with obj.client() as c:
         job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, **guarded)
     obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path},
              f"started {job.id} ({job.name}) as pid {job.pid}; output: memsnapctl logs -f {job.id}")
+
+
+def guard_args(memory_limit: str, priority: str, on_limit: str) -> dict[str, Any]:
+    """The memory guard's options of `run` (and `slurm run`) as RunJob fields."""
+    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
+    critical = priority.strip().lower() == "critical"
+    try:
+        prio = 0 if critical else int(priority)
+    except ValueError:
+        raise click.BadParameter(f"{priority!r} is not a number or critical", param_hint="--priority") from None
+    return {"memory_limit": limit, "priority": prio, "critical": critical,
+            "on_limit": on_limit if (limit or prio or critical) else ""}
 
 
 def _check_command(exe: str, path: str) -> None:
