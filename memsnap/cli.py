@@ -759,7 +759,7 @@ def resume_cmd(obj: Ctx, job: str, memory_limit: str) -> None:
         r = c.resume_job(job, memory_limit=limit)
     lim = int(r.job.memory_limit_bytes)
     obj.emit({"pid": int(r.pid), "job": r.job.id, "resumed": job, "memory_limit": lim,
-              "restore_ms": int(r.restore_ms)},
+              "restore_ms": int(r.restore_ms), "from_store": bool(r.from_store)},
              f"resumed {job} as {r.job.id} (pid {r.pid}) in {human_ms(r.restore_ms)}"
              + (f", memory limit {human_bytes(lim)}" if lim else ""))
 

@@ -811,6 +811,9 @@ class Engine:
             if rec.in_store and self.drain is not None:
                 self.drain.delete(rec)
             self.tier.remove(ckpt_id)
+            spill = getattr(self.guard, "spill", None)  # a park image in guard.spill_dir lives in that tier
+            if rec.meta.get("spill") and spill is not None and spill is not self:
+                spill.tier.remove(ckpt_id)
             self.catalog.delete_checkpoint(ckpt_id)
 
     def evict(self, caller: Caller, ckpt_id: str) -> CheckpointRecord:
