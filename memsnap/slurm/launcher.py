@@ -38,7 +38,7 @@ from memsnap import proc
 from memsnap.client import LONG_S, QUICK_S, ClientError, MemsnapClient, Target
 from memsnap.slurm import env as slurm_env
 from memsnap.slurm.env import SlurmJob
-from memsnap.slurm.relay import LogRelay, output_is_empty_file, wrap
+from memsnap.slurm.relay import LogRelay, empty_output, file_size, log_chain, wrap
 from memsnap.v1 import memsnap_pb2 as pb
 
 DUMPING = pb.CHECKPOINT_STATE_DUMPING
@@ -140,7 +140,7 @@ class Launcher:
         for sig in HANDLED:
             signal.signal(sig, self._signals.handler)
         # Before we write anything: Slurm truncates the output file when it starts a requeued job.
-        self._output_was_empty = _empty_output(self.out)
+        self._output_was_empty = empty_output(self.out)
         self.grace_s = self._grace()
         try:
             self.client = self._client_factory(self.opts.target)
@@ -241,7 +241,7 @@ class Launcher:
 
     def _restore(self) -> Workload | None:
         prev_log = self._previous_log()
-        before = _size(prev_log)
+        before = file_size(prev_log)
         replay = self._output_was_empty
         self._output_was_empty = False  # a second restore (after a failed self-requeue) must not replay
         t0 = time.monotonic()
@@ -263,7 +263,7 @@ class Launcher:
                      log_path=r.job.log_path, restored_from=r.job.restored_from)
         offset = 0 if replay or w.log_path != prev_log else before
         if replay and w.log_path != prev_log:
-            for earlier in _log_chain(prev_log, w.log_path):  # each restore logs to a file of its own
+            for earlier in log_chain(prev_log, w.log_path):  # each restore logs to a file of its own
                 LogRelay(earlier, 0, self.out, self.warn).finish()
         self.relay = LogRelay(w.log_path, offset, self.out, self.warn)
         where = "fetched from the store" if r.from_store else "from the memory tier"
@@ -593,39 +593,8 @@ class Launcher:
         return slurm_env.job_fate(self.slurm.job_id, self.slurm.restart_count) == "running"
 
 
-def _empty_output(stream: BinaryIO) -> bool:
-    try:
-        return output_is_empty_file(stream.fileno())
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
 def _start_time(pid: int) -> float:
     try:
         return proc.start_time(pid)
     except proc.ProcessNotFound:
         return 0.0
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path) if path else 0
-    except OSError:
-        return 0
-
-
-def _log_chain(last: str, current: str) -> list[str]:
-    """The logs of a job's earlier runs, oldest first, ending with last: a restored copy's log starts with
-    '# memsnap: restored from CK; earlier output: PARENT' (memsnap.engine.Engine.restore_own_log)."""
-    chain: list[str] = []
-    path = last
-    while path and path != current and path not in chain and len(chain) < 1000:
-        chain.append(path)
-        try:
-            with open(path, "rb") as f:
-                first = f.readline(4096).decode(errors="replace")
-        except OSError:
-            break
-        path = first.split("; earlier output: ", 1)[1].strip() if first.startswith("# memsnap: restored from ") \
-            and "; earlier output: " in first else ""
-    return chain[::-1]
