@@ -10,7 +10,7 @@ within FIRST_S. Imported only by commands that talk to the daemon (never for --h
 from __future__ import annotations
 
 import json
-import secrets
+import os
 import sys
 import threading
 import time
@@ -30,7 +30,7 @@ def follow(c: MemsnapClient, what: str, call: Callable[[str], T], as_json: bool,
     """Runs call(op_id) (a blocking RPC on c) while showing its progress; returns its result or raises its error."""
     stream = stream or sys.stderr
     tty = bool(getattr(stream, "isatty", lambda: False)())
-    op_id = secrets.token_hex(12)
+    op_id = os.urandom(12).hex()
     box: dict[str, Any] = {}
     t0 = time.monotonic()
 
