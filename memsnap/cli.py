@@ -447,7 +447,9 @@ def _drain_note(k: pb.CheckpointInfo, state: str) -> str:
 @click.pass_obj
 @handle_errors
 def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_established: bool) -> None:
-    """Verify a checkpoint (or a job's newest one) and restore it detached."""
+    """Verify a checkpoint (or a job's newest one) and restore it detached.
+
+    A fetch from the store shows its progress on stderr (rate and ETA; -o json: one object per update)."""
     mapping: dict[str, str] = {}
     for pair in filter(None, gpu_map.split(",")):
         old, sep, new = pair.partition("=")

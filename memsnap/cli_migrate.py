@@ -32,7 +32,10 @@ def register(cli: click.Group) -> None:
     def migrate_cmd(obj: Ctx, target: str, to: str, to_token_file: str, via_store: bool, lazy: bool,
                     plain_restore: bool, tcp_established: bool, move_ip: str, move_ip_dev_source: str,
                     move_ip_dev_target: str) -> None:
-        """Move a PID or job to another node; on failure it runs on here."""
+        """Move a PID or job to another node; on failure it runs on here.
+
+        Progress on stderr: bytes sent with rate and ETA, then the restore on the target (-o json: one object
+        per update). The job is the target's own afterwards: its name stays, its log is the target's."""
         from memsnap.v1 import memsnap_pb2 as pb
 
         token = ""

@@ -271,8 +271,9 @@ class Guard:
         for j in self.engine.catalog.jobs():
             g = parked.get(j.restored_from)
             if g is not None and j.id not in self._jobs and not j.ended and jobs.alive(j.pid, j.pid_start):
-                self._set(g.job_id, state=RESUMED, resumed_as=j.id)
+                # the new job first: whoever reads resumed_as (jobs.json, ListJobs) finds it guarded
                 self.adopt(j.id, g.owner_uid, g.limit, g.priority, g.on_limit, g.cgroup)
+                self._set(g.job_id, state=RESUMED, resumed_as=j.id)
 
     def _check_limits(self, fired: set[str], t_event: float, pressured: frozenset[str] | set[str] = frozenset()
                       ) -> None:
@@ -614,11 +615,11 @@ class Guard:
             t0 = time.monotonic()
             res = eng.restore(caller, g.checkpoint)  # (the engine sends SIGCONT: the manifest says parked)
             resume_ms = (time.monotonic() - t0) * 1000
-            self._set(g.job_id, state=RESUMED, resumed_as=res.job.id)
             ng = self.adopt(res.job.id, g.owner_uid, limit, g.priority, g.on_limit, g.cgroup)
             with self._lock:
                 ng.stats = {"resumed_from": g.job_id, "resume_ms": round(resume_ms, 1)}
                 self._save()
+            self._set(g.job_id, state=RESUMED, resumed_as=res.job.id)  # (after: resumed_as names a guarded job)
             log.warning("resumed %s as %s from %s%s (limit %d MiB, %.0f ms)", g.job_id, res.job.id, g.checkpoint,
                         f": {auto}" if auto else "", limit >> 20, resume_ms, extra={"job": res.job.id})
             if self.metrics is not None:
