@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from memsnap import progress
 from memsnap import validate as v
 from memsnap.auth import tcp_authenticated
 from memsnap.catalog import JobRecord
@@ -104,7 +105,12 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         if not caller.is_root:  # the drain queue and moves in doubt are daemon-wide: root's to see
             extra = {k: v for k, v in extra.items() if k in ("store", "store_id")}
         s.update(extra)
-        return pb.StatusResponse(**{k: v for k, v in s.items() if k in pb.StatusResponse.DESCRIPTOR.fields_by_name})
+        resp = pb.StatusResponse(**{k: v for k, v in s.items() if k in pb.StatusResponse.DESCRIPTOR.fields_by_name})
+        op = progress.get(_op_id(request), caller.uid, caller.is_root) if request.op_id else None
+        if op is not None:
+            resp.progress.CopyFrom(pb.Progress(op_id=op.op_id, kind=op.kind, phase=op.phase, done_bytes=op.done_bytes(),
+                                               total_bytes=op.total_bytes, started_unix_ms=op.started_unix_ms))
+        return resp
 
     @translate
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext) -> pb.RunJobResponse:
@@ -147,9 +153,10 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
         caller = caller_of(context)
         v.key("checkpoint_id", request.checkpoint_id)
-        res = self.engine.restore_own_log(caller, request.checkpoint_id, lazy=request.lazy,
-                                          gpu_map=v.gpu_map(request.gpu_map) or None,
-                                  tcp_established=request.tcp_established)
+        with progress.begin(_op_id(request), "restore", caller.uid):
+            res = self.engine.restore_own_log(caller, request.checkpoint_id, lazy=request.lazy,
+                                              gpu_map=v.gpu_map(request.gpu_map) or None,
+                                              tcp_established=request.tcp_established)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
                                   from_store=res.from_store)
@@ -202,7 +209,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.ifname("move_ip_dev_target", request.move_ip_dev_target)
         v.token("to_token", request.to_token)
         req = MoveRequest(**{f.name: getattr(request, f.name) for f in dataclasses.fields(MoveRequest)})
-        res: MoveResult = self.migrator.migrate(caller, req)
+        with progress.begin(_op_id(request), "migrate", caller.uid):
+            res: MoveResult = self.migrator.migrate(caller, req)
         return pb.MigrateResponse(target_pid=res.target_pid, checkpoint_id=res.checkpoint_id,
                                   phases=[pb.Phase(name=n, ms=int(ms)) for n, ms in res.phases],
                                   downtime_ms=res.downtime_ms, bytes_sent=res.bytes_sent, target_job=res.target_job)
@@ -312,7 +320,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         limit = request.memory_limit_bytes
         if limit and not MIN_LIMIT <= limit <= v.MAX_BYTES:
             raise InvalidArgument(f"memory_limit_bytes {limit} is out of range: give at least 32M")
-        res = self._guard().resume(request.job, caller=caller, new_limit=limit)
+        with progress.begin(_op_id(request), "resume", caller.uid):
+            res = self._guard().resume(request.job, caller=caller, new_limit=limit)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True, _guard_of(self.engine, res.job.id)),
                                   restore_ms=int(res.restore_ms), verify_ms=int(res.verify_ms),
                                   fetch_ms=int(res.fetch_ms), from_store=res.from_store)
@@ -332,6 +341,14 @@ def _keep_rules(request: Any) -> tuple[int | None, float | None] | None:
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
     return kl, kw
+
+
+def _op_id(request: Any) -> str:
+    """A request's op_id (memsnap.progress), refused unless it is a short plain token."""
+    op_id: str = request.op_id
+    if op_id and not progress.valid_op_id(op_id):
+        raise InvalidArgument("op_id must be 1-64 letters, digits, '-' or '_'")
+    return op_id
 
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):

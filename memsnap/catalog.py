@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   log_path TEXT NOT NULL DEFAULT '',
   started_ms INTEGER NOT NULL,
   restored_from TEXT NOT NULL DEFAULT '',
-  ended INTEGER NOT NULL DEFAULT 0
+  ended INTEGER NOT NULL DEFAULT 0,
+  moved_from TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS ckpt_job ON checkpoints(job);
 CREATE TABLE IF NOT EXISTS retention (
@@ -139,6 +140,7 @@ class JobRecord:
     log_path: str = ""
     restored_from: str = ""
     ended: bool = False
+    moved_from: str = ""  # SOURCE_HOST/SOURCE_JOB of a job that moved here
 
 
 _CK_FIELDS = [f.name for f in fields(CheckpointRecord)]
@@ -168,6 +170,9 @@ class Catalog:
         # FULL: a state change is on disk before the action it records starts.
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        if "moved_from" not in cols:  # a catalog written before moved_from existed
+            self._db.execute("ALTER TABLE jobs ADD COLUMN moved_from TEXT NOT NULL DEFAULT ''")
         self._lock = threading.RLock()
 
     def close(self) -> None:

@@ -329,14 +329,7 @@ def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, prior
             keep_last: int | None, keep_within: str | None, argv: tuple[str, ...]) -> None:
     """Start CMD as a managed job in its own PID namespace: memsnapctl run [--name N] -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
-    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
-    critical = priority.strip().lower() == "critical"
-    try:
-        prio = 0 if critical else int(priority)
-    except ValueError:
-        raise click.BadParameter(f"{priority!r} is not a number or critical", param_hint="--priority") from None
-    guarded: dict[str, Any] = {"memory_limit": limit, "priority": prio, "critical": critical,
-                               "on_limit": on_limit if (limit or prio or critical) else ""}
+    guarded = guard_args(memory_limit, priority, on_limit)
     if not obj.address:
         _check_command(argv[0], env.get("PATH", os.defpath))
     keep: dict[str, Any] = {"keep_last": keep_last, "keep_within_s": _duration_arg(keep_within, "--keep-within")}
@@ -344,6 +337,18 @@ def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, prior
         job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, **guarded, **keep)
     obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path},
              f"started {job.id} ({job.name}) as pid {job.pid}; output: memsnapctl logs -f {job.id}")
+
+
+def guard_args(memory_limit: str, priority: str, on_limit: str) -> dict[str, Any]:
+    """The memory guard's options of `run` (and `slurm run`) as RunJob fields."""
+    limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
+    critical = priority.strip().lower() == "critical"
+    try:
+        prio = 0 if critical else int(priority)
+    except ValueError:
+        raise click.BadParameter(f"{priority!r} is not a number or critical", param_hint="--priority") from None
+    return {"memory_limit": limit, "priority": prio, "critical": critical,
+            "on_limit": on_limit if (limit or prio or critical) else ""}
 
 
 def _check_command(exe: str, path: str) -> None:
@@ -374,7 +379,7 @@ def jobs_cmd(obj: Ctx) -> None:
         state = j.guard_state if j.guard_state in ("parked", "resumed", "killed") else \
             "running" if j.running else "ended"
         row = [j.id, j.name, str(j.pid), state, age(j.started_unix_ms),
-               j.restored_from or "-"]
+               j.moved_from or j.restored_from or "-"]  # (a moved job: where it came from, HOST/JOB)
         argv = command_of(list(j.argv))
         short = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else ""
         rows.append([*row, short if len(short) <= 60 else short[:57] + "..."])
@@ -446,32 +451,6 @@ def _drain_note(k: pb.CheckpointInfo, state: str) -> str:
     return f"storage error (attempt {k.drain_attempts}, will retry): {k.last_error}"
 
 
-def _with_spinner(obj: Ctx, what: str, fn: Callable[[], Any]) -> Any:
-    """Runs a long call, showing the elapsed time on a terminal meanwhile."""
-    bar = obj.progress(what)
-    if bar is None or not bar.tty:
-        return fn()
-    import threading
-
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["ok"] = fn()
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["err"] = exc
-
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    while t.is_alive():
-        bar.spin(what)
-        t.join(0.1)
-    bar.done()
-    if "err" in box:
-        raise box["err"]
-    return box["ok"]
-
-
 @cli.command("restore")
 @click.argument("checkpoint_id", metavar="CHECKPOINT|JOB")
 @click.option("--lazy", is_flag=True, help="resume at once; memory is paged in on demand")
@@ -480,17 +459,21 @@ def _with_spinner(obj: Ctx, what: str, fn: Callable[[], Any]) -> Any:
 @click.pass_obj
 @handle_errors
 def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_established: bool) -> None:
-    """Verify a checkpoint (or a job's newest one) and restore it detached."""
+    """Verify a checkpoint (or a job's newest one) and restore it detached.
+
+    A fetch from the store shows its progress on stderr (rate and ETA; -o json: one object per update)."""
     mapping: dict[str, str] = {}
     for pair in filter(None, gpu_map.split(",")):
         old, sep, new = pair.partition("=")
         if not sep or not old or not new:
             raise click.BadParameter(f"{pair!r} is not OLD_UUID=NEW_UUID", param_hint="--gpu-map")
         mapping[old.strip()] = new.strip()
+    from memsnap.cli_follow import follow
+
     with obj.client() as c:
-        r = _with_spinner(obj, f"restoring {checkpoint_id}",
-                          lambda: c.restore(checkpoint_id, lazy=lazy, gpu_map=mapping,
-                                            tcp_established=tcp_established))
+        r = follow(c, f"restoring {checkpoint_id}",
+                   lambda op: c.restore(checkpoint_id, lazy=lazy, gpu_map=mapping, tcp_established=tcp_established,
+                                        op_id=op), obj.json)
     chosen = r.job.restored_from or checkpoint_id
     fetched = f", fetched from the store in {human_ms(r.fetch_ms)}" if r.from_store else ""
     obj.emit({"pid": int(r.pid), "job": r.job.id, "checkpoint": chosen, "requested": checkpoint_id,
@@ -819,12 +802,14 @@ def fail(code: str, message: str, output: str = "table") -> NoReturn:
 @handle_errors
 def resume_cmd(obj: Ctx, job: str, memory_limit: str) -> None:
     """Resume a job the memory guard parked (at its limit, or under node pressure)."""
+    from memsnap.cli_follow import follow
+
     limit = _size_arg(memory_limit, "--memory-limit") if memory_limit else 0
     with obj.client() as c:
-        r = c.resume_job(job, memory_limit=limit)
+        r = follow(c, f"resuming {job}", lambda op: c.resume_job(job, memory_limit=limit, op_id=op), obj.json)
     lim = int(r.job.memory_limit_bytes)
     obj.emit({"pid": int(r.pid), "job": r.job.id, "resumed": job, "memory_limit": lim,
-              "restore_ms": int(r.restore_ms)},
+              "restore_ms": int(r.restore_ms), "from_store": bool(r.from_store)},
              f"resumed {job} as {r.job.id} (pid {r.pid}) in {human_ms(r.restore_ms)}"
              + (f", memory limit {human_bytes(lim)}" if lim else ""))
 

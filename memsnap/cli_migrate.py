@@ -7,7 +7,7 @@ import click
 
 def register(cli: click.Group) -> None:
     """Adds the migrate command to memsnapctl."""
-    from memsnap.cli import Ctx, _with_spinner, handle_errors
+    from memsnap.cli import Ctx, handle_errors
     from memsnap.cli_fmt import human_bytes, human_ms
 
     @cli.command("migrate")
@@ -32,7 +32,10 @@ def register(cli: click.Group) -> None:
     def migrate_cmd(obj: Ctx, target: str, to: str, to_token_file: str, via_store: bool, lazy: bool,
                     plain_restore: bool, tcp_established: bool, move_ip: str, move_ip_dev_source: str,
                     move_ip_dev_target: str) -> None:
-        """Move a PID or job to another node; on failure it runs on here."""
+        """Move a PID or job to another node; on failure it runs on here.
+
+        Progress on stderr: bytes sent with rate and ETA, then the restore on the target (-o json: one object
+        per update). The job is the target's own afterwards: its name stays, its log is the target's."""
         from memsnap.v1 import memsnap_pb2 as pb
 
         token = ""
@@ -47,8 +50,14 @@ def register(cli: click.Group) -> None:
                                 move_ip=move_ip,
                                 tcp_established=tcp_established, move_ip_dev_source=move_ip_dev_source,
                                 move_ip_dev_target=move_ip_dev_target, to_token=token)
+        from memsnap.cli_follow import follow
+
+        def call(op_id: str) -> pb.MigrateResponse:
+            req.op_id = op_id
+            return c.migrate(req)
+
         with obj.client() as c:
-            r = _with_spinner(obj, f"moving {target} to {to}", lambda: c.migrate(req))
+            r = follow(c, f"moving {target} to {to}", call, obj.json)
         phases = {p.name: int(p.ms) for p in r.phases}
         steps = ", ".join(f"{k} {v} ms" for k, v in phases.items())
         obj.emit({"target_pid": int(r.target_pid), "target_job": r.target_job, "checkpoint": r.checkpoint_id,

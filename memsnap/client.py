@@ -84,9 +84,9 @@ class MemsnapClient:
         except grpc.RpcError as exc:
             raise _client_error(exc, self.target) from None
 
-    def status(self, timeout: float = QUICK_S) -> pb.StatusResponse:
-        """Daemon status."""
-        return self._call("Status", pb.StatusRequest(), timeout)  # type: ignore[return-value]
+    def status(self, timeout: float = QUICK_S, op_id: str = "") -> pb.StatusResponse:
+        """Daemon status (with the progress of the caller's operation op_id, while it runs)."""
+        return self._call("Status", pb.StatusRequest(op_id=op_id), timeout)  # type: ignore[return-value]
 
     def run(self, argv: list[str], name: str = "", cwd: str = "", env: dict[str, str] | None = None,
             timeout: float = 30.0, own_proc: bool | None = None, memory_limit: int = 0, priority: int = 0,
@@ -114,10 +114,10 @@ class MemsnapClient:
         return self._call("Checkpoint", req, timeout).checkpoint  # type: ignore[attr-defined,no-any-return]
 
     def restore(self, checkpoint_id: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
-                tcp_established: bool = False, timeout: float = LONG_S) -> pb.RestoreResponse:
-        """Restores a checkpoint (or a job's latest one)."""
+                tcp_established: bool = False, timeout: float = LONG_S, op_id: str = "") -> pb.RestoreResponse:
+        """Restores a checkpoint (or a job's latest one); op_id names it for Status(op_id)."""
         req = pb.RestoreRequest(checkpoint_id=checkpoint_id, lazy=lazy, gpu_map=gpu_map or {},
-                                tcp_established=tcp_established)
+                                tcp_established=tcp_established, op_id=op_id)
         return self._call("Restore", req, timeout)  # type: ignore[return-value]
 
     def list(self, job: str = "", timeout: float = QUICK_S) -> list[pb.CheckpointInfo]:
@@ -169,9 +169,10 @@ class MemsnapClient:
         req = pb.StopJobRequest(job=job, timeout_s=timeout_s, kill=kill)
         return self._call("StopJob", req, timeout)  # type: ignore[return-value]
 
-    def resume_job(self, job: str, memory_limit: int = 0, timeout: float = LONG_S) -> pb.RestoreResponse:
-        """Resumes a job the memory guard parked (memory_limit 0: its old limit)."""
-        req = pb.ResumeJobRequest(job=job, memory_limit_bytes=memory_limit)
+    def resume_job(self, job: str, memory_limit: int = 0, timeout: float = LONG_S,
+                   op_id: str = "") -> pb.RestoreResponse:
+        """Resumes a job the memory guard parked (memory_limit 0: its old limit); op_id names it for Status."""
+        req = pb.ResumeJobRequest(job=job, memory_limit_bytes=memory_limit, op_id=op_id)
         return self._call("ResumeJob", req, timeout)  # type: ignore[return-value]
 
 

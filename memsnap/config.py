@@ -418,6 +418,9 @@ class GuardConfig:
                                      "empty = 1G")
     spill_dir: str = _opt("", _string, "park images go here (a disk directory, DAX or NUMA tmpfs) instead of the "
                           "memory tier; empty = the tier, evicted once durable")
+    pressure_level: str = _opt("off", _choice("off", "low", "medium", "critical"),
+                               "cgroup v1: also park a limited job when its cgroup's memory.pressure_level "
+                               "reports this level (reclaim against its limit); off = only at the limit")
     durable_wait_s: float = _opt(600.0, _POSITIVE_SECONDS, "how long a park into the tier waits for the drain "
                                  "before keeping the tier copy")
 

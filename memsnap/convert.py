@@ -50,7 +50,8 @@ def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
 def job_pb(j: JobRecord, running: bool, g: Any = None) -> pb.Job:
     """A job record as a proto message (g: what the memory guard knows of it, if anything)."""
     out = pb.Job(id=j.id, name=j.name, pid=j.pid, argv=j.argv, owner_uid=_u32(j.owner_uid), log_path=j.log_path,
-                 started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from)
+                 started_unix_ms=j.started_ms, running=running, restored_from=j.restored_from,
+                 moved_from=j.moved_from)
     if g is not None:
         out.guard_state, out.parked_reason, out.parked_unix_ms = g.state, g.reason, g.parked_ms
         out.parked_checkpoint, out.memory_limit_bytes, out.priority = g.checkpoint, _u64(g.limit), g.priority

@@ -108,7 +108,8 @@ class Daemon:
             except safefs.UnsafePath as exc:
                 raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
             spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin),
-                           self.catalog, tier, self.criu, key, drain=None, gpu=self.engine.gpu,
+                           self.catalog, tier, self.criu, key, gpu=self.engine.gpu,
+                           drain=build_drain(self.cfg, self.catalog, tier, key, self.metrics) if self.drain else None,
                            observe=self._observe)
         return Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, failpoints, jobs, knobs, manifest, proc
+from memsnap import __version__, failpoints, jobs, knobs, manifest, proc, progress
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -783,8 +783,10 @@ class Engine:
         reservation = self.reserve(rec.size_bytes + _RESERVE_SLACK)
         try:
             staging = self.tier.new_staging(rec.id, unique=True)  # never shared with another fetch
+            progress.phase("fetch", rec.size_bytes, progress.dir_bytes(staging, (manifest.MANIFEST,)))  # (its bar)
             try:
                 self.drain.fetch(rec, staging)
+                failpoints.delay("slow-fetch", 3.0)  # (tests: a client polls the fetch's progress meanwhile)
                 self.tier.remove(rec.id)  # a stray copy left by a crash (the catalog says not in tier)
                 self.tier.publish(staging, rec.id)
             except BaseException:
@@ -795,6 +797,7 @@ class Engine:
         # The fetch hashed every byte as it streamed in: remember that, so verification need not re-read.
         rec.meta["fingerprint"] = manifest.fingerprint(self.tier.path(rec.id))
         self.catalog.update_checkpoint(rec.id, in_tier=True, meta=rec.meta)
+        progress.phase("restore")
         return self.tier.path(rec.id), (time.monotonic() - t0) * 1000, True
 
     # -- catalog operations ---------------------------------------------------------
@@ -812,10 +815,14 @@ class Engine:
             self._delete_copies(rec)
 
     def _delete_copies(self, rec: CheckpointRecord) -> None:
-        """Store copy, tier copy, then the catalog row; the caller holds _ckpt_lock(rec.id)."""
+        """Store copy, tier copy (and a park image's spill copy), then the catalog row; the caller holds
+        _ckpt_lock(rec.id)."""
         if rec.in_store and self.drain is not None:
             self.drain.delete(rec)
         self.tier.remove(rec.id)
+        spill = getattr(self.guard, "spill", None)  # a park image in guard.spill_dir lives in that tier
+        if rec.meta.get("spill") and spill is not None and spill is not self:
+            spill.tier.remove(rec.id)
         self.catalog.delete_checkpoint(rec.id)
 
     def try_delete(self, ckpt_id: str, veto: Callable[[CheckpointRecord], str]) -> str:
@@ -1137,24 +1144,34 @@ class Engine:
                     return
                 time.sleep(0.2)
 
-    def restore_own_log(self, caller: Caller, key: str, **kw: Any) -> RestoreResult:
+    def restore_own_log(self, caller: Caller, key: str, moved: bool = False, **kw: Any) -> RestoreResult:
         """restore(), with the restored job's output going to a log of its own: <parent log stem>.restore-
         <checkpoint>-<token>.log next to the parent's, which starts with a line naming the checkpoint and
         the parent log. Two restores of one checkpoint never write into one file; the old log stays as it
-        was. Images whose job had no log (not started by memsnap) restore as before."""
+        was. Images whose job had no log (not started by memsnap) restore as before.
+
+        moved: a job that moved here (RestoreReceived). Its log was the source's, in another daemon's state dir (on
+        another node it need not even exist): it gets one in this daemon's log dir, under the same name, and the
+        job records where it came from (moved_from: SOURCE_HOST/SOURCE_JOB)."""
         rec = self.latest_restorable(caller, key)
         parent = str(rec.meta.get("log_path") or "")
         log_dir = self.launcher.log_dir.resolve()
+        moved_from = f"{rec.meta.get('host') or '?'}/{rec.job or rec.id}" if moved else ""
         # A job in its own mount namespace keeps its log: an fd handed in from the daemon's namespace would
         # sit on a mount the job's namespace does not own, and CRIU could not dump the job again.
-        if not parent or Path(parent).resolve().parent != log_dir or rec.meta.get("own_mntns"):
-            return self.restore(caller, key, **kw)
+        if not parent or (Path(parent).resolve().parent != log_dir and not moved) or rec.meta.get("own_mntns"):
+            res = self.restore(caller, key, **kw)
+            if moved_from:
+                self.catalog.update_job(res.job.id, moved_from=moved_from)
+                res.job.moved_from = moved_from
+            return res
         path = log_dir / f"{Path(parent).stem}.restore-{rec.id}-{secrets.token_hex(3)}.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
         try:
             if rec.owner_uid:
                 os.fchown(fd, rec.owner_uid, -1)
-            os.write(fd, f"# memsnap: restored from {rec.id}; earlier output: {parent}\n".encode())
+            came = f"moved here from {moved_from} ({rec.id})" if moved else f"restored from {rec.id}"
+            os.write(fd, f"# memsnap: {came}; earlier output: {parent}\n".encode())
             opts = dict(kw.pop("restore_opts", None) or {})
             # CRIU names a regular file by its path without the leading '/'; every fd the job had on its
             # log (stdout and stderr) gets the new file instead.
@@ -1165,8 +1182,8 @@ class Engine:
             path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        self.catalog.update_job(res.job.id, log_path=str(path))
-        res.job.log_path = str(path)
+        self.catalog.update_job(res.job.id, log_path=str(path), **({"moved_from": moved_from} if moved else {}))
+        res.job.log_path, res.job.moved_from = str(path), moved_from
         return res
 
 

@@ -60,12 +60,19 @@ def ticks(log_path: str | Path, hostpid: int | None = None) -> list[Tick]:
     return out
 
 
+# The job log dirs of every daemon this test session started: a job that moved writes to a log of its own in the
+# target's log dir, named after its parent like a restored copy's (Engine.restore_own_log, moved=True).
+LOG_DIRS: set[Path] = set()
+
+
 def job_output(log_path: str | Path) -> str:
     """A job's log followed by the logs of its restored copies: each restore writes to a log of its own
-    next to its parent's, <stem>.restore-<checkpoint>-<x>.log (memsnap.engine.Engine.restore_own_log)."""
+    next to its parent's, <stem>.restore-<checkpoint>-<x>.log (memsnap.engine.Engine.restore_own_log), and a
+    moved copy to one of that name in the target daemon's log dir."""
     path = Path(log_path)
     text = ""
-    for p in [path, *sorted(path.parent.glob(f"{path.stem}.restore-*.log"), key=lambda p: p.stat().st_mtime)]:
+    copies = {p for d in {path.parent, *LOG_DIRS} for p in d.glob(f"{path.stem}.restore-*.log")}
+    for p in [path, *sorted(copies, key=lambda p: p.stat().st_mtime)]:
         try:
             text += p.read_text(errors="replace")
         except FileNotFoundError:
@@ -138,6 +145,7 @@ class DaemonProc:
 
     def start(self, timeout: float = 30.0) -> DaemonProc:
         self.base.mkdir(parents=True, exist_ok=True)
+        LOG_DIRS.add(self.state / "jobs")
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen([*self.wrap, *self.args()], stdout=logf, stderr=subprocess.STDOUT, env=env,

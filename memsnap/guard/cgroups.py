@@ -199,7 +199,7 @@ class CgroupV1(MemoryCgroups):
                 raise
 
     def describe(self) -> str:
-        return f"cgroup v1 ({self.parent}; watchers: memory.oom_control eventfd with oom_kill_disable=1)"
+        return f"cgroup v1 ({self.parent}; watchers: memory.oom_control eventfd with oom_kill_disable=1"
 
 
 class CgroupV2(MemoryCgroups):

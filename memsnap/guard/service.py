@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memsnap import jobs
-from memsnap.catalog import DURABLE, FAILED, now_ms
+from memsnap.catalog import DRAINING, DURABLE, FAILED, STAGED, now_ms
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound
 from memsnap.guard import psi
 from memsnap.guard.cgroups import CgroupError, MemoryCgroups, detect, poll_fds, wait_stopped
@@ -53,11 +53,19 @@ class Guard:
         self.cfg = cfg
         self.metrics = metrics
         self.spill = spill_engine
+        # A spill tier in RAM (tmpfs, ramfs) is evicted once durable, like the memory tier; one on disk or DAX keeps
+        # its copy (it costs no RAM, and a resume reads it without a fetch).
+        self.spill_in_ram = spill_engine is not None and in_ram(spill_engine.tier.root)
+        if spill_engine is not None and spill_engine.drain is not None:
+            # its own drain (the memory tier's reads another dir), started idle now, before the daemon starts the
+            # main drain: each start clears the store's interrupted uploads, which must not hit live ones
+            spill_engine.drain.start([])
         self.dir = Path(state_dir) / "guard"
         self.dir.mkdir(mode=0o700, exist_ok=True)
         self._lock = threading.RLock()
         self._jobs: dict[str, GuardedJob] = self._load()
-        self._fds: dict[int, str] = {}
+        self._fds: dict[int, str] = {}  # watcher fd -> job id
+        self._pressure_fds: set[int] = set()  # those of them that watch memory.pressure_level (v1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._busy: set[str] = set()
@@ -103,6 +111,9 @@ class Guard:
         if not self.cfg.enabled:
             return "off ([guard] enabled = false)"
         cg = self.cg.describe() if self.cg else f"no job limits ({self.cg_error})"
+        if self.cg is not None and self.cg.version == 1:
+            level = self.cfg.pressure_level
+            cg += f", memory.pressure_level {level})" if level != "off" else ")"
         node = "node policy off (no [guard] threshold set)"
         if self.policy.th.active:
             node = f"node policy on ({self.cfg.psi_path} PSI, /proc/meminfo MemAvailable)"
@@ -150,12 +161,24 @@ class Guard:
             return
         with self._lock:
             self._fds[fd] = job_id
+        level = self.cfg.pressure_level
+        if self.cg.version != 1 or level == "off":
+            return
+        try:  # the kernel's reclaim warning for the cgroup (low/medium: reclaim against the limit, before it)
+            pfd = self.cg.watch_pressure(cg, level)  # type: ignore[attr-defined]
+        except (CgroupError, OSError) as exc:
+            log.warning("no memory.pressure_level watcher for %s (%s)", job_id, exc)
+            return
+        with self._lock:
+            self._fds[pfd] = job_id
+            self._pressure_fds.add(pfd)
 
     def _unwatch(self, job_id: str) -> None:
         with self._lock:
             for fd, j in list(self._fds.items()):
                 if j == job_id:
                     del self._fds[fd]
+                    self._pressure_fds.discard(fd)
                     os.close(fd)
 
     # -- the loop ---------------------------------------------------------------------
@@ -168,6 +191,10 @@ class Guard:
                 if g.state == RUNNING and g.cgroup and self.cg is not None and Path(g.cgroup).is_dir():
                     self._watch(g.job_id, Path(g.cgroup))
         self._sweep()
+        if self.spill is not None and self.spill.drain is not None:
+            for rec in self.engine.catalog.checkpoints(states=(STAGED, DRAINING)):
+                if rec.in_tier and rec.meta.get("spill"):
+                    self.spill.drain.enqueue(rec.id)
         self._thread = threading.Thread(target=self._run, name="guard", daemon=True)
         self._thread.start()
 
@@ -197,6 +224,8 @@ class Guard:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
+        if self.spill is not None and self.spill.drain is not None:
+            self.spill.drain.stop()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -210,7 +239,9 @@ class Guard:
                         self.cg.ack(fd)  # type: ignore[union-attr]
                     except OSError:
                         pass
-                self._check_limits({fds[fd] for fd in fired if fd in fds}, t_event)
+                with self._lock:
+                    pressured = {fds[fd] for fd in fired if fd in self._pressure_fds}
+                self._check_limits({fds[fd] for fd in fired if fd in fds}, t_event, pressured)
                 self._check_node()
             except Exception:  # the guard must keep watching whatever one step did
                 log.exception("guard step failed")
@@ -240,10 +271,15 @@ class Guard:
         for j in self.engine.catalog.jobs():
             g = parked.get(j.restored_from)
             if g is not None and j.id not in self._jobs and not j.ended and jobs.alive(j.pid, j.pid_start):
-                self._set(g.job_id, state=RESUMED, resumed_as=j.id)
+                # the new job first: whoever reads resumed_as (jobs.json, ListJobs) finds it guarded
                 self.adopt(j.id, g.owner_uid, g.limit, g.priority, g.on_limit, g.cgroup)
+                self._set(g.job_id, state=RESUMED, resumed_as=j.id)
 
-    def _check_limits(self, fired: set[str], t_event: float) -> None:
+    def _check_limits(self, fired: set[str], t_event: float, pressured: frozenset[str] | set[str] = frozenset()
+                      ) -> None:
+        """Parks (or kills, or in observe mode logs) each guarded job at its limit, or whose watcher fired:
+        memory.oom_control (v1: its tasks wait at the limit), memory.events (v2), or memory.pressure_level (v1:
+        the kernel's reclaim warning, the ids in pressured)."""
         self._adopt_plain_restores()
         if self.cg is None:
             return
@@ -256,9 +292,13 @@ class Guard:
                 continue
             if not (s.at_limit or g.job_id in fired):
                 continue
-            reason = f"reached its memory limit ({g.limit >> 20} MiB; usage {s.usage >> 20} MiB)"
+            if s.at_limit or g.job_id not in pressured:
+                reason = f"reached its memory limit ({g.limit >> 20} MiB; usage {s.usage >> 20} MiB)"
+            else:
+                reason = (f"memory pressure in its cgroup (memory.pressure_level {self.cfg.pressure_level}; "
+                          f"usage {s.usage >> 20} of {g.limit >> 20} MiB)")
             if self.metrics is not None:
-                self.metrics.guard_events.labels(kind="limit").inc()
+                self.metrics.guard_events.labels(kind="limit").inc()  # (a job cgroup's event, either watcher)
             if self.cfg.mode == "observe":
                 self._would(g.job_id, reason)
                 continue
@@ -436,8 +476,9 @@ class Guard:
         if self.metrics is not None:
             self.metrics.guard_parks.labels(result="ok").inc()
             self.metrics.guard_park_seconds.observe(park_ms / 1000)
-        if self.spill is None and self.engine.drain is not None:
-            self._evict_when_durable(rec.id, job_id, sampler)
+        eng = self.spill or self.engine
+        if eng.drain is not None and (self.spill is None or self.spill_in_ram):
+            self._evict_when_durable(eng, rec.id, job_id, sampler)
         else:
             self._finish_peak(job_id, sampler)
         g2 = self.get(job_id)
@@ -458,8 +499,9 @@ class Guard:
         log.info("peak node memory in use during the park of %s: %d MiB", job_id, peak >> 20,
                  extra={"job": job_id})
 
-    def _evict_when_durable(self, ckpt_id: str, job_id: str, sampler: _PeakSampler) -> None:
-        """Drops the RAM tier copy once the drain made the image durable (in the background)."""
+    def _evict_when_durable(self, eng: Any, ckpt_id: str, job_id: str, sampler: _PeakSampler) -> None:
+        """Drops the copy in eng's RAM tier (the memory tier, or a tmpfs spill tier) once the drain made the image
+        durable (in the background)."""
         def wait() -> None:
             deadline = time.monotonic() + self.cfg.durable_wait_s
             try:
@@ -478,11 +520,11 @@ class Guard:
                             cur = self.get(job_id)
                             # under the checkpoint's lock, and not while a plain restore reads the tier copy
                             # (CRIU reads it after the engine let go of that lock; its work dir marks it)
-                            with self.engine._ckpt_lock(ckpt_id):
+                            with eng._ckpt_lock(ckpt_id):
                                 restoring = self._being_restored(ckpt_id)
                                 if not restoring and cur is not None and cur.state == PARKED:
                                     from memsnap.engine import ROOT
-                                    self.engine.evict(ROOT, ckpt_id)
+                                    eng.evict(ROOT, ckpt_id)
                                     log.info("parked image %s is durable: tier copy evicted", ckpt_id,
                                              extra={"checkpoint_id": ckpt_id})
                         finally:
@@ -573,11 +615,11 @@ class Guard:
             t0 = time.monotonic()
             res = eng.restore(caller, g.checkpoint)  # (the engine sends SIGCONT: the manifest says parked)
             resume_ms = (time.monotonic() - t0) * 1000
-            self._set(g.job_id, state=RESUMED, resumed_as=res.job.id)
             ng = self.adopt(res.job.id, g.owner_uid, limit, g.priority, g.on_limit, g.cgroup)
             with self._lock:
                 ng.stats = {"resumed_from": g.job_id, "resume_ms": round(resume_ms, 1)}
                 self._save()
+            self._set(g.job_id, state=RESUMED, resumed_as=res.job.id)  # (after: resumed_as names a guarded job)
             log.warning("resumed %s as %s from %s%s (limit %d MiB, %.0f ms)", g.job_id, res.job.id, g.checkpoint,
                         f": {auto}" if auto else "", limit >> 20, resume_ms, extra={"job": res.job.id})
             if self.metrics is not None:
@@ -595,6 +637,25 @@ class Guard:
             for k, v in changes.items():
                 setattr(g, k, v)
             self._save()
+
+
+def in_ram(path: Path | str) -> bool:
+    """Whether path lies on a tmpfs or ramfs mount (its files are RAM), from /proc/self/mountinfo."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mnt = fields[4].replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, right.split()[0]
+    return fstype in ("tmpfs", "ramfs")
 
 
 class _PeakSampler:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from memsnap import knobs, manifest, net, proc
+from memsnap import knobs, manifest, net, proc, progress
 from memsnap.auth import RemoteConfigError, load_credentials, transfer_key
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
 from memsnap.client import ClientError, MemsnapClient, Target
@@ -209,6 +209,7 @@ class Mover:
             phases.mark("preflight")
             move = Move(pid=pid, job_id=job.id if job else "", moved_ip=moved_ip)
             if req.lazy:
+                progress.phase("lazy move")  # (memsnapctl's display: no byte count from here)
                 return move_lazily(self.engine, self.commits, caller, req, client, token, move, phases)
             if req.via_store:
                 return self._via_store(caller, req, client, move, phases)
@@ -247,6 +248,7 @@ class Mover:
         # MEMSNAP_MIGRATE_SERIAL=1 on the source turns pipelining off: the benchmark's baseline.
         streamer = ImageStreamer(client, estimate, pipelined=not knobs.migrate_serial())
         hooks = DumpHooks(before_dump=streamer.start, file_table=streamer.file_table)
+        progress.phase("dump+transfer", estimate, lambda: streamer.bytes_sent)  # (memsnapctl's bar)
         t_dump = time.monotonic()
         try:
             rec = self._dump_held(caller, req, move, hooks)
@@ -254,6 +256,7 @@ class Mover:
             streamer.abort()
             raise
         move.ckpt_id = rec.id
+        progress.phase("transfer", rec.size_bytes, lambda: streamer.bytes_sent)
         t_criu_done = phases.mark("dump", streamer.t_criu_done)
         # CRIU's own timers say when the freeze began: freezing + frozen time before it returned.
         freeze_start = t_criu_done - (rec.frozen_ms + float(rec.meta.get("freezing_ms", 0) or 0)) / 1000
@@ -298,6 +301,7 @@ class Mover:
         frozen_s = (rec.frozen_ms + float(rec.meta.get("freezing_ms", 0) or 0)) / 1000
         freeze_start = t_dump + max(0.0, rec.dump_ms / 1000 - frozen_s)
         phases.mark("dump")
+        progress.phase("drain", rec.size_bytes, lambda: _drained(self.engine, rec.id))
         # The job is frozen meanwhile: give up after a few failed drain attempts rather than retry for long.
         deadline = time.monotonic() + _VIA_STORE_WAIT_S
         while True:
@@ -326,6 +330,7 @@ class Mover:
                                          add_ip_dev=req.move_ip_dev_target, from_store=from_store,
                                          early_resume=early)
         paged_ms = 0
+        progress.phase("restore on the target")
         try:
             res = client.restore_received(rreq, timeout=600)
             target_pid, moved_job = int(res.pid), res.job.id
@@ -371,3 +376,9 @@ class Mover:
 
 
 __all__ = ["Mover"]
+
+
+def _drained(engine: MoveHost, ckpt_id: str) -> int:
+    """Bytes of ckpt_id drained to the store so far (memsnapctl's bar during a move --via-store)."""
+    cur = engine.catalog.get_checkpoint(ckpt_id)
+    return cur.size_bytes if cur is not None and cur.state == DURABLE else (cur.drained_bytes if cur else 0)

@@ -73,6 +73,9 @@ class MoveHost(Protocol):
                 restore_opts: dict[str, Any] | None = None, lazy_ps_socket: int = -1) -> RestoreResult:
         """Verifies and restores a checkpoint; a RestoreResult."""
 
+    def restore_own_log(self, caller: Caller, key: str, moved: bool = False, **kw: Any) -> RestoreResult:
+        """restore(), the restored job writing to a log of its own (moved: in this node's log dir, moved_from set)."""
+
     def delete(self, caller: Caller, ckpt_id: str) -> None:
         """Removes a checkpoint everywhere."""
 

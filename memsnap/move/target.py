@@ -83,7 +83,8 @@ class MoveTarget:
             address.bring_up()
             opts = {"network_lock_skip": True} if req.tcp_established else None
             try:
-                res = self.engine.restore(ROOT, req.checkpoint_id, tcp_established=req.tcp_established,
+                res = self.engine.restore_own_log(ROOT, req.checkpoint_id, moved=True,
+                                          tcp_established=req.tcp_established,
                                           notify=address.notify(), restore_opts=opts,
                                           lazy=tunnel is not None or early,
                                           lazy_ps_socket=tunnel.criu_end.fileno() if tunnel else -1)

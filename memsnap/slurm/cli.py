@@ -32,19 +32,29 @@ def slurm_group() -> None:
                    "(default: KillWait from slurm.conf)")
 @click.option("--resume", is_flag=True, help="restore KEY's latest checkpoint even on a first run")
 @click.option("--socket", default="", help="memsnapd socket (overrides the global --socket/MEMSNAP_SOCKET)")
+@click.option("--memory-limit", default="", help="the workload's own memory cgroup with this limit (e.g. 4G); "
+                                               "at the limit memsnapd parks it and the launcher requeues the job")
+@click.option("--priority", default="0", help="node pressure parks the lowest first: -1000..1000, or critical")
+@click.option("--on-limit", type=click.Choice(["park", "kill"]), default="park", show_default=True,
+              help="at its memory limit: park it (and requeue the Slurm job), or let it be killed")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 def run_cmd(obj: Ctx, interval: float, name: str, grace: float | None, resume: bool, socket: str,
-            argv: tuple[str, ...]) -> None:
+            memory_limit: str, priority: str, on_limit: str, argv: tuple[str, ...]) -> None:
     """Run CMD in a batch script: memsnapctl slurm run [OPTIONS] -- CMD ARGS...
 
     Use `exec` so that Slurm's signals reach the launcher itself. On a requeue (preemption,
-    scontrol requeue) the workload is checkpointed; the requeued run restores it.
+    scontrol requeue) the workload is checkpointed; the requeued run restores it. With --memory-limit, a
+    workload that reaches it is parked by memsnapd and the job requeued; the requeued run resumes it with
+    that run's --memory-limit.
     """
+    from memsnap.cli import guard_args
+
     target = Target(socket=socket) if socket else obj.target
+    guarded = guard_args(memory_limit, priority, on_limit)
     try:
         launcher = Launcher(Options(argv=list(argv), target=target, key=name, interval=interval, grace=grace,
-                                    resume=resume), SlurmJob.from_environ())
+                                    resume=resume, **guarded), SlurmJob.from_environ())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(launcher.run())

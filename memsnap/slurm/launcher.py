@@ -38,7 +38,7 @@ from memsnap import proc
 from memsnap.client import LONG_S, QUICK_S, ClientError, MemsnapClient, Target
 from memsnap.slurm import env as slurm_env
 from memsnap.slurm.env import SlurmJob
-from memsnap.slurm.relay import LogRelay, output_is_empty_file, wrap
+from memsnap.slurm.relay import LogRelay, empty_output, file_size, log_chain, wrap
 from memsnap.v1 import memsnap_pb2 as pb
 
 DUMPING = pb.CHECKPOINT_STATE_DUMPING
@@ -56,6 +56,8 @@ POLL_S = 0.2
 MARGIN_S = 3.0
 # How long a workload may take to end on SIGTERM before it gets SIGKILL.
 TERM_WAIT_S = 10.0
+# How long a workload that vanished without an exit status may take to show up as parked by the guard.
+PARK_WAIT_S = 30.0
 # Exit status when the workload ended but nothing told us how (see docs/slurm.md).
 UNKNOWN_STATUS = 1
 
@@ -74,6 +76,11 @@ class Options:
     interval: float = 0.0
     grace: float | None = None
     resume: bool = False
+    # the memory guard's (memsnapctl run --memory-limit/--priority/--on-limit); 0/"" = none
+    memory_limit: int = 0
+    priority: int = 0
+    critical: bool = False
+    on_limit: str = ""
 
 
 @dataclass
@@ -133,7 +140,7 @@ class Launcher:
         for sig in HANDLED:
             signal.signal(sig, self._signals.handler)
         # Before we write anything: Slurm truncates the output file when it starts a requeued job.
-        self._output_was_empty = _empty_output(self.out)
+        self._output_was_empty = empty_output(self.out)
         self.grace_s = self._grace()
         try:
             self.client = self._client_factory(self.opts.target)
@@ -193,7 +200,10 @@ class Launcher:
     def _launch(self) -> Workload:
         env = {k: v for k, v in os.environ.items() if k != "MEMSNAP_SOCKET"}
         try:
-            job = self._c().run(wrap(self.opts.argv), name=self.key, cwd=os.getcwd(), env=env, timeout=60.0)
+            o = self.opts
+            job = self._c().run(wrap(o.argv), name=self.key, cwd=os.getcwd(), env=env, timeout=60.0,
+                                memory_limit=o.memory_limit, priority=o.priority, critical=o.critical,
+                                on_limit=o.on_limit if (o.memory_limit or o.priority or o.critical) else "")
         except ClientError as exc:
             raise DaemonDown(f"RunJob: {exc.message}") from exc
         w = Workload(job_id=job.id, pid=int(job.pid), pid_start=_start_time(int(job.pid)),
@@ -231,12 +241,12 @@ class Launcher:
 
     def _restore(self) -> Workload | None:
         prev_log = self._previous_log()
-        before = _size(prev_log)
+        before = file_size(prev_log)
         replay = self._output_was_empty
         self._output_was_empty = False  # a second restore (after a failed self-requeue) must not replay
         t0 = time.monotonic()
         try:
-            r = self._c().restore(self.key, timeout=LONG_S)
+            r = self._resume_parked() or self._c().restore(self.key, timeout=LONG_S)
         except ClientError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:
                 self.note(f"no checkpoint of {self.key} yet: starting from the beginning")
@@ -253,13 +263,25 @@ class Launcher:
                      log_path=r.job.log_path, restored_from=r.job.restored_from)
         offset = 0 if replay or w.log_path != prev_log else before
         if replay and w.log_path != prev_log:
-            for earlier in _log_chain(prev_log, w.log_path):  # each restore logs to a file of its own
+            for earlier in log_chain(prev_log, w.log_path):  # each restore logs to a file of its own
                 LogRelay(earlier, 0, self.out, self.warn).finish()
         self.relay = LogRelay(w.log_path, offset, self.out, self.warn)
         where = "fetched from the store" if r.from_store else "from the memory tier"
         self.note(f"restored {self.key} from checkpoint {w.restored_from} ({where}) as memsnap job "
                   f"{r.job.id} (pid {w.pid}) in {time.monotonic() - t0:.1f} s")
         return w
+
+    def _resume_parked(self) -> pb.RestoreResponse | None:
+        """A run requeued after the memory guard parked the workload on this node: resume it through the guard,
+        into its memory cgroup, with this run's --memory-limit (0: the one it had). None when nothing of KEY is
+        parked here (a plain restore follows: another node, or no guard)."""
+        try:
+            return self._c().resume_job(self.key, memory_limit=self.opts.memory_limit, timeout=LONG_S)
+        except ClientError as exc:
+            if exc.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.UNIMPLEMENTED):
+                return None
+            raise
 
     def _restore_older(self, failed_msg: str) -> pb.RestoreResponse | None:
         """Tries the key's older checkpoints, newest first, skipping the one that just failed."""
@@ -304,26 +326,50 @@ class Launcher:
                 if rc is not None:
                     return rc
             if not self._alive():
-                parked = self._parked()
+                parked = self._parked_after_exit()
                 return self._requeue_parked(parked) if parked else self._ended()
             if time.monotonic() >= next_ckpt:
                 self._periodic()
                 next_ckpt = time.monotonic() + self.opts.interval
             time.sleep(POLL_S)
 
-    def _parked(self) -> str:
-        """Why memsnapd's memory guard parked the workload (checkpointed and stopped it), or ""."""
+    def _guard_state(self) -> tuple[str, str]:
+        """(guard state, parked reason) of the workload's job; ("", "") when it is not guarded or unknown."""
         w = self.workload
         try:
             rows = self._c().jobs()
         except (ClientError, DaemonDown):
-            return ""
+            return "", ""
         j = next((r for r in rows if w is not None and r.id == w.job_id), None)
-        return j.parked_reason or "parked" if j is not None and j.guard_state == "parked" else ""
+        return (j.guard_state, j.parked_reason) if j is not None else ("", "")
+
+    def _parked(self) -> str:
+        """Why memsnapd's memory guard parked the workload (checkpointed and stopped it), or ""."""
+        state, reason = self._guard_state()
+        return reason or "parked" if state == "parked" else ""
+
+    def _parked_after_exit(self) -> str:
+        """Why the guard parked the workload that just went away, or "" if it ended by itself. A park kills
+        the dumped tree before the guard records it parked, so a workload gone without an exit status (its
+        wrapper was killed too) is given PARK_WAIT_S for that record to appear."""
+        assert self.relay is not None
+        self.relay.pump()
+        if self.relay.exit_status is not None:
+            return ""
+        deadline = time.monotonic() + PARK_WAIT_S
+        while True:
+            state, reason = self._guard_state()
+            if state == "parked":
+                return reason or "parked"
+            if state != "running" or time.monotonic() > deadline:  # not guarded, or ended/killed
+                return ""
+            time.sleep(POLL_S)
 
     def _requeue_parked(self, why: str) -> int:
         """A parked workload goes back to the scheduler, which can place it where memory is free; the next
         run restores it (the checkpoint says it was parked, so it runs on at once)."""
+        if self.relay is not None:
+            self.relay.finish()
         if self.slurm is not None:
             err = slurm_env.requeue(self.slurm.job_id)
             if not err:
@@ -547,39 +593,8 @@ class Launcher:
         return slurm_env.job_fate(self.slurm.job_id, self.slurm.restart_count) == "running"
 
 
-def _empty_output(stream: BinaryIO) -> bool:
-    try:
-        return output_is_empty_file(stream.fileno())
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
 def _start_time(pid: int) -> float:
     try:
         return proc.start_time(pid)
     except proc.ProcessNotFound:
         return 0.0
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path) if path else 0
-    except OSError:
-        return 0
-
-
-def _log_chain(last: str, current: str) -> list[str]:
-    """The logs of a job's earlier runs, oldest first, ending with last: a restored copy's log starts with
-    '# memsnap: restored from CK; earlier output: PARENT' (memsnap.engine.Engine.restore_own_log)."""
-    chain: list[str] = []
-    path = last
-    while path and path != current and path not in chain and len(chain) < 1000:
-        chain.append(path)
-        try:
-            with open(path, "rb") as f:
-                first = f.readline(4096).decode(errors="replace")
-        except OSError:
-            break
-        path = first.split("; earlier output: ", 1)[1].strip() if first.startswith("# memsnap: restored from ") \
-            and "; earlier output: " in first else ""
-    return chain[::-1]

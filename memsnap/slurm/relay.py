@@ -109,3 +109,37 @@ class LogRelay:
             self.out.write(buf[:len(buf) - keep])
             self._pending = buf[len(buf) - keep:]
             return
+
+
+def empty_output(stream: BinaryIO) -> bool:
+    """Whether stream is an empty regular file (Slurm truncated the output file for a requeued run)."""
+    try:
+        return output_is_empty_file(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def file_size(path: str) -> int:
+    """The size of path, 0 if it is "" or gone."""
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def log_chain(last: str, current: str) -> list[str]:
+    """The logs of a job's earlier runs, oldest first, ending with last: a restored copy's log starts with
+    '# memsnap: restored from CK; earlier output: PARENT', or '# memsnap: moved here from HOST/JOB (CK); ...'
+    (memsnap.engine.Engine.restore_own_log)."""
+    chain: list[str] = []
+    path = last
+    while path and path != current and path not in chain and len(chain) < 1000:
+        chain.append(path)
+        try:
+            with open(path, "rb") as f:
+                first = f.readline(4096).decode(errors="replace")
+        except OSError:
+            break
+        path = first.split("; earlier output: ", 1)[1].strip() if first.startswith("# memsnap: ") \
+            and "; earlier output: " in first else ""
+    return chain[::-1]

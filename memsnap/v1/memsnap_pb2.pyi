@@ -32,11 +32,13 @@ WAIT_FOR_STAGED: WaitFor
 WAIT_FOR_DURABLE: WaitFor
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("op_id",)
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    def __init__(self, op_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard", "store_id")
+    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard", "store_id", "progress")
     class CheckpointsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,7 @@ class StatusResponse(_message.Message):
     MOVES_IN_DOUBT_FIELD_NUMBER: _ClassVar[int]
     GUARD_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     version: str
     criu_version: str
     hostname: str
@@ -78,10 +81,27 @@ class StatusResponse(_message.Message):
     moves_in_doubt: _containers.RepeatedScalarFieldContainer[str]
     guard: str
     store_id: str
-    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ..., store_id: _Optional[str] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ..., store_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("op_id", "kind", "phase", "done_bytes", "total_bytes", "started_unix_ms")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    kind: str
+    phase: str
+    done_bytes: int
+    total_bytes: int
+    started_unix_ms: int
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., phase: _Optional[str] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., started_unix_ms: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "pid", "argv", "owner_uid", "log_path", "started_unix_ms", "running", "restored_from", "guard_state", "parked_reason", "parked_unix_ms", "parked_checkpoint", "memory_limit_bytes", "priority", "resumed_as")
+    __slots__ = ("id", "name", "pid", "argv", "owner_uid", "log_path", "started_unix_ms", "running", "restored_from", "guard_state", "parked_reason", "parked_unix_ms", "parked_checkpoint", "memory_limit_bytes", "priority", "resumed_as", "moved_from")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +118,7 @@ class Job(_message.Message):
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUMED_AS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     pid: int
@@ -114,7 +135,8 @@ class Job(_message.Message):
     memory_limit_bytes: int
     priority: int
     resumed_as: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ..., guard_state: _Optional[str] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., parked_checkpoint: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., resumed_as: _Optional[str] = ...) -> None: ...
+    moved_from: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ..., guard_state: _Optional[str] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., parked_checkpoint: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., resumed_as: _Optional[str] = ..., moved_from: _Optional[str] = ...) -> None: ...
 
 class RunJobRequest(_message.Message):
     __slots__ = ("argv", "name", "cwd", "env", "own_proc", "memory_limit_bytes", "priority", "critical", "on_limit", "keep_last", "keep_within_s")
@@ -258,7 +280,7 @@ class CheckpointResponse(_message.Message):
     def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "lazy", "gpu_map", "tcp_established")
+    __slots__ = ("checkpoint_id", "lazy", "gpu_map", "tcp_established", "op_id")
     class GpuMapEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -270,11 +292,13 @@ class RestoreRequest(_message.Message):
     LAZY_FIELD_NUMBER: _ClassVar[int]
     GPU_MAP_FIELD_NUMBER: _ClassVar[int]
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     lazy: bool
     gpu_map: _containers.ScalarMap[str, str]
     tcp_established: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., gpu_map: _Optional[_Mapping[str, str]] = ..., tcp_established: _Optional[bool] = ...) -> None: ...
+    op_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., gpu_map: _Optional[_Mapping[str, str]] = ..., tcp_established: _Optional[bool] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("pid", "job", "restore_ms", "verify_ms", "fetch_ms", "from_store", "paged_in_ms")
@@ -347,7 +371,7 @@ class WatchCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token", "plain_restore")
+    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token", "plain_restore", "op_id")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
     VIA_STORE_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +382,7 @@ class MigrateRequest(_message.Message):
     MOVE_IP_DEV_TARGET_FIELD_NUMBER: _ClassVar[int]
     TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PLAIN_RESTORE_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
     target: str
     to: str
     via_store: bool
@@ -368,7 +393,8 @@ class MigrateRequest(_message.Message):
     move_ip_dev_target: str
     to_token: str
     plain_restore: bool
-    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ..., plain_restore: _Optional[bool] = ...) -> None: ...
+    op_id: str
+    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ..., plain_restore: _Optional[bool] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class Phase(_message.Message):
     __slots__ = ("name", "ms")
@@ -531,12 +557,14 @@ class LogChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., job: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ResumeJobRequest(_message.Message):
-    __slots__ = ("job", "memory_limit_bytes")
+    __slots__ = ("job", "memory_limit_bytes", "op_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     memory_limit_bytes: int
-    def __init__(self, job: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+    op_id: str
+    def __init__(self, job: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class GcRequest(_message.Message):
     __slots__ = ("dry_run",)

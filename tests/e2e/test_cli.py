@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import DaemonProc, counter_argv, ticks, wait_for
+from tests.helpers import DaemonProc, counter_argv, ticks, token_daemon, wait_for
 
 
 def _run(d: DaemonProc, jobs_to_kill: list[int], name: str, mib: int = 8) -> dict:
@@ -276,3 +277,99 @@ def test_delete_and_evict_are_logged_by_the_daemon(daemon, jobs_to_kill):
     daemon.ctl("delete", ck["id"], check=True)
     log = daemon.log.read_text()
     assert f"ckpt={ck['id']} tier copy evicted" in log and f"ckpt={ck['id']} checkpoint deleted" in log
+
+
+def test_restore_from_the_store_shows_the_fetch_and_restore_progress(make_daemon, jobs_to_kill):
+    # slow-fetch holds the restore 3 s once the stored copy is fetched, slow-restore 3 s before CRIU runs: the CLI
+    # polls Status(op_id) meanwhile and shows what the daemon reports (bytes of the fetch, then the phase).
+    d = make_daemon("progress", env={"MEMSNAP_FAILPOINTS": "slow-fetch,slow-restore"}).start()
+    _run(d, jobs_to_kill, "fetched", mib=32)
+    ck = json.loads(d.ctl("checkpoint", "fetched", "--stop", "--wait", "durable", "--json", check=True).stdout)
+    d.ctl("evict", ck["id"], check=True)
+    size = ck["size_bytes"]
+
+    # Not a terminal: plain lines on stderr, no carriage returns; the result line on stdout as before.
+    r = d.ctl("restore", ck["id"], check=True)
+    jobs_to_kill.append(int(re.search(r"\(pid (\d+)\)", r.stdout).group(1)))
+    assert r.stdout.startswith(f"restored {ck['id']} as job-") and "fetched from the store" in r.stdout, r.stdout
+    assert "\r" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    fetch = [ln for ln in lines if ln.startswith(f"restoring {ck['id']} [") and ln.endswith(" fetch")]
+    assert fetch and "100.0%" in fetch[-1], r.stderr
+    assert any(ln.startswith(f"restoring {ck['id']}: restore (") for ln in lines), r.stderr
+    d.ctl("stop", "fetched", check=False)
+
+    # -o json: stdout is the one result object; stderr streams one object per update.
+    d.ctl("evict", ck["id"], check=True)
+    r = d.ctl("--json", "restore", ck["id"], check=True)
+    out = json.loads(r.stdout)
+    jobs_to_kill.append(out["pid"])
+    assert out["from_store"] is True and out["checkpoint"] == ck["id"]
+    updates = [json.loads(ln) for ln in r.stderr.splitlines()]
+    assert {u["progress"] for u in updates} == {f"restoring {ck['id']}"}, updates
+    fetched = [u for u in updates if u["phase"] == "fetch"]
+    assert fetched and fetched[-1]["done_bytes"] == fetched[-1]["total_bytes"] == size, updates
+    assert updates[-1]["phase"] == "restore"
+
+
+def _pair(base: Path, **target_kw) -> tuple[DaemonProc, DaemonProc]:
+    token = base / "token"
+    token.write_text(secrets.token_hex(32))
+    a = token_daemon(base / "a", token).start()
+    try:
+        b = token_daemon(base / "b", token, **target_kw).start()
+    except BaseException:
+        a.cleanup()
+        raise
+    return a, b
+
+
+def test_a_moved_job_is_the_targets_own_found_by_its_name_with_a_local_log(tmp_path, jobs_to_kill):
+    a, b = _pair(tmp_path)
+    try:
+        job = _run(a, jobs_to_kill, "traveller")
+        r = a.ctl("--json", "migrate", "traveller", "--to", b.address, check=True)
+        out = json.loads(r.stdout)
+        jobs_to_kill.append(out["target_pid"])
+        row = _job(b, "traveller")  # the name stays; the id is the target's own, and says where it came from
+        assert row["id"] == out["target_job"] != job["job"] and row["pid"] == out["target_pid"]
+        host = json.loads(a.ctl("--json", "status", check=True).stdout)["hostname"]
+        assert row["moved_from"] == f"{host}/{job['job']}"
+        log = Path(row["log_path"])
+        assert log.parent == b.state / "jobs" and log.stat().st_uid == 0, row
+        first = log.read_text().splitlines()[0]
+        assert first == f"# memsnap: moved here from {host}/{job['job']} ({out['checkpoint']}); earlier output: " \
+                        f"{job['log']}", first
+        wait_for(lambda: len(ticks(log, out["target_pid"])) >= 2, 30, what="the moved job to tick into its own log")
+        assert f" {out['target_pid']} " not in Path(job["log"]).read_text()  # nothing written into the source's
+        logs = b.ctl("logs", "traveller", check=True).stdout
+        assert f" {out['target_pid']} " in logs and "moved here from" in logs
+        table_out = b.ctl("jobs", check=True).stdout
+        assert f"{host}/{job['job']}" in table_out
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+def test_migrate_shows_its_progress_while_it_runs(tmp_path, jobs_to_kill):
+    # slow-restore holds the target's restore 3 s: the CLI polls Status(op_id) on the source meanwhile.
+    a, b = _pair(tmp_path, env={"MEMSNAP_FAILPOINTS": "slow-restore"})
+    try:
+        _run(a, jobs_to_kill, "json-mover", mib=32)
+        r = a.ctl("--json", "migrate", "json-mover", "--to", b.address, check=True)
+        out = json.loads(r.stdout)  # stdout: the one result object
+        jobs_to_kill.append(out["target_pid"])
+        updates = [json.loads(ln) for ln in r.stderr.splitlines()]  # stderr: one object per update
+        assert {u["progress"] for u in updates} == {f"moving json-mover to {b.address}"}, updates
+        assert "restore on the target" in [u["phase"] for u in updates], updates
+        sent = [u for u in updates if u.get("total_bytes")]
+        assert all(u["phase"] in ("dump+transfer", "transfer") and u["done_bytes"] <= out["bytes_sent"] for u in sent)
+
+        _run(a, jobs_to_kill, "plain-mover", mib=32)
+        r = a.ctl("migrate", "plain-mover", "--to", b.address, check=True)
+        jobs_to_kill.append(int(re.search(r" pid (\d+),", r.stdout).group(1)))
+        assert "\r" not in r.stderr
+        assert f"moving plain-mover to {b.address}: restore on the target (" in r.stderr, r.stderr
+    finally:
+        a.cleanup()
+        b.cleanup()

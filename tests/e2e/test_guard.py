@@ -165,11 +165,75 @@ def test_spill_dir_takes_the_park_image_instead_of_the_memory_tier(
     image = spill / row["parked_checkpoint"]
     assert image.is_dir() and sum(f.stat().st_size for f in image.iterdir()) > 128 * M * 3 // 4
     assert json.loads(d.ctl("--json", "status", check=True).stdout)["tier_used_bytes"] == 0
+    # drained to the store like any checkpoint; a spill dir on disk costs no RAM, so its copy stays
+    wait_durable(d, row["parked_checkpoint"])
+    assert image.is_dir()
     r = d.ctl("--json", "resume", job["job"], "--memory-limit", "64M")
     assert r.returncode != 0 and "cannot hold it" in r.stderr  # a limit below the image is refused up front
     resumed = json.loads(d.ctl("--json", "resume", job["job"], "--memory-limit", "512M", check=True).stdout)
     jobs_to_kill.append(resumed["pid"])
+    assert resumed["from_store"] is False
     assert_continues(job["log"], job["pid"], resumed["pid"])
+    d.ctl("delete", row["parked_checkpoint"], check=True)
+    assert not image.exists()  # delete removes the spill copy too
+
+
+def wait_durable(d: DaemonProc, ckpt_id: str) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        ck: dict[str, Any] = json.loads(d.ctl("--json", "show", ckpt_id, check=True).stdout)
+        return ck if ck["state"] == "durable" else None
+    got: dict[str, Any] = wait_for(check, 120, 0.2, f"{ckpt_id} to be durable")  # type: ignore[assignment]
+    return got
+
+
+def test_spill_dir_in_ram_is_drained_and_its_copy_evicted_once_durable(
+        make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]) -> None:
+    """A spill dir on tmpfs is RAM: the park image is drained to the store, its spill copy is dropped once durable,
+    and the resume fetches it from the store and continues at the next tick."""
+    spill = Path(f"/dev/shm/memsnap-test-spill-{os.getpid()}")
+    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{spill}"\n')
+    d = make_daemon("spillram", extra=["--config", cfg]).start()
+    try:
+        job = run_job(d, "--memory-limit", "128M",
+                      argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "192"))
+        jobs_to_kill.append(job["pid"])
+        row = wait_state(d, job["job"], "parked")
+        ck_id = row["parked_checkpoint"]
+        assert json.loads(d.ctl("--json", "status", check=True).stdout)["tier_used_bytes"] == 0
+        assert wait_durable(d, ck_id)["state"] == "durable"
+        wait_for(lambda: not (spill / ck_id).exists(), 60, 0.1, "the spill copy in RAM to be evicted")
+        assert json.loads(d.ctl("--json", "show", ck_id, check=True).stdout)["parked_reason"] == row["parked_reason"]
+        resumed = json.loads(d.ctl("--json", "resume", job["job"], "--memory-limit", "512M", check=True).stdout)
+        jobs_to_kill.append(resumed["pid"])
+        assert resumed["from_store"] is True
+        assert_continues(job["log"], job["pid"], resumed["pid"])
+    finally:
+        d.stop()
+        subprocess.run(["rm", "-rf", str(spill)], check=False)
+
+
+def test_v1_memory_pressure_level_watcher_parks_a_job_whose_cgroup_reclaims(
+        make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]) -> None:
+    """A job that only reads a file twice its --memory-limit never waits at the limit (its page cache is
+    reclaimed), so the oom_control watcher stays silent; its cgroup's memory.pressure_level (level low here)
+    fires, and the guard parks it for that reason. No OOM kill, and under_oom never set."""
+    data = tmp_path / "data.bin"
+    with open(data, "wb") as f:
+        for _ in range(128):
+            f.write(os.urandom(M))
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # its cache was charged to us: drop it
+    cfg = write_config(tmp_path / "pressure.toml", '[guard]\npressure_level = "low"\n')
+    d = make_daemon("pressure", extra=["--config", cfg]).start()
+    assert "memory.pressure_level low" in d.ctl("status", check=True).stdout
+    job = run_job(d, "--memory-limit", "64M", "--name", "reader",
+                  argv=["sh", "-c", f"while :; do cat {data} > /dev/null; done"])
+    jobs_to_kill.append(job["pid"])
+    cgroup = guard_jobs(d)[job["job"]]["cgroup"]
+    row = wait_state(d, job["job"], "parked")
+    assert "memory.pressure_level low" in row["parked_reason"], row
+    assert oom_control(cgroup)["under_oom"] == 0 and oom_control(cgroup).get("oom_kill", 0) == 0
+    assert guard_jobs(d)[job["job"]]["stats"]["at_limit_at_trigger"] is False
 
 
 def test_parked_job_resumes_after_a_daemon_restart(make_daemon: Any, jobs_to_kill: list[int]) -> None:

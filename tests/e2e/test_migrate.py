@@ -153,13 +153,12 @@ class BlindDaemon(DaemonProc):
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["streamed", "lazy"])
 def test_target_that_cannot_restore_leaves_the_job_running_here(lazy, pair, jobs_to_kill, tmp_path):
-    # The target cannot see the job's log file (a node without the shared file system): CRIU's
-    # restore fails there after the image has arrived, so the source must take the job back.
+    # The target's restore fails after the image has arrived and CRIU put the tree back (its catalog
+    # cannot record the job), so the source must take the job back. (A target that cannot see the source's
+    # log file used to be the way to fail it; a moved job logs locally now, see the next test.)
     a = pair.a
-    port_daemon = token_daemon(tmp_path / "blind", pair.token_file)
-    blind = BlindDaemon(port_daemon.base, extra=port_daemon.extra, hide=str(a.state / "jobs"))
-    blind.address = port_daemon.address  # type: ignore[attr-defined]
-    blind.start()
+    blind = token_daemon(tmp_path / "broken", pair.token_file,
+                         env={"MEMSNAP_FAILPOINTS": "record-restored-fails"}).start()
     try:
         job = _counter(a, jobs_to_kill, 32, "homebound")
         r = _migrate(a, job["id"], "--to", blind.address, *(["--lazy"] if lazy else []))
@@ -171,6 +170,32 @@ def test_target_that_cannot_restore_leaves_the_job_running_here(lazy, pair, jobs
         with blind.client() as c:
             assert not [j for j in c.jobs() if j.running]
         wait_for(lambda: not lazy_pages_of(blind), 10, what="lazy-pages to be gone on the target")
+    finally:
+        blind.cleanup()
+
+
+def test_a_target_that_cannot_see_the_source_s_log_runs_the_moved_job_with_a_log_of_its_own(
+        pair, jobs_to_kill, tmp_path):
+    # A node without the source's file system (the source's job log dir hidden): the moved job's output goes
+    # to a log in the target's own state dir, and the job goes on at the next tick with the same memory.
+    a = pair.a
+    port_daemon = token_daemon(tmp_path / "blind", pair.token_file)
+    blind = BlindDaemon(port_daemon.base, extra=port_daemon.extra, hide=str(a.state / "jobs"))
+    blind.address = port_daemon.address  # type: ignore[attr-defined]
+    blind.start()
+    try:
+        job = _counter(a, jobs_to_kill, 32, "far")
+        r = _migrate(a, job["id"], "--to", blind.address)
+        assert r.returncode == 0, r.stderr + blind.log.read_text()[-2000:]
+        out = json.loads(r.stdout)
+        jobs_to_kill.append(out["target_pid"])
+        with blind.client() as c:
+            [moved] = [j for j in c.jobs() if j.id == out["target_job"]]
+        assert Path(moved.log_path).parent == blind.state / "jobs" and moved.name == "far"
+        last = ticks(job["log"], job["pid"])[-1]
+        wait_for(lambda: ticks(moved.log_path, out["target_pid"]), 20, what="the moved job to tick in its own log")
+        first = ticks(moved.log_path, out["target_pid"])[0]
+        assert first.n == last.n + 1 and first.digest == job["digest"]
     finally:
         blind.cleanup()
 

@@ -225,12 +225,12 @@ class Scene:
         return max(y - x for x, y in zip(stamps, stamps[1:], strict=False))
 
 
-def _run_server(a: NsDaemon, tmp_path: Path, name: str, code: str, jobs_to_kill: list[int]) -> Any:
-    """Runs `code` as a managed job on node A and waits until it listens."""
+def _run_server(a: NsDaemon, tmp_path: Path, name: str, code: str, jobs_to_kill: list[int], cwd: str = "") -> Any:
+    """Runs `code` as a managed job on node A (in cwd) and waits until it listens."""
     server = tmp_path / f"{name}.py"
     server.write_text(code)
     with a.client() as c:
-        job = c.run([sys.executable, str(server)], name=name)
+        job = c.run([sys.executable, str(server)], name=name, cwd=cwd)
     jobs_to_kill.append(int(job.pid))
     wait_for(lambda: "listening" in Path(job.log_path).read_text(), 20, what="the server to listen")
     return job
@@ -252,16 +252,19 @@ def scene(lan, tmp_path, jobs_to_kill, request) -> Iterator[Scene]:
     a = NsDaemon(tmp_path / "node-a", netns=lan.a, extra=_node_args(1, token))
     b_extra = _node_args(2, token)
     b: NsDaemon
+    cwd = tmp_path / "job-cwd"
+    cwd.mkdir()
     if getattr(request, "param", "") == "blind-target":
-        # Node B cannot see node A's job logs (no shared file system): restores there fail.
-        b = BlindNsDaemon(tmp_path / "node-b", netns=lan.b, extra=b_extra, hide=str(a.state / "jobs"))
+        # Node B cannot see the job's working directory (no shared file system): restores there fail. (Not its
+        # log: a moved job writes to a log of its own on the target.)
+        b = BlindNsDaemon(tmp_path / "node-b", netns=lan.b, extra=b_extra, hide=str(cwd))
     else:
         b = NsDaemon(tmp_path / "node-b", netns=lan.b, extra=b_extra)
     client = None
     try:
         a.start()
         b.start()
-        job = _run_server(a, tmp_path, "streamer", SERVER, jobs_to_kill)
+        job = _run_server(a, tmp_path, "streamer", SERVER, jobs_to_kill, cwd=str(cwd))
         got = tmp_path / "client.out"
         cscript = tmp_path / "client.py"
         cscript.write_text(CLIENT)

@@ -148,3 +148,32 @@ def test_json_log_lines_carry_dict_arguments_as_json_not_reprs():
                             None)
     line = json.loads(JsonFormatter().format(rec))
     assert line["msg"] == 'recovered {"failed_dumps": 0}' and line["args"] == [{"failed_dumps": 0}]
+
+
+def test_follow_view_draws_a_bar_with_rate_and_eta_on_a_terminal(monkeypatch):
+    """memsnap.cli_follow's display of a daemon's progress report, with a fake clock: one redrawn line on a terminal,
+    with the phase's rate and ETA; a new phase starts its own rate."""
+    import io
+    import types
+
+    from memsnap import cli_follow
+    from memsnap.v1 import memsnap_pb2 as pb
+
+    now = [100.0]
+    clock = types.SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr(cli_fmt, "time", clock)
+    monkeypatch.setattr(cli_follow, "time", clock)
+    out = io.StringIO()
+    view = cli_follow._View("restoring ck-1", out, True, False, 99.0)
+    mib = 1 << 20
+    for t, done in ((100.0, 0), (101.0, 100 * mib), (102.0, 200 * mib)):
+        now[0] = t
+        view.show(pb.Progress(phase="fetch", done_bytes=done, total_bytes=400 * mib))
+    frames = out.getvalue().split("\r")[1:]
+    assert len(frames) == 3 and "\n" not in out.getvalue()
+    assert "50.0% 200.0 MiB/400.0 MiB 100.0 MiB/s ETA 2.0 s fetch" in frames[-1], frames[-1]
+    now[0] = 103.0
+    view.show(pb.Progress(phase="restore"))
+    assert out.getvalue().split("\r")[-1].startswith("restoring ck-1: restore ... ")
+    view.done()
+    assert out.getvalue().endswith("\n")
