@@ -1,0 +1,312 @@
+"""`restore --lazy` of a checkpoint whose tier copy is gone: the job runs while its pages are in the store.
+
+    store                      memsnapd                                   restore work dir
+    signed manifest  --------> verified (signature, binding)
+    small files      --------> fetched whole, each hash checked --------> images/ (all but the pages)
+    pagemaps                   -> PageIndex: lazy and eager ranges
+    eager pages      --------> read through the PageSource     --------> images/pages-N.img (sparse: only
+                                                                          what `criu restore` reads itself)
+    lazy pages       <-------> PageServer <-- socketpair --> `criu lazy-pages --page-server --ps-socket`
+                               (faults first, prefetch in order)          `criu restore --lazy-pages`: runs
+
+When a page cannot be had (the store fails, a chunk does not verify), the job is killed: once userfaultfd
+is gone its missing pages would read as zeros. The reason lands in the checkpoint's last_error (`show`),
+the daemon log and memsnap_restores_total{result="store_failed"}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+from memsnap import failpoints, knobs, manifest, proc, safefs
+from memsnap.catalog import CheckpointRecord
+from memsnap.errors import FailedPrecondition, IntegrityFailure, Unavailable
+from memsnap.pageserver.images import ImageError, PageIndex
+from memsnap.pageserver.server import PageServer, read_retrying
+from memsnap.pageserver.sources import PageSource, SourceFailed, StreamedSource
+from memsnap.store import MANIFEST_NAME, StoreError, StoreNotFound, StoreUnavailable, copy_decode
+
+if TYPE_CHECKING:
+    from memsnap.engine import Engine, RestoreResult
+
+log = logging.getLogger("memsnap.pageserver")
+
+_PAGES_NAME = re.compile(r"^pages-\d+\.img$")
+_GRACE_S = 10.0  # how long a failed page server waits for lazy-pages to give up before killing it
+
+
+def stored_manifest(drain: Any, rec: CheckpointRecord) -> dict[str, Any]:
+    """The store's signed manifest of rec, verified and bound to it."""
+    try:
+        with drain.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
+            stored: dict[str, Any] = json.loads(f.read())
+    except StoreNotFound as exc:
+        raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
+    except StoreUnavailable as exc:
+        raise Unavailable(f"cannot restore {rec.id} from the store: {exc}") from exc
+    except (ValueError, StoreError) as exc:
+        raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable: {exc}") \
+            from exc
+    try:
+        manifest.verify_signature(stored, drain.key)
+        manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
+    except manifest.IntegrityError as exc:
+        raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
+    storage = stored.get("storage", {}).get("files", {})
+    if not isinstance(stored.get("files"), dict) or set(storage) != set(stored["files"]):
+        raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
+    for name, s in storage.items():
+        if "/" in name or name.startswith(".") or not name or name == MANIFEST_NAME or \
+                s.get("key") != f"{rec.id}/{name}" + (".zst" if s.get("codec") == "zstd" else ""):
+            raise IntegrityFailure(f"integrity check failed: bad entry {name!r} in stored manifest")
+    return stored
+
+
+def _fetch_whole(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], name: str, dfd: int) -> None:
+    meta, s = stored["files"][name], stored["storage"]["files"][name]
+    fd = safefs.create_file(dfd, name, 0o600)
+    try:
+        with drain.store.open_reader(s["key"]) as src, os.fdopen(fd, "wb") as out:
+            res = copy_decode(src, out, s.get("codec") == "zstd")
+    except StoreUnavailable as exc:
+        raise Unavailable(f"cannot restore {rec.id} from the store: {exc}") from exc
+    except StoreError as exc:
+        raise IntegrityFailure(f"integrity check failed: {name}: {exc}") from exc
+    if (res.raw_bytes, res.raw_blake3, res.stored_blake3) != (meta["size"], meta["blake3"], s["stored_blake3"]):
+        raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
+
+
+def whole_file_source(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], names: set[str],
+                      spill: Path) -> PageSource:
+    """The pages images of a whole-file stored checkpoint, streamed in order (memsnap.pageserver.sources)."""
+    files: dict[str, tuple[Callable[[], BinaryIO], bool, int, str, str]] = {}
+    for name in names:
+        meta, s = stored["files"][name], stored["storage"]["files"][name]
+
+        def opener(key: str = s["key"]) -> BinaryIO:
+            return cast(BinaryIO, drain.store.open_reader(key))
+
+        files[name] = (opener, s.get("codec") == "zstd", int(meta["size"]), meta["blake3"], s["stored_blake3"])
+    on_error = (lambda: drain.metrics.storage_errors.labels(op="get").inc()) \
+        if getattr(drain, "metrics", None) is not None else None
+    return StreamedSource(files, spill, on_error)
+
+
+class CutAfterResume:
+    """Failpoint lazy-store-cut: a source whose store stops answering once the restored job asked for its
+    first lazy page (tests)."""
+
+    def __init__(self, inner: PageSource) -> None:
+        self.inner = inner
+        self.resumed = threading.Event()
+
+    def _check(self) -> None:
+        if self.resumed.is_set():
+            raise SourceFailed("failpoint lazy-store-cut: the store stopped answering")
+
+    def read_at(self, name: str, offset: int, length: int) -> bytes:
+        self._check()
+        return self.inner.read_at(name, offset, length)
+
+    def blocks(self, name: str) -> list[tuple[int, int]]:
+        return self.inner.blocks(name)
+
+    def finish(self) -> None:
+        self._check()
+        self.inner.finish()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Prepared:
+    """A restore dir with everything but the lazy pages, and where those come from."""
+
+    def __init__(self, root: Path, man: dict[str, Any], index: PageIndex, source: PageSource,
+                 fetch_ms: float) -> None:
+        self.root, self.images, self.man, self.index, self.source = root, root / "images", man, index, source
+        self.fetch_ms = fetch_ms
+
+
+def prepare(drain: Any, rec: CheckpointRecord, root: Path,
+            make_source: Callable[[dict[str, Any], set[str], Path], PageSource] | None = None) -> Prepared:
+    """Fetches and verifies the small files into root/images, and writes the eager pages there."""
+    t0 = time.monotonic()
+    stored = stored_manifest(drain, rec)
+    images, spill = root / "images", root / "spill"
+    images.mkdir(parents=True, mode=0o700)
+    spill.mkdir(mode=0o700)
+    files: dict[str, dict[str, Any]] = stored["files"]
+    with safefs.opened(os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
+        for name in sorted(n for n in files if not _PAGES_NAME.match(n)):
+            _fetch_whole(drain, rec, stored, name, dfd)
+        try:
+            index = PageIndex.from_images({n: (images / n).read_bytes() for n in files if n.startswith("pagemap-")})
+        except ImageError as exc:
+            raise IntegrityFailure(f"checkpoint {rec.id}: a pagemap image does not parse: {exc}") from exc
+        lazy_files = index.pages_files() & set(files)
+        for name in sorted(n for n in files if _PAGES_NAME.match(n) and n not in lazy_files):
+            _fetch_whole(drain, rec, stored, name, dfd)  # (shared memory: CRIU restores it itself)
+        source = (make_source or (lambda st, names, sp: whole_file_source(drain, rec, st, names, sp)))(
+            stored, lazy_files, spill)
+        if failpoints.armed("lazy-store-cut"):
+            source = CutAfterResume(source)
+        try:
+            for name in sorted(lazy_files):
+                fd = safefs.create_file(dfd, name, 0o600)
+                with os.fdopen(fd, "wb") as out:
+                    out.truncate(int(files[name]["size"]))  # sparse: the lazy pages never land here
+            for name, off, n in index.ranges(lazy=False):
+                data = read_retrying(source, name, off, n)
+                with os.fdopen(safefs.open_file(dfd, name, os.O_WRONLY), "wb") as out:
+                    out.seek(off)
+                    out.write(data)
+        except SourceFailed as exc:
+            source.close()
+            cls = IntegrityFailure if exc.integrity else Unavailable
+            raise cls(f"cannot restore {rec.id} from the store: {exc}") from exc
+        except BaseException:
+            source.close()
+            raise
+    man = {k: v for k, v in stored.items() if k != "storage"}
+    return Prepared(root, man, index, source, (time.monotonic() - t0) * 1000)
+
+
+def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map: dict[str, str] | None,
+                       tcp_established: bool, notify: Any, restore_opts: dict[str, Any] | None) -> RestoreResult | None:
+    """engine.restore(lazy=True) of a checkpoint with no tier copy but a durable stored one: the job resumes
+    at once, its pages follow from the store. Returns None when the tier copy is there after all (the
+    caller restores from it)."""
+    drain = engine.drain
+    root = engine.work_root / f"{rec.id}.lazystore-{secrets.token_hex(3)}"
+    with engine._ckpt_lock(rec.id):
+        cur = engine.catalog.get_checkpoint(rec.id)
+        if cur is None or (cur.in_tier and engine.tier.has(rec.id)) or not cur.in_store:
+            return None
+        try:
+            prep = prepare(drain, rec, root)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            engine.observe("restore", "error", time.monotonic() - t0)
+            raise
+        engine._mark_reading(rec.id, +1)  # (delete waits: from lazy-pages' start on, lazy_in_use says so)
+    watch = _Watch(engine, rec, prep)
+    ours, theirs = socket.socketpair()
+    server = PageServer(ours, prep.index, prep.source, on_fail=watch.failed, name=rec.id,
+                        on_first_request=prep.source.resumed.set if isinstance(prep.source, CutAfterResume)
+                        else None)
+    watch.server = server
+    server.start()
+    t1 = time.monotonic()
+    try:
+        res = engine._restore_verified(rec, prep.man, prep.images, t0, t1, prep.fetch_ms, True, True, gpu_map,
+                                       tcp_established, notify, restore_opts, theirs.fileno())
+    except BaseException:
+        server.fail("the restore failed")
+        watch.cleanup()
+        raise
+    finally:
+        theirs.close()  # lazy-pages holds its own copy
+        engine._mark_reading(rec.id, -1)
+    res.verify_ms = 0.0  # (every file and chunk is verified as it arrives)
+    watch.started(res)
+    return res
+
+
+class _Watch:
+    """Follows one lazy restore from the store to its end: records a failure, kills the job, cleans up."""
+
+    def __init__(self, engine: Any, rec: CheckpointRecord, prep: Prepared) -> None:
+        self.engine, self.rec, self.prep = engine, rec, prep
+        self.server: PageServer | None = None
+        self.pid = 0
+        self.job_id = ""
+        self.t_resumed = 0.0
+        self.work_dir: Path | None = None
+        self._lock = threading.Lock()
+
+    def failed(self, why: str) -> None:
+        """The page server gave up: the job cannot go on."""
+        with self._lock:
+            pid = self.pid
+        if pid:
+            proc.kill_tree(pid)
+
+    def started(self, res: Any) -> None:
+        with self._lock:
+            self.pid, self.job_id = res.pid, res.job.id
+        self.work_dir = res.work_dir
+        self.t_resumed = time.monotonic()
+        server = self.server
+        assert server is not None
+        if server.error:  # (failed while CRIU restored: its supervisor may not have seen it yet)
+            self._record(f"paging in from the store failed: {server.error}")
+            raise FailedPrecondition(f"restore of {self.rec.id} from the store failed: {server.error}; the "
+                                     "restored copy was killed")
+        threading.Thread(target=self._follow, args=(res.lazy_server,), name=f"lazystore-{self.rec.id}",
+                         daemon=True).start()
+
+    def _follow(self, lazy_pages: Any) -> None:
+        try:
+            self._verdict(lazy_pages)
+        except Exception:
+            log.exception("lazy restore of %s from the store: following it failed", self.rec.id)
+        finally:
+            self.cleanup()
+
+    def _verdict(self, lazy_pages: Any) -> None:
+        server = self.server
+        assert server is not None
+        while True:
+            try:
+                rc = lazy_pages.wait(timeout=1.0)
+                break
+            except Exception:  # subprocess.TimeoutExpired
+                if server.t_failed and time.monotonic() - server.t_failed > _GRACE_S:
+                    from memsnap.engine import _kill_group
+
+                    _kill_group(lazy_pages.pid)
+        server.done.wait(5.0)
+        if rc != 0 or server.error or not server.ok.is_set():
+            why = server.error or f"lazy-pages exited {rc} before every page arrived (see " \
+                                  f"{self.work_dir}/lazy-pages.log)"
+            self._record(f"paging in from the store failed: {why}")
+        else:
+            secs = (server.t_closed or time.monotonic()) - self.t_resumed
+            st = server.stats()
+            mib = st["lazy_bytes"] / (1 << 20)
+            log.info("lazy restore of %s from the store: every page resident %.2f s after the job resumed "
+                     "(%.0f MiB, %.0f MiB/s; %d requests, %d cache hits, %d misses)", self.rec.id, secs, mib,
+                     mib / secs if secs > 0 else 0.0, st["requests"], st["cache_hits"], st["cache_misses"],
+                     extra={"checkpoint_id": self.rec.id, "job": self.job_id})
+            self.engine.observe("phase:page_in", "ok", secs)
+
+    def _record(self, why: str) -> None:
+        msg = f"lazy restore into job {self.job_id} (pid {self.pid}) killed: {why}"
+        if self.pid:
+            proc.kill_tree(self.pid)
+        if self.job_id:
+            self.engine.catalog.update_job(self.job_id, ended=True)
+        self.engine.catalog.update_checkpoint(self.rec.id, last_error=msg)
+        log.error(msg, extra={"checkpoint_id": self.rec.id, "job": self.job_id})
+        self.engine.observe("restore", "store_failed", time.monotonic() - (self.t_resumed or time.monotonic()))
+
+    def cleanup(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.prep.source.close()
+        if not knobs.keep_logs():
+            shutil.rmtree(self.prep.root, ignore_errors=True)
+        self.engine.reap_lazy()
+

@@ -1,0 +1,137 @@
+"""Lazy restore from the store (memsnap.pageserver): the tier copy is gone, the job resumes while its pages
+are still in the store, and a store that fails mid-way gets the job killed, with the reason in `show`."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from memsnap.proc import tree_rss
+from tests.helpers import (
+    DaemonProc,
+    counter_argv,
+    metrics_port,
+    restore_refused,
+    sample,
+    scrape_metrics,
+    start_digest,
+    ticks,
+    wait_for,
+)
+
+
+def _durable_then_evicted(d: DaemonProc, jobs_to_kill: list[int], mib: int) -> tuple[dict, str, str, int]:
+    with d.client() as c:
+        job = c.run(counter_argv(mib, 0.1, "--digest-every", "5"))
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: len(ticks(job.log_path)) >= 2, 30, what="the job to tick")
+    digest = start_digest(job.log_path)
+    ck = json.loads(d.ctl("--json", "checkpoint", job.id, "--stop", "--wait", "durable", check=True).stdout)
+    assert ck["state"] == "durable"
+    last = ticks(job.log_path, int(job.pid))[-1].n
+    d.ctl("evict", ck["id"], check=True)
+    return ck, job.log_path, digest, last
+
+
+def _lazy_pages_running(d: DaemonProc) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "lazy-pages" in cmd and any(str(d.state) in a for a in cmd):
+            out.append(p)
+    return out
+
+
+def _s3_daemon(make_daemon, s3_server, name: str, env: dict[str, str] | None = None) -> DaemonProc:
+    url = f"s3://{s3_server.bucket}/{name}"
+    env = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+           "AWS_DEFAULT_REGION": s3_server.region, **(env or {})}
+    return make_daemon(name, extra=["--store-url", url, "--s3-endpoint", s3_server.endpoint_url,
+                                    "--s3-region", s3_server.region], env=env).start()
+
+
+@pytest.mark.parametrize("backend", ["posix", "s3"])
+def test_lazy_restore_from_the_store_after_evict_has_the_same_digest(backend, make_daemon, jobs_to_kill,
+                                                                   request):
+    d = make_daemon("posix").start() if backend == "posix" else \
+        _s3_daemon(make_daemon, request.getfixturevalue("s3_server"), "lazystore")
+    mib = 64
+    ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, mib)
+
+    r = d.ctl("--json", "restore", "--lazy", ck["id"])
+    assert r.returncode == 0, r.stderr + d.log.read_text()[-3000:]
+    res = json.loads(r.stdout)
+    pid = res["pid"]
+    jobs_to_kill.append(pid)
+    assert res["from_store"] is True
+    wait_for(lambda: len(ticks(log, pid)) >= 6, 60, what="the lazily restored job to tick")
+    got = ticks(log, pid)
+    assert got[0].n == last + 1
+    assert all(t.digest == digest for t in got), "memory differs after a lazy restore from the store"
+    assert any(t.fresh for t in got)  # computed from the restored memory
+    # The pages follow from the store; lazy-pages exits once all of them are in place.
+    wait_for(lambda: not _lazy_pages_running(d), 120, what="every page to arrive")
+    assert tree_rss(pid) >= mib << 20
+    n = len(ticks(log, pid))
+    wait_for(lambda: len(ticks(log, pid)) > n + 5, 30, what="ticks after all pages arrived")
+    assert all(t.digest == digest for t in ticks(log, pid))
+    assert any(t.fresh for t in ticks(log, pid)[n:])
+    shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
+    assert shown["in_tier"] is False  # paged in from the store, never fetched whole into the tier
+    assert f"ckpt={ck['id']}" in d.log.read_text() and "every page resident" in d.log.read_text()
+
+
+def test_lazy_restore_with_the_store_cut_off_mid_way_kills_the_job_and_says_why(make_daemon, jobs_to_kill):
+    # Failpoint lazy-store-cut: every stored page image breaks after its first MiB, as a store that goes
+    # away would, after the job already resumed.
+    d = make_daemon("cut", env={"MEMSNAP_FAILPOINTS": "lazy-store-cut"},
+                    extra=["--metrics-listen", "127.0.0.1:0"]).start()
+    ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, 64)
+    r = d.ctl("--json", "restore", "--lazy", ck["id"])
+    if r.returncode == 0:
+        pid = json.loads(r.stdout)["pid"]
+        jobs_to_kill.append(pid)
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                 60, what="the job to be killed")
+    else:  # (the cut came before the job resumed: nothing runs)
+        assert "store" in r.stderr, r.stderr
+    assert not _lazy_pages_running(d)
+    shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
+    assert "lazy restore" in shown["last_error"] and "store" in shown["last_error"] and \
+        "killed" in shown["last_error"], shown["last_error"]
+    assert "lazy restore into job" in d.log.read_text()
+    port = metrics_port(d)
+    assert sample(scrape_metrics(port), "memsnap_restores_total", result="store_failed") == 1
+    with d.client() as c:
+        assert not [j for j in c.jobs() if j.running and j.name == ck["name"] and j.id != ck["job"]]
+
+
+def test_lazy_restore_of_a_tampered_stored_page_image_kills_the_job_and_says_why(make_daemon, jobs_to_kill):
+    d = make_daemon("tamper").start()
+    ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, 32)
+    pages = next((d.store / ck["id"]).glob("pages-*"))
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    pages.write_bytes(bytes(data))
+    before = _running(d)
+    r = restore_refused(d, ck["id"], jobs_to_kill, "--lazy")
+    shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
+    if r.returncode == 0:  # refused only once the job ran (the tampered bytes were lazy): killed
+        pid = json.loads(r.stdout)["pid"]
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                 60, what="the job to be killed")
+        shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
+        assert ("integrity" in shown["last_error"] or "checksum" in shown["last_error"]) and \
+            "killed" in shown["last_error"], shown["last_error"]
+    else:  # refused before the job resumed: nothing runs
+        assert "DATA_LOSS" in r.stderr and ("integrity" in r.stderr or "checksum" in r.stderr), r.stderr
+    assert _running(d) == before
+    assert not _lazy_pages_running(d)
+    assert not list(d.state.glob(f"work/{ck['id']}.lazystore-*"))
+
+
+def _running(d: DaemonProc) -> set[int]:
+    with d.client() as c:
+        return {int(j.pid) for j in c.jobs() if j.running}
