@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -274,9 +275,10 @@ class _Watch:
                 break
             except Exception:  # subprocess.TimeoutExpired
                 if server.t_failed and time.monotonic() - server.t_failed > _GRACE_S:
-                    from memsnap.engine import _kill_group
-
-                    _kill_group(lazy_pages.pid)
+                    try:  # (its supervisor shell leads the group; the job is killed by us)
+                        os.killpg(lazy_pages.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
         server.done.wait(5.0)
         if rc != 0 or server.error or not server.ok.is_set():
             why = server.error or f"lazy-pages exited {rc} before every page arrived (see " \
