@@ -243,6 +243,14 @@ def _size(value: object) -> int | None:
     return size
 
 
+def _chunk_size(value: object) -> int:
+    """A chunk size: a multiple of 4 KiB from 16 KiB to 16 MiB."""
+    size = _size(value)
+    if size is None or size % 4096 or not (16 << 10) <= size <= (16 << 20):
+        raise _Bad('a multiple of 4K from 16K to 16M, such as "1M"')
+    return size
+
+
 def _store_url(value: object) -> str:
     """Empty or s3://BUCKET[/PREFIX]."""
     if isinstance(value, str):
@@ -311,6 +319,11 @@ class StoreConfig:
     url: str = _opt("", _store_url, "s3://bucket/prefix; when set it wins over dir")
     s3_endpoint: str = _opt("", _string, "S3 endpoint URL; empty = AWS default")
     s3_region: str = _opt("", _string, "S3 region; empty = SDK default")
+    format: str = _opt("chunked", _choice("chunked", "whole"),
+                       "chunked (content-addressed chunks, stored once) or whole (one object per image file)")
+    chunk_size: int = _opt(1 << 20, _chunk_size, "average chunk size (K/M suffix; a multiple of 4K, 16K-16M)")
+    chunk_cache_dir: str = _opt("", _string, "node-local chunk cache; empty = <state dir>/chunk-cache")
+    chunk_cache_size: int | None = _opt(2 << 30, _size, "chunk cache cap (K/M/G suffix); empty = no cache")
 
 
 @dataclass(frozen=True)

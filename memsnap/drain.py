@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from memsnap import manifest, safefs
+from memsnap import failpoints, manifest, safefs
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.malloc import idle_heap, release_memory
@@ -34,10 +34,13 @@ from memsnap.store import (
     StoreNotFound,
     StoreUnavailable,
     Throttle,
+    chunked,
+    chunks,
     copy_decode,
     copy_encode,
     open_store,
 )
+from memsnap.store.chunked import ChunkOpts
 from memsnap.store.posix import StoreTampered
 from memsnap.tier import MemoryTier
 
@@ -58,8 +61,10 @@ class DrainService:
 
     def __init__(self, store: Store, catalog: Catalog, tier: MemoryTier, key: bytes, codec: Codec,
                  throttle: Throttle | None = None, concurrency: int = 2, retry_initial_s: float = 1.0,
-                 retry_max_s: float = 60.0, metrics: Any = None) -> None:
+                 retry_max_s: float = 60.0, metrics: Any = None, chunk_opts: ChunkOpts | None = None) -> None:
         self.store = store
+        self.chunk_opts = chunk_opts or ChunkOpts()
+        self.node_chunks = chunked.NodeChunks(store.describe(), self.chunk_opts)
         self.catalog = catalog
         self.tier = tier
         self.key = key
@@ -229,6 +234,7 @@ class DrainService:
 
     def _drain_files(self, rec: CheckpointRecord, sfd: int, tier_manifest: dict[str, Any]) -> int:
         files: dict[str, dict[str, Any]] = tier_manifest["files"]
+        chunked_format = self.chunk_opts.format == "chunked"
         done = 0
         last_report = time.monotonic()
         stored_files: dict[str, dict[str, Any]] = {}
@@ -242,6 +248,8 @@ class DrainService:
                 last_report = time.monotonic()
                 self.catalog.update_checkpoint(rec.id, drained_bytes=done)
 
+        if chunked_format:
+            return self._drain_chunked(rec, sfd, tier_manifest, progress)
         # Small files first, so a late failure retries only the big page images.
         for name in sorted(files, key=lambda n: (files[n]["size"], n)):
             meta = files[name]
@@ -277,6 +285,41 @@ class DrainService:
         for s in stored_files.values():
             if self.store.stat(s["key"]) != s["stored_bytes"]:
                 raise StoreUnavailable(f"stored {s['key']} has the wrong size after upload")
+        self._index_name(rec)
+        return sum(int(s["stored_bytes"]) for s in stored_files.values()) + len(data)
+
+    # -- chunked format (memsnap.store.chunked) -----------------------------------------------------------
+    def _drain_chunked(self, rec: CheckpointRecord, sfd: int, tier_manifest: dict[str, Any], progress: Any) -> int:
+        cstore: chunks.ChunkStore = self.store  # type: ignore[assignment]
+        job = chunked.ChunkedDrain(cstore, self.codec.level or 0, self.node_chunks.index(),
+                                   chunks.Chunking(self.chunk_opts.avg), self.throttle, self.chunk_opts.threads)
+        fresh = self.catalog.get_checkpoint(rec.id)
+        trusted = (fresh or rec).meta.get("fingerprint")
+        storage = job.run(rec.id, sfd, tier_manifest["files"], trusted, progress)
+        body = {k: v for k, v in tier_manifest.items() if k not in ("format", "signature")}
+        body["storage"] = storage
+        data = json.dumps(manifest.sign(body, self.key, manifest.FORMAT_CHUNKED), indent=1, sort_keys=True).encode()
+        with self.store.open_writer(f"{rec.id}/{MANIFEST_NAME}") as w:
+            w.write(data)
+            failpoints.hit("chunked-manifest-written")  # (written, not yet published)
+            w.commit()
+        stats = job.stats.summary()
+        stats["round_trips"] += 1
+        stats["stored_bytes"] += len(data)
+        self.node_chunks.save_map(rec.id, storage)
+        cur = self.catalog.get_checkpoint(rec.id)
+        if cur is not None:
+            meta = dict(cur.meta)
+            meta["store"] = {"format": "chunked", **stats}
+            self.catalog.update_checkpoint(rec.id, meta=meta)
+        logging.LoggerAdapter(log, {"checkpoint_id": rec.id}).info(
+            "chunked: %d chunks, %d new (%d bytes), %d reused, %d stored bytes, %d round trips", stats["chunks"],
+            stats["new_chunks"], stats["new_bytes"], stats["reused_chunks"], stats["stored_bytes"],
+            stats["round_trips"])
+        self._index_name(rec)
+        return int(stats["stored_bytes"])
+
+    def _index_name(self, rec: CheckpointRecord) -> None:
         # A by-name index lets another node find this checkpoint (Slurm requeue elsewhere, --via-store).
         if rec.name and _SAFE_NAME.match(rec.name):
             try:
@@ -285,7 +328,6 @@ class DrainService:
             except StoreTampered as exc:
                 # The copy is durable; only the hint is refused (never written through a planted symlink).
                 log.error("store index entry for %r refused: %s", rec.name, exc, extra={"checkpoint_id": rec.id})
-        return sum(int(s["stored_bytes"]) for s in stored_files.values()) + len(data)
 
     # -- fetch and delete ---------------------------------------------------------------------
     def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
@@ -312,12 +354,31 @@ class DrainService:
         if set(storage) != set(files):
             raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
         with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
-            self._fetch_files(rec, stored, dfd)
+            if chunks.is_chunked(stored):
+                self._fetch_chunked(rec, stored, dfd)
+            else:
+                self._fetch_files(rec, stored, dfd)
         tier_body = {k: v for k, v in stored.items() if k != "storage"}
         manifest.write(dest, manifest.sign(tier_body, self.key))
         if self.metrics is not None:
             self.metrics.observe_phase("fetch", time.monotonic() - t0)
         release_memory()
+
+    def _fetch_chunked(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
+        cstore: chunks.ChunkStore = self.store  # type: ignore[assignment]
+        try:
+            reader = chunks.ChunkReader(cstore, stored, self.node_chunks.cache())
+            tier = {r.id: self.tier.path(r.id) for r in self.catalog.checkpoints()
+                    if r.in_tier and r.id != rec.id and self.tier.has(r.id)}
+            got = chunked.fetch_chunked(reader, dfd, chunked.TierChunks(self.node_chunks.maps_dir, tier))
+        except StoreUnavailable as exc:
+            self._storage_error("get")
+            raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
+        except (StoreError, ValueError, TypeError, KeyError) as exc:
+            self._storage_error("get")
+            raise IntegrityFailure(f"integrity check failed: stored copy of {rec.id}: {exc}") from exc
+        log.info("fetched %s: %d chunks, %d from tier copies, %d from the store (%d bytes)", rec.id, got["chunks"],
+                 got["from_tier"], got["from_store"], got["fetched_bytes"], extra={"checkpoint_id": rec.id})
 
     def _fetch_files(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
         files = stored["files"]
@@ -496,8 +557,10 @@ def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metric
     threads = cfg.drain.compression_threads or (0 if cfg.drain.bandwidth else -1)
     codec = Codec(level=cfg.drain.compression_level or None, threads=threads)
     throttle = Throttle(cfg.drain.bandwidth) if cfg.drain.bandwidth else None
+    opts = ChunkOpts(format=cfg.store.format, avg=cfg.store.chunk_size, state_dir=cfg.state.dir,
+                     cache_dir=cfg.store.chunk_cache_dir, cache_size=cfg.store.chunk_cache_size or 0)
     return DrainService(store, catalog, tier, key, codec, throttle, cfg.drain.concurrency,
-                        cfg.drain.retry_initial_s, cfg.drain.retry_max_s, metrics)
+                        cfg.drain.retry_initial_s, cfg.drain.retry_max_s, metrics, opts)
 
 
 __all__ = ["DrainService", "EncodeResult", "build_drain"]

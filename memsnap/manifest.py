@@ -23,7 +23,10 @@ from memsnap import safefs
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-KNOWN_FORMATS = {1}
+# Format 2: a stored manifest of a chunked image (memsnap.store.chunks); its "storage" lists each file's chunks.
+# Tier manifests stay format 1.
+FORMAT_CHUNKED = 2
+KNOWN_FORMATS = {1, 2}
 _CHUNK = 8 << 20
 # CRIU itself leaves these in the images dir on restore; they are never read back.
 _CRIU_WRITES_ON_RESTORE = {"stats-restore"}
@@ -190,10 +193,10 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def sign(body: dict[str, Any], key: bytes) -> dict[str, Any]:
-    """Adds an HMAC-SHA256 signature over the canonical JSON of the body."""
+def sign(body: dict[str, Any], key: bytes, fmt: int = FORMAT) -> dict[str, Any]:
+    """Adds the format and an HMAC-SHA256 signature over the canonical JSON of the body."""
     body = {k: v for k, v in body.items() if k != "signature"}
-    body["format"] = FORMAT
+    body["format"] = fmt
     body["signature"] = hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
     return body
 

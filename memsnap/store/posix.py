@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import io
@@ -171,6 +172,66 @@ class PosixStore:
         """Sorted keys starting with prefix; temp files are skipped. A symlink met on the way is refused
         (StoreTampered), never followed."""
         return self._walk(validate_prefix(prefix), temps=False)
+
+    def list_with_mtime(self, prefix: str) -> builtins.list[tuple[str, int, float]]:
+        """(key, size, mtime) of every key starting with prefix, sorted; temp files skipped, symlinks refused."""
+        base = validate_prefix(prefix).rpartition("/")[0]
+        out: builtins.list[tuple[str, int, float]] = []
+        with self._translate(f"list {prefix!r}"):
+            try:
+                dfd = self._dir_fd(base)
+            except (FileNotFoundError, NotADirectoryError):
+                if not self.root.is_dir():
+                    raise self._root_missing() from None
+                return []
+            with safefs.opened(dfd):
+                for rel, _fd, name, s in safefs.walk(dfd, f"{base}/" if base else ""):
+                    key = rel + name
+                    if not name.startswith(TEMP_PREFIX) and key.startswith(prefix):
+                        out.append((key, s.st_size, s.st_mtime))
+        return sorted(out)
+
+    def touch(self, key: str) -> bool:
+        """Sets key's mtime to now (a chunk reused by a drain starts a new grace period); False if absent."""
+        parent, _, name = validate_key(key).rpartition("/")
+        with self._translate(f"touch {key}"):
+            try:
+                dfd = self._dir_fd(parent)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            with safefs.opened(dfd):
+                s = safefs.lstat(dfd, name)
+                if s is None or st.S_ISDIR(s.st_mode):
+                    return False
+                if not st.S_ISREG(s.st_mode):
+                    raise StoreTampered(f"{key} in {self.root} is not a regular file (a symlink?): refusing it")
+                try:
+                    os.utime(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return False
+        return True
+
+    def delete_keys(self, keys: builtins.list[str], not_after: float | None = None) -> int:
+        """Deletes these objects (absent ones are skipped); with not_after, only those whose mtime is still
+        at or before it (one touched meanwhile is kept). Returns how many were deleted."""
+        deleted = 0
+        for key in keys:
+            parent, _, name = validate_key(key).rpartition("/")
+            with self._translate(f"delete {key}"):
+                try:
+                    dfd = self._dir_fd(parent)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                with safefs.opened(dfd):
+                    s = safefs.lstat(dfd, name)
+                    if s is None or not st.S_ISREG(s.st_mode):
+                        continue
+                    if not_after is not None and s.st_mtime > not_after:
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
+                        deleted += 1
+        return deleted
 
     def delete_prefix(self, prefix: str) -> None:
         """Deletes manifests first (fsynced), then the rest; a prefix ending in '/' removes the dir.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import io
 import logging
 import time
@@ -129,6 +130,40 @@ class S3Store:
             ):
                 out.extend(self._store_key(str(o["Key"])) for o in page.get("Contents", []))
         return sorted(out)
+
+    def list_with_mtime(self, prefix: str) -> builtins.list[tuple[str, int, float]]:
+        """(key, size, LastModified as unix time) of every key starting with prefix, sorted."""
+        full = self._full_prefix(prefix)
+        out: builtins.list[tuple[str, int, float]] = []
+        with translate(f"list {prefix!r}", self.describe()):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                out.extend((self._store_key(str(o["Key"])), int(o["Size"]), o["LastModified"].timestamp())
+                           for o in page.get("Contents", []))
+        return sorted(out)
+
+    def touch(self, key: str) -> bool:
+        """Refreshes key's LastModified (an in-place copy); False if absent."""
+        obj = self.object_key(key)
+        try:
+            with translate(f"touch {key}", self.describe()):
+                self.client.copy_object(Bucket=self.bucket, Key=obj, CopySource={"Bucket": self.bucket, "Key": obj},
+                                        MetadataDirective="REPLACE", Metadata={"touched": str(int(time.time()))})
+        except StoreNotFound:
+            return False
+        return True
+
+    def delete_keys(self, keys: builtins.list[str], not_after: float | None = None) -> int:
+        """Deletes these objects in batches of 1000 (not_after is not checked again here: S3 has no
+        conditional delete on LastModified). Returns how many were asked to be deleted."""
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            with translate("delete chunks", self.describe()):
+                resp = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": self.object_key(k)} for k in batch], "Quiet": True}
+                )
+            if resp.get("Errors"):
+                raise StoreError(f"delete in {self.describe()}: {resp['Errors'][:3]}")
+        return len(keys)
 
     def delete(self, key: str) -> None:
         """Deletes one object (no error if absent)."""

@@ -1,0 +1,367 @@
+"""Draining a tier copy into chunks, and fetching a chunked image back (the format-2 half of memsnap.drain).
+
+Drain: each big file is cut into chunks (memsnap.store.chunks.Chunking); worker threads hash each chunk,
+and upload (compressed) only the ones the store lacks. A chunk the local index lists is assumed present
+and then checked in one parallel pass per file (touch: also restarts its GC grace period); one that is
+gone is uploaded again, never silently left out. The small files go, concatenated, into one bundle object.
+The caller signs and writes the manifest last.
+
+Fetch: every chunk comes from, in this order, a tier copy of another checkpoint that has it, the node's
+chunk cache, or the store (in parallel); each is verified against its id before it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import blake3
+import zstandard
+
+from memsnap import failpoints, manifest, safefs
+from memsnap.errors import IntegrityFailure
+from memsnap.store.chunks import (
+    BUNDLE_NAME,
+    DEFAULT_AVG,
+    LAYOUT,
+    ChunkCache,
+    ChunkError,
+    ChunkIndex,
+    Chunking,
+    ChunkReader,
+    ChunkRef,
+    ChunkStore,
+    chunk_id,
+    chunk_key,
+    encode_chunk,
+    is_bundled,
+    is_chunk_id,
+    parallel_map,
+    put_chunk,
+)
+from memsnap.store.errors import StoreError
+from memsnap.store.throttle import Throttle
+
+log = logging.getLogger("memsnap.drain")
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class ChunkOpts:
+    """[store] format and the chunk store's node-local state (memsnap.store.chunks)."""
+
+    format: str = "whole"  # "chunked": content-addressed chunks (manifest format 2); "whole": one object a file
+    avg: int = DEFAULT_AVG
+    state_dir: str = ""  # index of present chunks and chunk maps of tier copies; "" = none
+    cache_dir: str = ""  # "" = <state_dir>/chunk-cache
+    cache_size: int = 0  # bytes; 0 = no chunk cache
+    threads: int = 4
+
+
+class NodeChunks:
+    """This node's chunk state for one store: the index of present chunks, the chunk cache, the chunk maps."""
+
+    def __init__(self, store_desc: str, opts: ChunkOpts) -> None:
+        self.opts = opts
+        base = Path(opts.state_dir) / "chunks" if opts.state_dir else None
+        self.maps_dir = base / "maps" if base else None
+        self._index_path = base / f"index-{chunk_id(store_desc.encode())[:16]}" if base else None
+        self._index: ChunkIndex | None = None
+        self._cache: ChunkCache | None = None
+        self._lock = threading.Lock()
+
+    def index(self) -> ChunkIndex:
+        with self._lock:
+            if self._index is None:
+                self._index = ChunkIndex(self._index_path)
+            return self._index
+
+    def cache(self) -> ChunkCache | None:
+        with self._lock:
+            if self._cache is None and self.opts.cache_size > 0:
+                root = self.opts.cache_dir or str(Path(self.opts.state_dir or "/tmp") / "chunk-cache")
+                self._cache = open_cache(root, self.opts.cache_size)
+            return self._cache
+
+    def save_map(self, ckpt_id: str, storage: dict[str, Any]) -> None:
+        if self.maps_dir is not None:
+            save_chunk_map(self.maps_dir, ckpt_id, storage)
+
+
+@dataclass
+class DrainStats:
+    """What one chunked drain did: bytes (logical = raw image, stored = compressed bytes uploaded, new = raw
+    bytes of the chunks it uploaded), chunk counts and store round trips."""
+
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    new_bytes: int = 0
+    chunks: int = 0
+    new_chunks: int = 0
+    reused_chunks: int = 0
+    reuploaded_chunks: int = 0  # the index said present, the store did not have them
+    round_trips: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def summary(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+class ChunkedDrain:
+    """Uploads one tier copy as chunks + bundle; run() returns the manifest's "storage" section."""
+
+    def __init__(self, store: ChunkStore, level: int, index: ChunkIndex, chunking: Chunking,
+                 throttle: Throttle | None = None, threads: int = 4) -> None:
+        self.store, self.level, self.index, self.chunking = store, level, index, chunking
+        self.throttle, self.threads = throttle, max(1, threads)
+        self.stats = DrainStats()
+        self._claimed: set[str] = set()
+        self._lock = threading.Lock()
+
+    def run(self, ckpt_id: str, sfd: int, files: dict[str, dict[str, Any]], trusted: dict[str, list[int]] | None,
+            progress: Progress) -> dict[str, Any]:
+        stored_files: dict[str, Any] = {}
+        small = sorted(n for n, m in files.items() if is_bundled(n, int(m["size"])))
+        bundle = self._bundle(ckpt_id, sfd, small, files, stored_files, progress)
+        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="drain-chunk") as pool:
+            for name in sorted((n for n in files if n not in small), key=lambda n: (files[n]["size"], n)):
+                refs = self._file(pool, sfd, name, files[name], (trusted or {}).get(name), progress)
+                stored_files[name] = {"chunks": refs}
+        return {"layout": LAYOUT, "codec": "zstd" if self.level else "raw", "chunk_avg": self.chunking.avg,
+                "bundle": bundle, "files": stored_files, **{k: v for k, v in self.stats.summary().items()
+                                                            if k in ("logical_bytes", "stored_bytes", "new_bytes")}}
+
+    # -- the bundle of small files ------------------------------------------------------------------------
+    def _bundle(self, ckpt_id: str, sfd: int, names: list[str], files: dict[str, dict[str, Any]],
+                stored_files: dict[str, Any], progress: Progress) -> dict[str, Any] | None:
+        if not names:
+            return None
+        parts, pos = [], 0
+        for name in names:
+            with os.fdopen(safefs.open_file(sfd, name), "rb") as f:
+                data = f.read()
+            if len(data) != files[name]["size"] or blake3.blake3(data).hexdigest() != files[name]["blake3"]:
+                raise IntegrityFailure(f"integrity check failed: tier copy of {name} does not match its manifest; "
+                                       "it will not be made durable")
+            stored_files[name] = {"bundle": [pos, len(data)]}
+            parts.append(data)
+            pos += len(data)
+        raw = b"".join(parts)
+        stored = zstandard.ZstdCompressor(level=self.level).compress(raw) if self.level else raw
+        if self.throttle is not None:
+            self.throttle.consume(len(stored))
+        key = f"{ckpt_id}/{BUNDLE_NAME}"
+        with self.store.open_writer(key) as w:
+            w.write(stored)
+            obj = w.commit()
+        if obj.size_bytes != len(stored):
+            raise StoreError(f"store reports {obj.size_bytes} bytes for {key}, wrote {len(stored)}")
+        self.stats.add(logical_bytes=len(raw), stored_bytes=len(stored), new_bytes=len(raw), round_trips=1)
+        progress(len(raw))
+        return {"key": key, "raw_bytes": len(raw), "stored_bytes": len(stored),
+                "stored_blake3": blake3.blake3(stored).hexdigest()}
+
+    # -- one chunked file -------------------------------------------------------------------------------------
+    def _file(self, pool: ThreadPoolExecutor, sfd: int, name: str, meta: dict[str, Any],
+              trusted_fp: list[int] | None, progress: Progress) -> list[list[Any]]:
+        fd = safefs.open_file(sfd, name)
+        with safefs.opened(fd):
+            st = os.fstat(fd)
+            if st.st_size != meta["size"]:
+                raise IntegrityFailure(f"integrity check failed: tier copy of {name} has {st.st_size} bytes, its "
+                                       f"manifest says {meta['size']}; it will not be made durable")
+            # Hash once: a file whose fingerprint is the one recorded when the checkpoint hashed it is those bytes.
+            fp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+            if fp != trusted_fp and manifest.fd_blake3(fd) != meta["blake3"]:
+                raise IntegrityFailure(f"integrity check failed: tier copy of {name} does not match its manifest; "
+                                       "it will not be made durable")
+            bounds = _boundaries(fd, st.st_size, self.chunking)
+            refs: list[list[Any]] = []
+            trusted: dict[str, tuple[int, int]] = {}
+            pending: deque[tuple[int, int, Future[tuple[str, str]]]] = deque()
+            depth = 2 * self.threads
+
+            def collect() -> None:
+                off, n, fut = pending.popleft()
+                cid, how = fut.result()
+                refs.append([cid, off, n])
+                if how == "trusted":
+                    trusted[cid] = (off, n)
+                progress(n)  # (called between chunks: the hook point for throttling and pausing drains)
+
+            for off, n in bounds:
+                pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
+                while len(pending) >= depth:
+                    collect()
+            while pending:
+                collect()
+            self._verify_trusted(fd, trusted)
+            st2 = os.fstat(fd)
+            if [st2.st_ino, st2.st_size, st2.st_mtime_ns, st2.st_ctime_ns] != fp:
+                raise IntegrityFailure(f"integrity check failed: tier copy of {name} changed while it drained")
+        self.stats.add(logical_bytes=int(meta["size"]))
+        return refs
+
+    def _chunk(self, fd: int, off: int, n: int) -> tuple[str, str]:
+        raw = os.pread(fd, n, off)
+        if len(raw) != n:
+            raise IntegrityFailure("integrity check failed: tier copy shrank while it drained")
+        cid = chunk_id(raw)
+        with self._lock:
+            dup = cid in self._claimed
+            self._claimed.add(cid)
+        self.stats.add(chunks=1)
+        if dup:
+            return cid, "dup"
+        if cid in self.index:
+            return cid, "trusted"
+        self.stats.add(round_trips=1)
+        if self.store.touch(chunk_key(cid)):
+            self.stats.add(reused_chunks=1)
+            self.index.add([cid])
+            return cid, "present"
+        self._upload(cid, raw)
+        return cid, "new"
+
+    def _upload(self, cid: str, raw: bytes) -> None:
+        stored = encode_chunk(raw, self.level)
+        if self.throttle is not None:
+            self.throttle.consume(len(stored))
+        put_chunk(self.store, cid, stored)
+        self.stats.add(stored_bytes=len(stored), new_bytes=len(raw), new_chunks=1, round_trips=1)
+        self.index.add([cid])
+        failpoints.hit("chunk-uploaded")
+
+    def _verify_trusted(self, fd: int, trusted: dict[str, tuple[int, int]]) -> None:
+        """The index is a hint: every chunk it vouched for must be in the store now (touched, so a sweep
+        running meanwhile keeps it); one that is gone is uploaded again."""
+        ids = list(trusted)
+        present = parallel_map(lambda c: self.store.touch(chunk_key(c)), ids, max(self.threads, 8))
+        self.stats.add(round_trips=len(ids), reused_chunks=sum(1 for p in present if p))
+        missing = [c for c, p in zip(ids, present, strict=True) if not p]
+        if not missing:
+            return
+        log.warning("%d chunks the local index listed are missing from %s: uploading them again",
+                    len(missing), self.store.describe())
+        self.index.discard(missing)
+        for cid in missing:
+            off, n = trusted[cid]
+            raw = os.pread(fd, n, off)
+            if chunk_id(raw) != cid:
+                raise IntegrityFailure("integrity check failed: tier copy changed while it drained")
+            self._upload(cid, raw)
+            self.stats.add(reuploaded_chunks=1)
+
+
+def _boundaries(fd: int, size: int, chunking: Chunking) -> list[tuple[int, int]]:
+    if size == 0:
+        return []
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+        return chunking.boundaries(mm)
+
+
+# -- chunk maps of tier copies: chunks of other checkpoints count as local -------------------------------------
+def save_chunk_map(maps_dir: Path, ckpt_id: str, storage: dict[str, Any]) -> None:
+    """Remembers which chunks a drained tier copy holds (node-local, a hint: every use is verified)."""
+    body = {n: s["chunks"] for n, s in storage["files"].items() if "chunks" in s}
+    maps_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = maps_dir / f".tmp-{ckpt_id}.json"
+    tmp.write_text(json.dumps(body))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, maps_dir / f"{ckpt_id}.json")
+
+
+class TierChunks:
+    """chunk id -> where a tier copy of another checkpoint has it, from the saved chunk maps."""
+
+    def __init__(self, maps_dir: Path | None, tier_paths: dict[str, Path]) -> None:
+        self._where: dict[str, tuple[Path, int, int]] = {}
+        self.hits = 0
+        if maps_dir is None or not maps_dir.is_dir():
+            return
+        for ckpt_id, path in tier_paths.items():
+            try:
+                body = json.loads((maps_dir / f"{ckpt_id}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            for name, refs in body.items():
+                if "/" in name or name.startswith("."):
+                    continue
+                for cid, off, n in refs:
+                    if is_chunk_id(cid):
+                        self._where.setdefault(cid, (path / name, int(off), int(n)))
+
+    def get(self, ref: ChunkRef) -> bytes | None:
+        hit = self._where.get(ref.id)
+        if hit is None or hit[2] != ref.length:
+            return None
+        try:
+            fd = os.open(hit[0], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with safefs.opened(fd):
+                raw = os.pread(fd, hit[2], hit[1])
+        except OSError:
+            return None
+        if chunk_id(raw) != ref.id:
+            return None
+        self.hits += 1
+        return raw
+
+
+def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, threads: int = 8) -> dict[str, int]:
+    """Writes every file of a chunked image into dfd, each chunk verified; returns counts."""
+    files = reader.manifest["files"]
+    jobs: list[tuple[int, ChunkRef]] = []
+    fds: list[int] = []
+    try:
+        for name, lay in reader.layouts.items():
+            fd = safefs.create_file(dfd, name, 0o600)
+            fds.append(fd)
+            if lay.bundle is not None:
+                data = reader.read_at(name, 0, lay.size)
+                if len(data) != lay.size or blake3.blake3(data).hexdigest() != files[name]["blake3"]:
+                    raise ChunkError(f"integrity check failed: checksum mismatch in stored {name}")
+                os.write(fd, data)
+                continue
+            os.ftruncate(fd, lay.size)
+            jobs.extend((fd, ref) for ref in lay.chunks)
+
+        def one(job: tuple[int, ChunkRef]) -> int:
+            fd, ref = job
+            raw = local.get(ref)  # (verified against its id there)
+            if raw is None:
+                raw = reader.chunk(ref)
+            os.pwrite(fd, raw, ref.offset)
+            return len(raw)
+
+        parallel_map(one, jobs, threads)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return {"chunks": len(jobs), "from_tier": local.hits, "from_store": reader.fetched_chunks,
+            "fetched_bytes": reader.fetched_bytes}
+
+
+def open_cache(cache_dir: str, cap: int) -> ChunkCache | None:
+    """The node's chunk cache, or None when off (cap 0) or unusable."""
+    if cap <= 0:
+        return None
+    try:
+        return ChunkCache(cache_dir, cap)
+    except OSError as exc:
+        log.warning("chunk cache %s unusable, restoring without it: %s", cache_dir, exc)
+        return None

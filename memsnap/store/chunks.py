@@ -1,0 +1,582 @@
+"""Content-addressed chunks: page-aligned content-defined chunking, chunk objects, reader, cache, index, sweep.
+
+A chunked image (stored manifest format 2, see docs/chunkstore.md) keeps each big file (pages-*.img and any
+file of at least BUNDLE_MAX bytes) as a list of chunks, and the small files of a checkpoint concatenated in
+one bundle object. A chunk is stored once per store under chunks/<2 hex>/<64 hex>, the hex being the blake3
+of its raw bytes; its object is a zstd frame, or the raw bytes (a raw chunk that would start with the zstd
+magic is compressed anyway, so the first 4 bytes always tell which). Every chunk read back is verified
+against its id before it is used.
+
+Cut points are at page (4 KiB) boundaries and depend only on the page before them (a hash of 4 of its
+words): a mapping inserted into pages-*.img shifts the later pages by whole pages, and the chunks after
+the next cut point are the same objects as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+import blake3
+import zstandard
+
+from memsnap import failpoints
+from memsnap.store.base import Bytes, StoreWriter
+from memsnap.store.errors import StoreCorrupt, StoreError, StoreNotFound
+
+log = logging.getLogger("memsnap.chunks")
+
+PAGE = 4096
+CHUNK_PREFIX = "chunks/"
+DEFAULT_AVG = 1 << 20  # chosen from the measurements in docs/chunkstore.md
+BUNDLE_MAX = 1 << 20  # files smaller than this (and not pages-*.img) go into the checkpoint's bundle
+BUNDLE_NAME = "bundle"
+LAYOUT = "chunked"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_M64 = (1 << 64) - 1
+_K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93
+
+
+class ChunkError(StoreCorrupt):
+    """A chunk or chunked manifest is not what its id / signed manifest says (tampered or corrupt)."""
+
+
+class ChunkStore(Protocol):
+    """What chunks need of a store beyond memsnap.store.Store (PosixStore and S3Store have it)."""
+
+    def open_writer(self, key: str) -> StoreWriter: ...
+    def open_reader(self, key: str) -> BinaryIO: ...
+    def list_with_mtime(self, prefix: str) -> list[tuple[str, int, float]]: ...
+    def touch(self, key: str) -> bool: ...
+    def delete_keys(self, keys: list[str], not_after: float | None = None) -> int: ...
+    def describe(self) -> str: ...
+
+
+def chunk_key(cid: str) -> str:
+    """The store key of chunk cid."""
+    return f"{CHUNK_PREFIX}{cid[:2]}/{cid}"
+
+
+def is_chunk_id(cid: object) -> bool:
+    """Whether cid is a lowercase 64-hex blake3."""
+    return isinstance(cid, str) and bool(_HEX64.match(cid))
+
+
+def chunk_id(raw: Bytes) -> str:
+    """The id of a chunk: hex blake3 of its raw bytes."""
+    return blake3.blake3(raw).hexdigest()
+
+
+# -- chunking ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Chunking:
+    """Average, minimum and maximum chunk sizes (multiples of PAGE): min = avg/4, max = 4*avg."""
+
+    avg: int = DEFAULT_AVG
+
+    @property
+    def min(self) -> int:
+        return max(PAGE, self.avg // 4)
+
+    @property
+    def max(self) -> int:
+        return max(PAGE, self.avg * 4)
+
+    def boundaries(self, buf: Bytes | mmap.mmap) -> list[tuple[int, int]]:
+        """(offset, length) of the chunks of buf, in order, covering it exactly."""
+        size = len(buf)
+        if size == 0:
+            return []
+        avgp = max(1, self.avg // PAGE)
+        npages = size // PAGE
+        out: list[tuple[int, int]] = []
+        start = 0
+        lo, hi = self.min, self.max
+        for i in _cut_candidates(buf, npages, avgp):
+            end = (i + 1) * PAGE
+            if end - start < lo:
+                continue
+            while end - start > hi:
+                out.append((start, hi))
+                start += hi
+            out.append((start, end - start))
+            start = end
+        while size - start > hi:
+            out.append((start, hi))
+            start += hi
+        if size > start:
+            out.append((start, size - start))
+        return out
+
+
+def _cut_candidates(buf: Bytes | mmap.mmap, npages: int, avgp: int) -> list[int]:
+    """Pages i after which a chunk may end: a mix of 4 of the page's 64-bit words is 0 modulo avgp."""
+    if npages == 0:
+        return []
+    w = memoryview(buf)[: npages * PAGE].cast("B").cast("Q")
+    a, b, c, d = (w[k::PAGE // 8].tolist() for k in (0, 129, 258, 511))
+    out = []
+    for i, (x, y, z, q) in enumerate(zip(a, b, c, d, strict=True)):
+        h = ((x * _K1 ^ y * _K2 ^ z * _K3 ^ q * _K4) + _K1) & _M64
+        h ^= h >> 29
+        h = (h * _K2) & _M64
+        if (h >> 32) % avgp == 0:
+            out.append(i)
+    return out
+
+
+def is_bundled(name: str, size: int) -> bool:
+    """Whether a file goes into the checkpoint's bundle rather than into chunks."""
+    return not name.startswith("pages-") and size < BUNDLE_MAX
+
+
+# -- chunk objects -----------------------------------------------------------------------------------------
+def encode_chunk(raw: Bytes, level: int) -> bytes:
+    """The stored object of a chunk: a zstd frame (level > 0), else the raw bytes (see the module doc)."""
+    if level > 0 or bytes(raw[:4]) == ZSTD_MAGIC:
+        return zstandard.ZstdCompressor(level=max(1, level), write_checksum=False).compress(raw)
+    return bytes(raw)
+
+
+def decode_chunk(stored: bytes, cid: str, raw_len: int) -> bytes:
+    """The raw bytes of a stored chunk object, verified against its id and length (else ChunkError)."""
+    raw = stored
+    if stored[:4] == ZSTD_MAGIC:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(raw_len, 1))
+        except zstandard.ZstdError as exc:
+            raise ChunkError(f"integrity check failed: chunk {cid} does not decompress: {exc}") from exc
+    if len(raw) != raw_len or chunk_id(raw) != cid:
+        raise ChunkError(f"integrity check failed: chunk {cid} does not match its id (tampered or corrupt)")
+    return raw
+
+
+def put_chunk(store: ChunkStore, cid: str, stored: bytes) -> int:
+    """Uploads a chunk object (atomically, under its key); returns its stored size."""
+    with store.open_writer(chunk_key(cid)) as w:
+        w.write(stored)
+        obj = w.commit()
+    if obj.size_bytes != len(stored):
+        raise StoreError(f"store reports {obj.size_bytes} bytes for chunk {cid}, wrote {len(stored)}")
+    return len(stored)
+
+
+def get_chunk(store: ChunkStore, cid: str, raw_len: int) -> tuple[bytes, bytes]:
+    """(raw, stored) of a chunk fetched from the store and verified."""
+    with store.open_reader(chunk_key(cid)) as f:
+        stored = f.read()
+    return decode_chunk(stored, cid, raw_len), stored
+
+
+# -- the storage section of a format-2 manifest ------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of a file: its id, offset in the file and raw length."""
+
+    id: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a stored file's bytes are: its chunks, or a slice of the bundle (bundle = (offset, size))."""
+
+    size: int
+    chunks: tuple[ChunkRef, ...] = ()
+    bundle: tuple[int, int] | None = None
+
+
+def is_chunked(stored: dict[str, Any]) -> bool:
+    """Whether a stored manifest is a chunked (format 2) one."""
+    return isinstance(stored.get("storage"), dict) and stored["storage"].get("layout") == LAYOUT
+
+
+def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
+    """name -> Layout of a (signature-verified) chunked manifest, checked for consistency (else ChunkError):
+    safe names, the same file set as "files", valid ids, chunks that tile each file exactly."""
+    files = stored.get("files")
+    storage = stored.get("storage")
+    if not isinstance(files, dict) or not isinstance(storage, dict) or not isinstance(storage.get("files"), dict):
+        raise ChunkError("integrity check failed: chunked manifest has no file list")
+    sfiles: dict[str, Any] = storage["files"]
+    if set(sfiles) != set(files):
+        raise ChunkError("integrity check failed: stored manifest lists other files")
+    out: dict[str, Layout] = {}
+    for name, meta in files.items():
+        if "/" in name or name.startswith(".") or not name or name == "manifest.json":
+            raise ChunkError(f"integrity check failed: bad entry {name!r} in stored manifest")
+        size = meta.get("size")
+        s = sfiles[name]
+        if not isinstance(size, int) or size < 0 or not isinstance(s, dict):
+            raise ChunkError(f"integrity check failed: bad entry {name!r} in stored manifest")
+        if "bundle" in s:
+            off, n = s["bundle"]
+            if not (isinstance(off, int) and off >= 0 and n == size):
+                raise ChunkError(f"integrity check failed: bad bundle slice of {name!r} in stored manifest")
+            out[name] = Layout(size, bundle=(off, n))
+            continue
+        refs, pos = [], 0
+        for item in s.get("chunks", []):
+            cid, off, n = item
+            if not is_chunk_id(cid) or off != pos or not isinstance(n, int) or n <= 0:
+                raise ChunkError(f"integrity check failed: bad chunk list of {name!r} in stored manifest")
+            refs.append(ChunkRef(cid, off, n))
+            pos += n
+        if pos != size:
+            raise ChunkError(f"integrity check failed: the chunks of {name!r} do not add up to its size")
+        out[name] = Layout(size, chunks=tuple(refs))
+    return out
+
+
+def referenced_chunks(stored_manifest: dict[str, Any]) -> set[str]:
+    """Ids of the chunks a (verified) stored manifest references; empty for a whole-file (format 1) one."""
+    if not is_chunked(stored_manifest):
+        return set()
+    return {ref.id for lay in layouts(stored_manifest).values() for ref in lay.chunks}
+
+
+def sizes(stored_manifest: dict[str, Any]) -> dict[str, int]:
+    """logical_bytes, stored_bytes and new_bytes of a stored manifest (0s when it has none)."""
+    st = stored_manifest.get("storage", {})
+    return {k: int(st.get(k, 0) or 0) for k in ("logical_bytes", "stored_bytes", "new_bytes")}
+
+
+# -- the node-local chunk cache and index ------------------------------------------------------------------
+class ChunkCache:
+    """Stored chunk objects kept on this node, least recently used evicted past cap bytes (0 = off).
+
+    Entries are verified on every get (a bad one is dropped), so the cache never has to be trusted.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], cap: int) -> None:
+        self.root, self.cap = Path(root), cap
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[str, int] = OrderedDict()
+        self._bytes = 0
+        self.hits = self.misses = 0
+        if cap <= 0:
+            return
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        found = []
+        for p in self.root.iterdir():
+            if is_chunk_id(p.name) and p.is_file() and not p.is_symlink():
+                s = p.stat()
+                found.append((s.st_mtime, p.name, s.st_size))
+            elif p.name.startswith(".tmp-"):
+                p.unlink(missing_ok=True)
+        for _m, cid, n in sorted(found):
+            self._lru[cid] = n
+            self._bytes += n
+        self._trim()
+
+    def get(self, cid: str, raw_len: int) -> bytes | None:
+        """The raw bytes of a cached chunk, verified; None when absent (or bad: then dropped)."""
+        if self.cap <= 0:
+            return None
+        with self._lock:
+            known = cid in self._lru
+            if known:
+                self._lru.move_to_end(cid)
+        if not known:
+            self.misses += 1
+            return None
+        try:
+            fd = os.open(self.root / cid, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                raw = decode_chunk(f.read(), cid, raw_len)
+        except (OSError, ChunkError) as exc:
+            log.warning("chunk cache entry %s dropped: %s", cid, exc)
+            self._drop(cid)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return raw
+
+    def put(self, cid: str, stored: bytes) -> None:
+        """Adds a (verified) stored chunk object."""
+        if self.cap <= 0 or len(stored) > self.cap:
+            return
+        with self._lock:
+            if cid in self._lru:
+                return
+        tmp = self.root / f".tmp-{os.getpid()}-{threading.get_ident()}-{cid}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(stored)
+            os.rename(tmp, self.root / cid)
+        except OSError as exc:
+            log.warning("cannot cache chunk %s: %s", cid, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return
+        with self._lock:
+            self._lru[cid] = len(stored)
+            self._bytes += len(stored)
+        self._trim()
+
+    def _drop(self, cid: str) -> None:
+        with self._lock:
+            self._bytes -= self._lru.pop(cid, 0)
+        with contextlib.suppress(OSError):
+            (self.root / cid).unlink()
+
+    def _trim(self) -> None:
+        while True:
+            with self._lock:
+                if self._bytes <= self.cap or not self._lru:
+                    return
+                cid, n = self._lru.popitem(last=False)
+                self._bytes -= n
+            with contextlib.suppress(OSError):
+                (self.root / cid).unlink()
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes cached now."""
+        return self._bytes
+
+
+class ChunkIndex:
+    """Ids of the chunks this node knows to be in one store (a hint that spares an existence check before
+    an upload; every drain still checks each reused chunk is in the store, see memsnap.store.chunked)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = Path(path) if path else None
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+        if self.path is not None and self.path.is_file():
+            for line in self.path.read_text().split():
+                if is_chunk_id(line):
+                    self._ids.add(line)
+
+    def __contains__(self, cid: object) -> bool:
+        with self._lock:
+            return cid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, cids: list[str]) -> None:
+        """Records ids as present (appended to the index file)."""
+        with self._lock:
+            new = [c for c in cids if c not in self._ids]
+            self._ids.update(new)
+            if new and self.path is not None:
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "a") as f:
+                    f.write("".join(c + "\n" for c in new))
+
+    def discard(self, cids: list[str] | set[str]) -> None:
+        """Forgets ids (missing from the store, or swept); rewrites the index file."""
+        with self._lock:
+            if not self._ids & set(cids):
+                return
+            self._ids -= set(cids)
+            if self.path is not None:
+                tmp = self.path.with_name(f".tmp-{self.path.name}")
+                tmp.write_text("".join(c + "\n" for c in sorted(self._ids)))
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, self.path)
+
+
+# -- random access to a stored chunked image ---------------------------------------------------------------
+class ChunkReader:
+    """Random access to the files of a stored chunked image, each chunk fetched on demand and verified.
+
+    Built from a store and a stored manifest whose signature and binding the caller verified. Thread-safe:
+    concurrent reads of one chunk fetch it once. Chunks go through the optional ChunkCache; the last few
+    decoded chunks stay in memory (mem_chunks) for neighbouring reads.
+    """
+
+    def __init__(self, store: ChunkStore, stored_manifest: dict[str, Any], cache: ChunkCache | None = None,
+                 mem_chunks: int = 8) -> None:
+        if not is_chunked(stored_manifest):
+            raise ChunkError("integrity check failed: not a chunked stored manifest")
+        self.store, self.manifest, self.cache = store, stored_manifest, cache
+        self.layouts = layouts(stored_manifest)
+        self._mem: OrderedDict[str, bytes] = OrderedDict()
+        self._mem_max = max(1, mem_chunks)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, threading.Event] = {}
+        self._bundle: bytes | None = None
+        self.fetched_chunks = 0
+        self.fetched_bytes = 0  # stored bytes read from the store
+
+    def files(self) -> dict[str, int]:
+        """name -> size of every file of the image."""
+        return {n: lay.size for n, lay in self.layouts.items()}
+
+    def chunks(self, file_name: str) -> list[ChunkRef]:
+        """The chunks of a file in order (empty for a bundled file): a prefetcher streams them in turn."""
+        return list(self._layout(file_name).chunks)
+
+    def _layout(self, file_name: str) -> Layout:
+        try:
+            return self.layouts[file_name]
+        except KeyError:
+            raise StoreNotFound(f"{file_name!r} is not a file of this image") from None
+
+    def read_at(self, file_name: str, offset: int, length: int) -> bytes:
+        """Raw bytes [offset, offset+length) of a file (shorter at its end)."""
+        lay = self._layout(file_name)
+        end = min(lay.size, offset + max(0, length))
+        if offset < 0 or offset >= end:
+            return b""
+        if lay.bundle is not None:
+            base = lay.bundle[0]
+            return self.bundle()[base + offset : base + end]
+        parts = []
+        for ref in _overlapping(lay.chunks, offset, end):
+            raw = self.chunk(ref)
+            parts.append(raw[max(0, offset - ref.offset) : end - ref.offset])
+        return b"".join(parts)
+
+    def chunk(self, ref: ChunkRef) -> bytes:
+        """The raw bytes of one chunk, verified (memory, then cache, then store)."""
+        while True:
+            with self._lock:
+                if ref.id in self._mem:
+                    self._mem.move_to_end(ref.id)
+                    return self._mem[ref.id]
+                ev = self._inflight.get(ref.id)
+                if ev is None:
+                    ev = self._inflight[ref.id] = threading.Event()
+                    break
+            ev.wait()
+            with self._lock:
+                if ref.id in self._mem or ref.id in self._inflight:
+                    continue
+            # The fetch that we waited for failed: try ourselves.
+        try:
+            raw = self._load(ref)
+            with self._lock:
+                self._mem[ref.id] = raw
+                while len(self._mem) > self._mem_max:
+                    self._mem.popitem(last=False)
+            return raw
+        finally:
+            with self._lock:
+                self._inflight.pop(ref.id, None)
+            ev.set()
+
+    def _load(self, ref: ChunkRef) -> bytes:
+        if self.cache is not None:
+            got = self.cache.get(ref.id, ref.length)
+            if got is not None:
+                return got
+        raw, stored = get_chunk(self.store, ref.id, ref.length)
+        with self._lock:
+            self.fetched_chunks += 1
+            self.fetched_bytes += len(stored)
+        if self.cache is not None:
+            self.cache.put(ref.id, stored)
+        return raw
+
+    def bundle(self) -> bytes:
+        """The raw bundle of the image's small files, verified against the manifest."""
+        with self._lock:
+            if self._bundle is not None:
+                return self._bundle
+        b = self.manifest["storage"].get("bundle")
+        if not b:
+            raise ChunkError("integrity check failed: the stored manifest has no bundle")
+        key = f"{self.manifest['id']}/{BUNDLE_NAME}"
+        if b.get("key") != key:
+            raise ChunkError("integrity check failed: bad bundle key in stored manifest")
+        with self.store.open_reader(key) as f:
+            stored = f.read()
+        if len(stored) != b.get("stored_bytes") or blake3.blake3(stored).hexdigest() != b.get("stored_blake3"):
+            raise ChunkError(f"integrity check failed: the bundle of {self.manifest['id']} does not match "
+                             "its manifest")
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(1, int(b["raw_bytes"]))) \
+            if stored[:4] == ZSTD_MAGIC else stored
+        with self._lock:
+            self.fetched_bytes += len(stored)
+            self._bundle = raw
+        return raw
+
+
+def _overlapping(refs: tuple[ChunkRef, ...], start: int, end: int) -> Iterator[ChunkRef]:
+    lo, hi = 0, len(refs)
+    while lo < hi:  # first chunk ending after start
+        mid = (lo + hi) // 2
+        if refs[mid].offset + refs[mid].length <= start:
+            lo = mid + 1
+        else:
+            hi = mid
+    for ref in refs[lo:]:
+        if ref.offset >= end:
+            return
+        yield ref
+
+
+# -- mark and sweep ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SweepResult:
+    """What a sweep deleted (or would delete, dry run), the bytes freed, and the unreferenced chunks it kept
+    because they are younger than the grace period (a drain running now may reference them next)."""
+
+    deleted: int
+    bytes_freed: int
+    kept_in_grace: int
+
+
+def sweep(store: ChunkStore, keep: set[str], grace_s: float, dry_run: bool = False,
+          now: float | None = None) -> SweepResult:
+    """Deletes every chunk object not in keep whose last upload or reuse (mtime) is older than grace_s.
+
+    keep must be the union of referenced_chunks() over every stored manifest, listed BEFORE this call: a
+    drain that reuses a chunk refreshes its mtime first (touch), and a new chunk is young, so neither is
+    deleted while its manifest is being written. On POSIX the mtime is checked again right before each
+    unlink. Crash-safe at any point: a chunk is either kept or gone, and only unreferenced ones go.
+    """
+    now = time.time() if now is None else now
+    cutoff = now - grace_s
+    deleted = freed = in_grace = 0
+    for key, size, mtime in store.list_with_mtime(CHUNK_PREFIX):
+        cid = key.rsplit("/", 1)[-1]
+        if not is_chunk_id(cid) or key != chunk_key(cid) or cid in keep:
+            continue
+        if mtime > cutoff:
+            in_grace += 1
+            continue
+        if dry_run:
+            deleted, freed = deleted + 1, freed + size
+            continue
+        if store.delete_keys([key], not_after=cutoff):
+            deleted, freed = deleted + 1, freed + size
+            failpoints.hit("sweep-deleted-one")
+    return SweepResult(deleted, freed, in_grace)
+
+
+def load_stored_manifest(store: ChunkStore, ckpt_id: str) -> dict[str, Any]:
+    """The parsed (NOT verified) stored manifest of a checkpoint."""
+    with store.open_reader(f"{ckpt_id}/manifest.json") as f:
+        data = json.loads(f.read())
+    if not isinstance(data, dict):
+        raise ChunkError(f"stored manifest of {ckpt_id} is not an object")
+    return data
+
+
+def parallel_map(fn: Any, items: list[Any], threads: int = 8) -> list[Any]:
+    """fn over items with a thread pool, results in order (the first exception is raised)."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunks") as pool:
+        return list(pool.map(fn, items))

@@ -1,0 +1,184 @@
+"""Chunk store primitives on a real PosixStore: chunker, drain of a tier dir, reader, cache, index, sweep."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import blake3
+import pytest
+
+from memsnap import safefs
+from memsnap.store.chunked import ChunkedDrain, TierChunks, fetch_chunked
+from memsnap.store.chunks import (
+    PAGE,
+    ChunkCache,
+    ChunkError,
+    ChunkIndex,
+    Chunking,
+    ChunkReader,
+    chunk_key,
+    referenced_chunks,
+    sweep,
+)
+from memsnap.store.posix import PosixStore
+
+AVG = 64 << 10
+
+
+def _pages(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n * PAGE)
+
+
+def test_chunks_tile_the_buffer_at_page_boundaries_within_min_and_max() -> None:
+    c = Chunking(AVG)
+    buf = _pages(2048, 1) + b"tail"
+    bounds = c.boundaries(buf)
+    assert bounds[0][0] == 0 and sum(n for _, n in bounds) == len(buf)
+    assert all(a + n == b for (a, n), (b, _) in zip(bounds, bounds[1:], strict=False))
+    assert all(off % PAGE == 0 for off, _ in bounds)
+    assert all(c.min <= n <= c.max for _, n in bounds[:-1])
+    assert 0.5 * len(buf) / AVG < len(bounds) < 2 * len(buf) / AVG
+
+
+def test_zero_pages_are_cut_at_the_max_size_or_min_size() -> None:
+    c = Chunking(AVG)
+    bounds = c.boundaries(bytes(400 * PAGE))
+    assert all(n in (c.min, c.max) for _, n in bounds[:-1])
+
+
+def test_an_inserted_run_of_pages_leaves_the_later_chunks_unchanged() -> None:
+    c = Chunking(AVG)
+    old = _pages(4096, 2)
+    new = old[: 1000 * PAGE] + _pages(3, 3) + old[1000 * PAGE :]
+    ids = lambda b: [blake3.blake3(b[o : o + n]).hexdigest() for o, n in c.boundaries(b)]  # noqa: E731
+    before, after = ids(old), ids(new)
+    assert len(set(before) - set(after)) <= 2  # only the chunk(s) around the insertion changed
+    # A fixed-size split would have changed every chunk after the insertion.
+    fixed = lambda b: {blake3.blake3(b[o : o + AVG]).hexdigest() for o in range(0, len(b), AVG)}  # noqa: E731
+    assert len(fixed(old) - fixed(new)) > len(before) // 2
+
+
+def _tier(tmp: Path, pages: bytes, small: bytes = b"core" * 100) -> tuple[Path, dict[str, dict[str, object]]]:
+    d = tmp / "tier"
+    d.mkdir(exist_ok=True)
+    (d / "pages-1.img").write_bytes(pages)
+    (d / "core-1.img").write_bytes(small)
+    files = {n: {"size": (d / n).stat().st_size, "blake3": blake3.blake3((d / n).read_bytes()).hexdigest()}
+             for n in ("pages-1.img", "core-1.img")}
+    return d, files
+
+
+def _drain(store: PosixStore, d: Path, files: dict, ckpt: str, index: ChunkIndex | None = None,
+           level: int = 3) -> tuple[dict, ChunkedDrain]:
+    job = ChunkedDrain(store, level, index if index is not None else ChunkIndex(None), Chunking(AVG), threads=2)
+    with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
+        storage = job.run(ckpt, sfd, files, None, lambda n: None)
+    return {"id": ckpt, "files": files, "storage": storage}, job
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> PosixStore:
+    return PosixStore(tmp_path / "store", create=True)
+
+
+def test_a_second_drain_of_the_same_pages_uploads_no_chunk(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(1024, 4)
+    d, files = _tier(tmp_path, pages)
+    m1, j1 = _drain(store, d, files, "ck-1")
+    assert j1.stats.new_chunks == j1.stats.chunks > 0 and j1.stats.new_bytes == len(pages) + 400
+    m2, j2 = _drain(store, d, files, "ck-2")
+    assert j2.stats.new_chunks == 0 and j2.stats.reused_chunks == j2.stats.chunks
+    assert j2.stats.stored_bytes < 2000  # the bundle only
+    assert referenced_chunks(m1) == referenced_chunks(m2)
+
+
+def test_reader_returns_the_raw_bytes_at_any_offset(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(700, 5)
+    d, files = _tier(tmp_path, pages)
+    m, _ = _drain(store, d, files, "ck-1", level=0)
+    r = ChunkReader(store, m)
+    rng = random.Random(6)
+    for _ in range(50):
+        off, n = rng.randrange(len(pages)), rng.randrange(1, 300_000)
+        assert r.read_at("pages-1.img", off, n) == pages[off : off + n]
+    assert r.read_at("core-1.img", 4, 8) == (b"core" * 100)[4:12]
+    refs = r.chunks("pages-1.img")
+    assert refs[0].offset == 0 and refs[-1].offset + refs[-1].length == len(pages)
+
+
+def test_reader_refuses_a_tampered_chunk(tmp_path: Path, store: PosixStore) -> None:
+    d, files = _tier(tmp_path, _pages(300, 7))
+    m, _ = _drain(store, d, files, "ck-1", level=0)
+    ref = ChunkReader(store, m).chunks("pages-1.img")[1]
+    p = store.root / chunk_key(ref.id)
+    data = bytearray(p.read_bytes())
+    data[100] ^= 1
+    p.write_bytes(bytes(data))
+    with pytest.raises(ChunkError, match="does not match its id"):
+        ChunkReader(store, m).read_at("pages-1.img", ref.offset, 10)
+
+
+def test_fetch_writes_the_files_from_tier_chunks_cache_and_store(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(600, 8)
+    d, files = _tier(tmp_path, pages)
+    m, _ = _drain(store, d, files, "ck-1")
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    out = tmp_path / "out"
+    out.mkdir()
+    with safefs.opened(os.open(out, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        got = fetch_chunked(ChunkReader(store, m, cache), dfd, TierChunks(None, {}))
+    assert (out / "pages-1.img").read_bytes() == pages and got["from_store"] == got["chunks"]
+    # Warm cache: nothing more from the store.
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    with safefs.opened(os.open(out2, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        got2 = fetch_chunked(ChunkReader(store, m, cache), dfd, TierChunks(None, {}))
+    assert (out2 / "pages-1.img").read_bytes() == pages and got2["from_store"] == 0
+
+
+def test_a_chunk_the_index_lists_but_the_store_lost_is_uploaded_again(tmp_path: Path, store: PosixStore) -> None:
+    d, files = _tier(tmp_path, _pages(500, 9))
+    index = ChunkIndex(tmp_path / "index")
+    m, _ = _drain(store, d, files, "ck-1", index)
+    lost = sorted(referenced_chunks(m))[0]
+    (store.root / chunk_key(lost)).unlink()
+    assert lost in ChunkIndex(tmp_path / "index")  # the index file still says present
+    _, j2 = _drain(store, d, files, "ck-2", ChunkIndex(tmp_path / "index"))
+    assert j2.stats.reuploaded_chunks == 1 and (store.root / chunk_key(lost)).is_file()
+
+
+def test_cache_keeps_under_its_cap_and_drops_a_bad_entry(tmp_path: Path, store: PosixStore) -> None:
+    d, files = _tier(tmp_path, _pages(400, 10))
+    m, _ = _drain(store, d, files, "ck-1", level=0)
+    cache = ChunkCache(tmp_path / "cache", 3 * AVG)
+    r = ChunkReader(store, m, cache, mem_chunks=1)
+    r.read_at("pages-1.img", 0, 400 * PAGE)
+    assert 0 < cache.size_bytes <= 3 * AVG
+    cid = next(p.name for p in (tmp_path / "cache").iterdir())
+    (tmp_path / "cache" / cid).write_bytes(b"junk")
+    assert cache.get(cid, 4) is None and not (tmp_path / "cache" / cid).exists()
+
+
+def test_sweep_deletes_unreferenced_chunks_past_grace_and_keeps_young_ones(tmp_path: Path,
+                                                                           store: PosixStore) -> None:
+    d, files = _tier(tmp_path, _pages(400, 11))
+    m1, _ = _drain(store, d, files, "ck-1")
+    (d / "pages-1.img").write_bytes(_pages(400, 12))
+    files2 = dict(files, **{"pages-1.img": {"size": 400 * PAGE,
+                                             "blake3": blake3.blake3((d / "pages-1.img").read_bytes()).hexdigest()}})
+    m2, _ = _drain(store, d, files2, "ck-2")
+    keep, old = referenced_chunks(m2), referenced_chunks(m1) - referenced_chunks(m2)
+    assert old
+    now = time.time()
+    for cid in sorted(old)[: len(old) // 2]:  # half of ck-1's chunks are old, the other half just uploaded
+        os.utime(store.root / chunk_key(cid), (now - 7200, now - 7200))
+    dry = sweep(store, keep, grace_s=3600, dry_run=True, now=now)
+    assert dry.deleted == len(old) // 2 and all((store.root / chunk_key(c)).exists() for c in old)
+    res = sweep(store, keep, grace_s=3600, dry_run=False, now=now)
+    assert (res.deleted, res.kept_in_grace) == (len(old) // 2, len(old) - len(old) // 2)
+    assert res.bytes_freed == dry.bytes_freed > 0
+    assert all((store.root / chunk_key(c)).exists() for c in keep)
+    assert ChunkReader(store, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
