@@ -30,13 +30,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
+import blake3
+
 from memsnap import failpoints, knobs, manifest, proc, safefs
 from memsnap.catalog import CheckpointRecord
-from memsnap.errors import FailedPrecondition, IntegrityFailure, Unavailable
+from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
-from memsnap.pageserver.sources import PageSource, SourceFailed, StreamedSource
-from memsnap.store import MANIFEST_NAME, StoreError, StoreNotFound, StoreUnavailable, copy_decode
+from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed, StreamedSource
+from memsnap.store import MANIFEST_NAME, StoreError, StoreNotFound, StoreUnavailable, chunks, copy_decode
 
 if TYPE_CHECKING:
     from memsnap.engine import Engine, RestoreResult
@@ -67,6 +69,12 @@ def stored_manifest(drain: Any, rec: CheckpointRecord) -> dict[str, Any]:
     storage = stored.get("storage", {}).get("files", {})
     if not isinstance(stored.get("files"), dict) or set(storage) != set(stored["files"]):
         raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
+    if chunks.is_chunked(stored):
+        try:
+            chunks.layouts(stored)
+        except (StoreError, ValueError, TypeError, KeyError) as exc:
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id}: {exc}") from exc
+        return stored
     for name, s in storage.items():
         if "/" in name or name.startswith(".") or not name or name == MANIFEST_NAME or \
                 s.get("key") != f"{rec.id}/{name}" + (".zst" if s.get("codec") == "zstd" else ""):
@@ -99,9 +107,12 @@ def whole_file_source(drain: Any, rec: CheckpointRecord, stored: dict[str, Any],
             return cast(BinaryIO, drain.store.open_reader(key))
 
         files[name] = (opener, s.get("codec") == "zstd", int(meta["size"]), meta["blake3"], s["stored_blake3"])
-    on_error = (lambda: drain.metrics.storage_errors.labels(op="get").inc()) \
-        if getattr(drain, "metrics", None) is not None else None
-    return StreamedSource(files, spill, on_error)
+    return StreamedSource(files, spill, _storage_error_counter(drain))
+
+
+def _storage_error_counter(drain: Any) -> Callable[[], None] | None:
+    metrics = getattr(drain, "metrics", None)
+    return (lambda: metrics.storage_errors.labels(op="get").inc()) if metrics is not None else None
 
 
 class CutAfterResume:
@@ -149,18 +160,41 @@ def prepare(drain: Any, rec: CheckpointRecord, root: Path,
     images.mkdir(parents=True, mode=0o700)
     spill.mkdir(mode=0o700)
     files: dict[str, dict[str, Any]] = stored["files"]
+    on_error = _storage_error_counter(drain)
+    chunked = chunks.is_chunked(stored)
+    if chunked:
+        node = getattr(drain, "node_chunks", None)
+        chunk_source = ChunkSource(chunks.ChunkReader(drain.store, stored, node.cache() if node else None), on_error)
+
+        def fetch(name: str, dfd: int) -> None:
+            try:
+                data = chunk_source.read_at(name, 0, int(files[name]["size"]))
+            except SourceFailed as exc:
+                raise (IntegrityFailure if exc.integrity else Unavailable)(
+                    f"cannot restore {rec.id} from the store: {exc}") from exc
+            if blake3.blake3(data).hexdigest() != files[name]["blake3"]:
+                raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
+            with os.fdopen(safefs.create_file(dfd, name, 0o600), "wb") as out:
+                out.write(data)
+    else:
+        def fetch(name: str, dfd: int) -> None:
+            _fetch_whole(drain, rec, stored, name, dfd)
     with safefs.opened(os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
         for name in sorted(n for n in files if not _PAGES_NAME.match(n)):
-            _fetch_whole(drain, rec, stored, name, dfd)
+            fetch(name, dfd)
         try:
             index = PageIndex.from_images({n: (images / n).read_bytes() for n in files if n.startswith("pagemap-")})
         except ImageError as exc:
             raise IntegrityFailure(f"checkpoint {rec.id}: a pagemap image does not parse: {exc}") from exc
         lazy_files = index.pages_files() & set(files)
         for name in sorted(n for n in files if _PAGES_NAME.match(n) and n not in lazy_files):
-            _fetch_whole(drain, rec, stored, name, dfd)  # (shared memory: CRIU restores it itself)
-        source = (make_source or (lambda st, names, sp: whole_file_source(drain, rec, st, names, sp)))(
-            stored, lazy_files, spill)
+            fetch(name, dfd)  # (shared memory: CRIU restores it itself)
+        if make_source is not None:
+            source = make_source(stored, lazy_files, spill)
+        elif chunked:
+            source = chunk_source
+        else:
+            source = whole_file_source(drain, rec, stored, lazy_files, spill)
         if failpoints.armed("lazy-store-cut"):
             source = CutAfterResume(source)
         try:
@@ -206,23 +240,38 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     ours, theirs = socket.socketpair()
     server = PageServer(ours, prep.index, prep.source, on_fail=watch.failed, name=rec.id,
                         on_first_request=prep.source.resumed.set if isinstance(prep.source, CutAfterResume)
-                        else None)
+                        else None, held=True)
     watch.server = server
     server.start()
     t1 = time.monotonic()
     try:
         res = engine._restore_verified(rec, prep.man, prep.images, t0, t1, prep.fetch_ms, True, True, gpu_map,
                                        tcp_established, notify, restore_opts, theirs.fileno())
-    except BaseException:
+    except BaseException as exc:
+        why = server.error
+        server.release()
         server.fail("the restore failed")
         watch.cleanup()
+        if why:  # (the pages could not be had: that, not how CRIU noticed it, is the reason)
+            msg = f"lazy restore from the store refused before the job resumed: {why}"
+            engine.catalog.update_checkpoint(rec.id, last_error=msg)
+            engine.observe("restore", "store_failed", time.monotonic() - t0)
+            log.error(msg, extra={"checkpoint_id": rec.id})
+            raise _store_error(why)(f"restore of {rec.id} failed: {why}; nothing was left running") from exc
         raise
     finally:
         theirs.close()  # lazy-pages holds its own copy
         engine._mark_reading(rec.id, -1)
     res.verify_ms = 0.0  # (every file and chunk is verified as it arrives)
-    watch.started(res)
+    try:
+        watch.started(res)
+    finally:
+        server.release()
     return res
+
+
+def _store_error(why: str) -> type[IntegrityFailure] | type[Unavailable]:
+    return IntegrityFailure if "integrity" in why or "checksum" in why else Unavailable
 
 
 class _Watch:
@@ -251,10 +300,13 @@ class _Watch:
         self.t_resumed = time.monotonic()
         server = self.server
         assert server is not None
-        if server.error:  # (failed while CRIU restored: its supervisor may not have seen it yet)
-            self._record(f"paging in from the store failed: {server.error}")
-            raise FailedPrecondition(f"restore of {self.rec.id} from the store failed: {server.error}; the "
-                                     "restored copy was killed")
+        if server.error:  # (failed while CRIU restored: the job never ran on its missing pages)
+            why = server.error
+            self._record(f"paging in from the store failed: {why}")
+            server.release()
+            self.cleanup()
+            raise _store_error(why)(f"restore of {self.rec.id} from the store failed: {why}; the restored "
+                                    "copy was killed")
         threading.Thread(target=self._follow, args=(res.lazy_server,), name=f"lazystore-{self.rec.id}",
                          daemon=True).start()
 

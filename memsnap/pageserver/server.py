@@ -30,8 +30,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from memsnap.pageserver.images import PAGE, PE_PRESENT, PageIndex
 from memsnap.pageserver.sources import PageSource, SourceFailed
@@ -44,6 +45,7 @@ PS_IOV_CLOSE = 0x1023
 PS_IOV_FORCE_CLOSE = 0x1024
 PS_CMD_BITS = 16
 IOV = struct.Struct("<IIQQ")  # CRIU 4.1: u32 cmd, u32 nr_pages, u64 vaddr, u64 dst_id
+_MAX_REQUEST_PAGES = 1 << 20  # (4 GiB: lazy-pages asks for 4 MiB at most)
 _RETRIES = (0.2, 0.5, 1.0)  # seconds between attempts at a block the store failed to give
 
 
@@ -198,14 +200,14 @@ class PageServer:
     """Serves one `criu lazy-pages` over sock from source, using index to find the pages.
 
     on_fail(why) is called once when a page cannot be had (or the peer breaks the protocol); the socket is
-    shut then, so lazy-pages fails. ok is set once lazy-pages said every page arrived and the source
-    confirmed all it served (source.finish()).
+    shut then (held: once release() was called too), so lazy-pages fails. ok is set once lazy-pages said
+    every page arrived and the source confirmed all it served (source.finish()).
     """
 
     def __init__(self, sock: socket.socket, index: PageIndex, source: PageSource, *, prefetch: bool = True,
                  ahead_bytes: int = 256 << 20, prefetchers: int = 8, workers: int = 4,
                  on_fail: Callable[[str], None] | None = None, name: str = "",
-                 on_first_request: Callable[[], None] | None = None) -> None:
+                 on_first_request: Callable[[], None] | None = None, held: bool = False) -> None:
         self.sock = sock
         self.index = index
         self.source = source
@@ -225,8 +227,12 @@ class PageServer:
         self.t_closed = 0.0
         self.t_failed = 0.0
         self._stop = threading.Event()
+        self._released = threading.Event()  # (held: see release())
+        if not held:
+            self._released.set()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"pageserver-{name}")
-        self._replies: queue.Queue[Future[bytes] | tuple[str, int] | None] = queue.Queue()
+        self._prefetch_stop = threading.Event()
+        self._replies: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -243,45 +249,53 @@ class PageServer:
 
     # -- failure ---------------------------------------------------------------------------------
     def fail(self, why: str) -> None:
-        """Ends serving: lazy-pages fails, and with it the restored job."""
+        """Ends serving (held: see release()): lazy-pages fails, and with it the restored job."""
         with self._lock:
             if self.error or self.ok.is_set():
                 return
             self.error = why
             self.t_failed = time.monotonic()
         log.error("lazy restore %s: %s; ending the page server", self.name, why)
-        self._stop.set()
+        self._prefetch_stop.set()
         self.cache.wake()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._replies.put(None)
-        self.done.set()
+        if self._released.is_set():
+            self._end()
         try:
             self.on_fail(why)
         except Exception:
             log.exception("lazy restore %s: on_fail raised", self.name)
 
+    def _end(self) -> None:
+        self._stop.set()
+        _shutdown(self.sock)
+        self._replies.put(None)
+        self.done.set()
+
+    def release(self) -> None:
+        """CRIU's restore call returned: from now on a failure ends serving at once.
+
+        Until then (held) a failure does not end it: lazy-pages failing while `criu restore` runs left that
+        restore hung after it killed the half-restored tree (CRIU 4.1.1). So meanwhile the pages that cannot
+        be had are answered with zeros, and the caller kills the job as soon as the restore returned (its
+        error says why); release() then makes lazy-pages fail too."""
+        self._released.set()
+        if self.error:
+            self._end()
+
     def close(self) -> None:
         """Stops every thread (after done, or to give up) and closes the socket."""
-        self._stop.set()
+        self._prefetch_stop.set()
+        self._end()
         self.cache.wake()
-        self._replies.put(None)
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         for t in self._threads:
             t.join(5)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.sock.close()
-        self.done.set()
 
     # -- threads ---------------------------------------------------------------------------------
     def _prefetch(self) -> None:
         try:
-            while not self._stop.is_set() and self.cache.prefetch_one(self._stop):
+            while not self._prefetch_stop.is_set() and self.cache.prefetch_one(self._prefetch_stop):
                 pass
         except SourceFailed as exc:
             self.fail(str(exc))
@@ -300,19 +314,21 @@ class PageServer:
                 if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     self._replies.put(("close", cmd))
                     return
-                if cmd != PS_IOV_GET:
-                    self.fail(f"lazy-pages sent an unexpected command {cmd:#x}")
+                if cmd != PS_IOV_GET or not 0 < nr <= _MAX_REQUEST_PAGES:
+                    self.fail(f"lazy-pages sent an unexpected request {cmd:#x} ({nr} pages)")
                     return
                 if not self.t_first_request:
                     self.t_first_request = time.monotonic()
                     self.on_first_request()
                 self.requests += 1
-                self._replies.put(self._pool.submit(self._pages, dst, vaddr, nr))
+                self._replies.put((self._pool.submit(self._pages, dst, vaddr, nr), dst, vaddr, nr))
         except OSError as exc:
             if not self._stop.is_set():
                 self.fail(f"the page socket broke: {exc}")
 
     def _pages(self, pid: int, vaddr: int, nr: int) -> bytes:
+        if self.error:
+            raise SourceFailed(self.error)
         try:
             spans = self.index.locate(pid, vaddr, nr)
         except KeyError as exc:
@@ -321,52 +337,64 @@ class PageServer:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         if len(data) != nr * PAGE:
             raise SourceFailed(f"got {len(data)} bytes for {nr} pages at {vaddr:#x}")
-        return IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, pid) + data
+        return data
 
     def _reply(self) -> None:
         while True:
             item = self._replies.get()
-            if item is None or self.error:
+            if item is None or self._stop.is_set():
                 return
-            if isinstance(item, tuple):  # lazy-pages is done: every page is in place
-                try:
-                    self.source.finish()  # (a whole-file source verifies only at its end)
-                except SourceFailed as exc:
-                    self.fail(str(exc))
-                    return
-                except Exception as exc:
-                    self.fail(f"could not confirm the pages served: {exc}")
-                    return
-                self.t_closed = time.monotonic()
-                self.ok.set()
-                self._stop.set()
-                self.cache.wake()
-                try:
-                    self.sock.sendall(struct.pack("<i", 0))
-                except OSError:
-                    pass
-                self.done.set()
+            if len(item) == 2:  # lazy-pages is done: every page is in place
+                self._closing()
                 return
+            future, pid, vaddr, nr = item
             try:
-                msg = item.result()
-            except SourceFailed as exc:
-                self.fail(str(exc))
-                return
+                data = future.result()
             except Exception as exc:
-                self.fail(f"serving a page failed: {exc}")
-                return
+                self.fail(str(exc) if isinstance(exc, SourceFailed) else f"serving a page failed: {exc}")
+                if self._released.is_set():
+                    return
+                data = bytes(nr * PAGE)  # (held: see release(); the job is killed before it runs on)
             try:
-                self.sock.sendall(msg)
+                self.sock.sendall(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, pid))
+                self.sock.sendall(data)
             except OSError as exc:
                 self.fail(f"the page socket broke: {exc}")
                 return
-            self.served_bytes += len(msg) - IOV.size
+            self.served_bytes += len(data)
+
+    def _closing(self) -> None:
+        if not self.error:
+            try:
+                self.source.finish()  # (a whole-file source verifies only at its end)
+            except SourceFailed as exc:
+                self.fail(str(exc))
+            except Exception as exc:
+                self.fail(f"could not confirm the pages served: {exc}")
+        if self.error:  # (held: lazy-pages got zeros; the caller kills the job)
+            return
+        self.t_closed = time.monotonic()
+        self.ok.set()
+        self._prefetch_stop.set()
+        self.cache.wake()
+        try:
+            self.sock.sendall(struct.pack("<i", 0))
+        except OSError:
+            pass
+        self.done.set()
 
     def stats(self) -> dict[str, float]:
         c = self.cache
         return {"requests": self.requests, "served_bytes": self.served_bytes, "lazy_bytes": c.total_bytes,
                 "prefetched_bytes": c.prefetched_bytes, "cache_hits": c.hits, "cache_misses": c.misses,
                 "seconds": (self.t_closed or time.monotonic()) - self.t_start}
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:

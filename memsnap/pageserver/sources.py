@@ -221,3 +221,42 @@ class _Sink:
         if self.closed.is_set():
             raise _Closed()
         return self.spill.write(data)
+
+
+class ChunkSource:
+    """A chunked stored image (store format 2) through memsnap.store.chunks.ChunkReader: each chunk is
+    fetched when first needed and verified (blake3 of its raw bytes) before a byte of it is served."""
+
+    def __init__(self, reader: Any, on_storage_error: Callable[[], None] | None = None) -> None:
+        self.reader = reader
+        self._on_error = on_storage_error or (lambda: None)
+
+    def read_at(self, name: str, offset: int, length: int) -> bytes:
+        from memsnap.store.chunks import ChunkError
+
+        try:
+            data: bytes = self.reader.read_at(name, offset, length)
+        except ChunkError as exc:  # ("integrity check failed: chunk ... does not match its id")
+            self._on_error()
+            raise SourceFailed(str(exc), integrity=True) from exc
+        except StoreUnavailable as exc:
+            self._on_error()
+            raise SourceFailed(f"the store failed: {exc}") from exc
+        except StoreError as exc:  # (a chunk the store no longer has, a corrupt object)
+            self._on_error()
+            raise SourceFailed(f"integrity check failed: {exc}", integrity=True) from exc
+        except Exception as exc:  # (a connection that broke mid-read, ...)
+            self._on_error()
+            raise SourceFailed(f"the store failed: {exc}") from exc
+        if len(data) != length:
+            raise SourceFailed(f"{name} ends before {offset + length}", integrity=True)
+        return data
+
+    def blocks(self, name: str) -> list[tuple[int, int]]:
+        return [(ref.offset, ref.length) for ref in self.reader.chunks(name)]
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

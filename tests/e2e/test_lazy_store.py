@@ -108,13 +108,18 @@ def test_lazy_restore_with_the_store_cut_off_mid_way_kills_the_job_and_says_why(
         assert not [j for j in c.jobs() if j.running and j.name == ck["name"] and j.id != ck["job"]]
 
 
-def test_lazy_restore_of_a_tampered_stored_page_image_kills_the_job_and_says_why(make_daemon, jobs_to_kill):
+def test_lazy_restore_of_a_tampered_chunk_kills_or_refuses_the_job_and_says_why(make_daemon, jobs_to_kill):
     d = make_daemon("tamper").start()
     ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, 32)
-    pages = next((d.store / ck["id"]).glob("pages-*"))
-    data = bytearray(pages.read_bytes())
+    # A chunk from the middle of the pages image: the job's buffer, which lazy-pages serves.
+    stored = json.loads((d.store / ck["id"] / "manifest.json").read_text())
+    name = max((n for n in stored["files"] if n.startswith("pages-")), key=lambda n: stored["files"][n]["size"])
+    refs = stored["storage"]["files"][name]["chunks"]
+    cid = refs[len(refs) // 2][0]
+    chunk = d.store / "chunks" / cid[:2] / cid
+    data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x01
-    pages.write_bytes(bytes(data))
+    chunk.write_bytes(bytes(data))
     before = _running(d)
     r = restore_refused(d, ck["id"], jobs_to_kill, "--lazy")
     shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
@@ -127,6 +132,7 @@ def test_lazy_restore_of_a_tampered_stored_page_image_kills_the_job_and_says_why
             "killed" in shown["last_error"], shown["last_error"]
     else:  # refused before the job resumed: nothing runs
         assert "DATA_LOSS" in r.stderr and ("integrity" in r.stderr or "checksum" in r.stderr), r.stderr
+        assert cid in shown["last_error"]
     assert _running(d) == before
     assert not _lazy_pages_running(d)
     assert not list(d.state.glob(f"work/{ck['id']}.lazystore-*"))
