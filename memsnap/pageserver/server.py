@@ -106,7 +106,10 @@ class BlockCache:
         self.total_bytes = sum(b.end - b.start for b in self.order)
         self.cached_bytes = 0
         self.prefetched_bytes = 0
-        self.hits = self.misses = 0
+        self.fetched_bytes = 0
+        self.hits = self.misses = self.waits = 0
+        self.t_prefetched = 0.0  # when the prefetcher had fetched its last block
+        self.urgent = 0  # blocks fetched for a waiting request right now
         self._next = 0
         self._cv = threading.Condition()
 
@@ -121,10 +124,17 @@ class BlockCache:
         return out
 
     def read(self, name: str, off: int, length: int) -> bytes:
-        """Bytes [off, off + length) of name, from memory where prefetched (or being fetched), else from the
-        source; each byte of a lazy range is counted served once."""
+        """Bytes [off, off + length) of name; each byte of a lazy range is counted served once."""
+        parts = self.read_parts(name, off, length)
+        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+    def read_parts(self, name: str, off: int, length: int) -> list[bytes | memoryview]:
+        """read(), as pieces that are not copied together.
+
+        A block that is neither in memory nor on its way is fetched whole, at once, and the prefetcher starts
+        no fetch meanwhile: a faulting page must not queue behind the stream (the link is shared)."""
         end = off + length
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         pos = off
         for blk in self._blocks_over(name, off, end):
             if blk.start > pos:  # (a gap between blocks: not lazy)
@@ -132,21 +142,53 @@ class BlockCache:
                 pos = blk.start
             hi = min(end, blk.end)
             with self._cv:
-                waiting = blk.fetching
-            if waiting:
+                mine = blk.data is None and not blk.fetching and blk.remaining > 0
+                if mine:
+                    blk.fetching = True
+                    self.urgent += 1
+                    self.cached_bytes += blk.end - blk.start
+                waiting = blk.fetching and not mine
+            if mine:
+                self.misses += 1
+                self._fetch(blk, urgent=True)
+            elif waiting:
+                self.waits += 1
                 blk.ready.wait()
             data = blk.data
             if data is not None:
-                parts.append(data[pos - blk.start:hi - blk.start])
-                self.hits += 1
-            else:
+                parts.append(memoryview(data)[pos - blk.start:hi - blk.start])  # (no copy)
+                self.hits += 0 if mine else 1
+            else:  # (served before, or its fetch failed: read it on its own)
                 parts.append(read_retrying(self.source, name, pos, hi - pos))
-                self.misses += 1
             self._served(blk, hi - pos)
             pos = hi
         if pos < end:
             parts.append(read_retrying(self.source, name, pos, end - pos))
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return parts
+
+    def _fetch(self, blk: _Block, urgent: bool = False) -> None:
+        """Fetches a block marked fetching (its bytes already counted in cached_bytes)."""
+        try:
+            data = read_retrying(self.source, blk.name, blk.start, blk.end - blk.start)
+        except BaseException:
+            with self._cv:
+                self.cached_bytes -= blk.end - blk.start
+                blk.fetching = False
+                self.urgent -= 1 if urgent else 0
+                self._cv.notify_all()
+            blk.ready.set()
+            raise
+        with self._cv:
+            self.prefetched_bytes += 0 if urgent else len(data)
+            self.fetched_bytes += len(data)
+            blk.fetching = False
+            self.urgent -= 1 if urgent else 0
+            if blk.remaining > 0:
+                blk.data = data
+            else:
+                self.cached_bytes -= len(data)
+            self._cv.notify_all()
+        blk.ready.set()
 
     def _served(self, blk: _Block, n: int) -> None:
         with self._cv:
@@ -157,38 +199,26 @@ class BlockCache:
                 self._cv.notify_all()
 
     def prefetch_one(self, stop: threading.Event) -> bool:
-        """Fetches the next block due (waits while ahead_bytes are cached); False when none is left."""
+        """Fetches the next block due (waits while ahead_bytes are cached or a fault's block is on its way);
+        False when none is left."""
         with self._cv:
             while True:
-                while self._next < len(self.order) and self.order[self._next].remaining <= 0:
+                while self._next < len(self.order) and (self.order[self._next].remaining <= 0 or
+                                                        self.order[self._next].fetching or
+                                                        self.order[self._next].data is not None):
                     self._next += 1
                 if self._next >= len(self.order) or stop.is_set():
+                    if self._next >= len(self.order) and not self.t_prefetched:
+                        self.t_prefetched = time.monotonic()
                     return False
-                if self.cached_bytes < self.ahead_bytes:
+                if self.cached_bytes < self.ahead_bytes and not self.urgent:
                     break
                 self._cv.wait(0.5)
             blk = self.order[self._next]
             self._next += 1
             blk.fetching = True
             self.cached_bytes += blk.end - blk.start  # (reserved before the fetch)
-        try:
-            data = read_retrying(self.source, blk.name, blk.start, blk.end - blk.start)
-        except BaseException:
-            with self._cv:
-                self.cached_bytes -= blk.end - blk.start
-                blk.fetching = False
-                self._cv.notify_all()
-            blk.ready.set()
-            raise
-        with self._cv:
-            self.prefetched_bytes += len(data)
-            blk.fetching = False
-            if blk.remaining > 0:
-                blk.data = data
-            else:
-                self.cached_bytes -= len(data)
-            self._cv.notify_all()
-        blk.ready.set()
+        self._fetch(blk)
         return True
 
     def wake(self) -> None:
@@ -232,20 +262,30 @@ class PageServer:
             self._released.set()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"pageserver-{name}")
         self._prefetch_stop = threading.Event()
+        self._prefetching = False
         self._replies: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> PageServer:
         self.t_start = time.monotonic()
-        targets = [(self._receive, "rx"), (self._reply, "tx")]
-        if self.prefetch:
-            targets += [(self._prefetch, f"pf{i}") for i in range(self.prefetchers)]
+        self._spawn([(self._receive, "rx"), (self._reply, "tx")])
+        if self._released.is_set():
+            self._start_prefetch()
+        return self
+
+    def _spawn(self, targets: list[tuple[Callable[[], None], str]]) -> None:
         for fn, tag in targets:
             t = threading.Thread(target=fn, name=f"pageserver-{self.name}-{tag}", daemon=True)
             t.start()
             self._threads.append(t)
-        return self
+
+    def _start_prefetch(self) -> None:
+        with self._lock:
+            if not self.prefetch or self._prefetching:
+                return
+            self._prefetching = True
+        self._spawn([(self._prefetch, f"pf{i}") for i in range(self.prefetchers)])
 
     # -- failure ---------------------------------------------------------------------------------
     def fail(self, why: str) -> None:
@@ -281,6 +321,8 @@ class PageServer:
         self._released.set()
         if self.error:
             self._end()
+        else:
+            self._start_prefetch()  # (held: not while CRIU restores, whose faults get the link and CPU)
 
     def close(self) -> None:
         """Stops every thread (after done, or to give up) and closes the socket."""
@@ -326,18 +368,18 @@ class PageServer:
             if not self._stop.is_set():
                 self.fail(f"the page socket broke: {exc}")
 
-    def _pages(self, pid: int, vaddr: int, nr: int) -> bytes:
+    def _pages(self, pid: int, vaddr: int, nr: int) -> list[bytes | memoryview]:
         if self.error:
             raise SourceFailed(self.error)
         try:
             spans = self.index.locate(pid, vaddr, nr)
         except KeyError as exc:
             raise SourceFailed(f"lazy-pages asked for pages the image does not have: {exc}") from exc
-        parts = [self.cache.read(name, off, n) for name, off, n in spans]
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        if len(data) != nr * PAGE:
-            raise SourceFailed(f"got {len(data)} bytes for {nr} pages at {vaddr:#x}")
-        return data
+        parts = [p for name, off, n in spans for p in self.cache.read_parts(name, off, n)]
+        got = sum(len(p) for p in parts)
+        if got != nr * PAGE:
+            raise SourceFailed(f"got {got} bytes for {nr} pages at {vaddr:#x}")
+        return parts
 
     def _reply(self) -> None:
         while True:
@@ -354,14 +396,15 @@ class PageServer:
                 self.fail(str(exc) if isinstance(exc, SourceFailed) else f"serving a page failed: {exc}")
                 if self._released.is_set():
                     return
-                data = bytes(nr * PAGE)  # (held: see release(); the job is killed before it runs on)
+                data = [bytes(nr * PAGE)]  # (held: see release(); the job is killed before it runs on)
             try:
                 self.sock.sendall(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, pid))
-                self.sock.sendall(data)
+                for part in data:
+                    self.sock.sendall(part)
             except OSError as exc:
                 self.fail(f"the page socket broke: {exc}")
                 return
-            self.served_bytes += len(data)
+            self.served_bytes += nr * PAGE
 
     def _closing(self) -> None:
         if not self.error:
@@ -387,7 +430,8 @@ class PageServer:
         c = self.cache
         return {"requests": self.requests, "served_bytes": self.served_bytes, "lazy_bytes": c.total_bytes,
                 "prefetched_bytes": c.prefetched_bytes, "cache_hits": c.hits, "cache_misses": c.misses,
-                "seconds": (self.t_closed or time.monotonic()) - self.t_start}
+                "cache_waits": c.waits, "seconds": (self.t_closed or time.monotonic()) - self.t_start,
+                "prefetch_done_s": (c.t_prefetched - self.t_start) if c.t_prefetched else 0.0}
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -141,3 +141,27 @@ def test_lazy_restore_of_a_tampered_chunk_kills_or_refuses_the_job_and_says_why(
 def _running(d: DaemonProc) -> set[int]:
     with d.client() as c:
         return {int(j.pid) for j in c.jobs() if j.running}
+
+
+def test_migrate_via_store_pages_the_job_in_from_the_store_on_the_target(pair, jobs_to_kill, tmp_path):
+    # The target catalogs the stored copy and restores it with early resume: a lazy restore whose tier copy
+    # was never there, i.e. this path (its page server logs the line below); same digest on the target.
+    from tests.helpers import counter_job, keeps_ticking_with, migrate, token_daemon
+
+    a = pair.a
+    c = token_daemon(tmp_path / "c", pair.token_file)
+    c.extra += ["--store-dir", str(a.store), "--hmac-key-file", str(a.state / "hmac.key")]
+    c.start()
+    try:
+        job = counter_job(a, jobs_to_kill, 32, "lazystore-via")
+        r = migrate(a, job["id"], "--to", c.address, "--via-store")
+        assert r.returncode == 0, r.stderr + c.log.read_text()[-3000:]
+        out = json.loads(r.stdout)
+        jobs_to_kill.append(out["target_pid"])
+        ck = out["checkpoint_id"]
+        assert f"lazy restore of {ck} from the store: every page resident" in c.log.read_text()
+        keeps_ticking_with(job["log"], out["target_pid"], job["digest"], more=5)
+        with c.client() as cl:
+            assert not cl.show(ck).in_tier
+    finally:
+        c.cleanup()
