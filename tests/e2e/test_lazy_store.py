@@ -158,7 +158,7 @@ def test_migrate_via_store_pages_the_job_in_from_the_store_on_the_target(pair, j
         assert r.returncode == 0, r.stderr + c.log.read_text()[-3000:]
         out = json.loads(r.stdout)
         jobs_to_kill.append(out["target_pid"])
-        ck = out["checkpoint_id"]
+        ck = out["checkpoint"]
         assert f"lazy restore of {ck} from the store: every page resident" in c.log.read_text()
         keeps_ticking_with(job["log"], out["target_pid"], job["digest"], more=5)
         with c.client() as cl:
