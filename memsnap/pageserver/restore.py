@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -197,16 +198,18 @@ def prepare(drain: Any, rec: CheckpointRecord, root: Path,
             source = whole_file_source(drain, rec, stored, lazy_files, spill)
         if failpoints.armed("lazy-store-cut"):
             source = CutAfterResume(source)
+        fds: dict[str, int] = {}
         try:
             for name in sorted(lazy_files):
-                fd = safefs.create_file(dfd, name, 0o600)
-                with os.fdopen(fd, "wb") as out:
-                    out.truncate(int(files[name]["size"]))  # sparse: the lazy pages never land here
-            for name, off, n in index.ranges(lazy=False):
-                data = read_retrying(source, name, off, n)
-                with os.fdopen(safefs.open_file(dfd, name, os.O_WRONLY), "wb") as out:
-                    out.seek(off)
-                    out.write(data)
+                fds[name] = safefs.create_file(dfd, name, 0o600)
+                os.ftruncate(fds[name], int(files[name]["size"]))  # sparse: the lazy pages never land here
+
+            def eager(r: tuple[str, int, int]) -> None:
+                os.pwrite(fds[r[0]], read_retrying(source, *r), r[1])
+
+            # In parallel: the job waits for these (a few MiB of libraries' data and stacks, in several chunks).
+            with ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazystore-eager") as pool:
+                list(pool.map(eager, index.ranges(lazy=False)))
         except SourceFailed as exc:
             source.close()
             cls = IntegrityFailure if exc.integrity else Unavailable
@@ -214,6 +217,9 @@ def prepare(drain: Any, rec: CheckpointRecord, root: Path,
         except BaseException:
             source.close()
             raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
     man = {k: v for k, v in stored.items() if k != "storage"}
     return Prepared(root, man, index, source, (time.monotonic() - t0) * 1000)
 

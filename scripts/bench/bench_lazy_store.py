@@ -152,7 +152,8 @@ def main() -> int:
         "lazy_all_resident_s": med("lazy_all_resident_s"), "lazy_resident_MBps": med("lazy_resident_MBps"),
         "lazy_link_fraction": med("lazy_link_fraction"),
         "lazy_vs_measured_link": med("lazy_resident_MBps") / link["read_MBps"],
-        "full_MBps": med("full_MBps"), "lazy_vs_full_rate": med("lazy_vs_full_rate"), "lazy_max_stall_ms": med("lazy_max_stall_while_paging_ms"),
+        "full_MBps": med("full_MBps"), "lazy_vs_full_rate": med("lazy_vs_full_rate"),
+        "lazy_max_stall_ms": med("lazy_max_stall_while_paging_ms"),
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{args.name}.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
@@ -171,7 +172,7 @@ def main() -> int:
         "",
         f"Resumed {summary['resumed_speedup']:.0f}x sooner; every page resident at "
         f"{summary['lazy_vs_full_rate']:.2f} of the full restore's rate over the same link (median of the "
-        "per-rep ratios). Stored image: {summary['stored_bytes'] / 1e6:.0f} MB "
+        f"per-rep ratios). Stored image: {summary['stored_bytes'] / 1e6:.0f} MB "
         "(chunked, zstd; random memory does not compress). Chunk cache off. Rate = stored bytes / time from the "
         "request until lazy-pages exited (every page in place).",
     ]

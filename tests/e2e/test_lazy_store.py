@@ -52,11 +52,14 @@ def _s3_daemon(make_daemon, s3_server, name: str, env: dict[str, str] | None = N
                                     "--s3-region", s3_server.region], env=env).start()
 
 
-@pytest.mark.parametrize("backend", ["posix", "s3"])
+@pytest.mark.parametrize("backend", ["posix", "s3", "posix-whole-files"])
 def test_lazy_restore_from_the_store_after_evict_has_the_same_digest(backend, make_daemon, jobs_to_kill,
                                                                    request):
-    d = make_daemon("posix").start() if backend == "posix" else \
-        _s3_daemon(make_daemon, request.getfixturevalue("s3_server"), "lazystore")
+    # posix-whole-files: the old store format (one object per file), served in order by StreamedSource.
+    if backend == "s3":
+        d = _s3_daemon(make_daemon, request.getfixturevalue("s3_server"), "lazystore")
+    else:
+        d = make_daemon(backend, extra=["--store-format", "whole"] if backend.endswith("whole-files") else []).start()
     mib = 64
     ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, mib)
 
