@@ -892,6 +892,8 @@ class Engine:
         copies in doubt stay stopped and restored moves stay as they are.
         """
         fixed = {"failed_dumps": 0, "stray_staging": 0, "stray_tier": 0, "lost_tier": 0}
+        for stale in self.work_root.glob("*.lazystore-*"):  # a lazy restore from the store ends with its daemon
+            shutil.rmtree(stale, ignore_errors=True)
         in_doubt: set[str] = set()
 
         def doubt(rec: CheckpointRecord) -> None:

@@ -291,3 +291,18 @@ def test_a_streamed_whole_file_that_breaks_off_fails_the_reads_past_it(tmp_path)
     with pytest.raises(SourceFailed):
         src.read_at("pages-3.img", 2 * PAGE, PAGE)
     src.close()
+
+
+def test_recovery_removes_the_dirs_of_lazy_restores_from_the_store(tmp_path):
+    # Their page server died with the daemon (lazy-pages failed, its supervisor killed the job): nothing
+    # will read them again.
+    from fakes import make_engine
+
+    e = make_engine(tmp_path)
+    stale = e.work_root / "ck-a.lazystore-abc123"
+    (stale / "images").mkdir(parents=True)
+    (stale / "images" / "pages-1.img").write_bytes(b"x")
+    other = e.work_root / "ck-a.restore-abc123"
+    other.mkdir()
+    e.recover()
+    assert not stale.exists() and other.exists()
