@@ -117,19 +117,22 @@ def _storage_error_counter(drain: Any) -> Callable[[], None] | None:
 
 
 class CutAfterResume:
-    """Failpoint lazy-store-cut: a source whose store stops answering once the restored job asked for its
-    first lazy page (tests)."""
+    """Failpoints (tests): lazy-store-cut, a source whose store stops answering once the restored job asked
+    for its first lazy page; slow-lazy-store, one whose reads take 0.2 s each once it did."""
 
-    def __init__(self, inner: PageSource) -> None:
+    def __init__(self, inner: PageSource, cut: bool) -> None:
         self.inner = inner
+        self.cut = cut
         self.resumed = threading.Event()
 
     def _check(self) -> None:
-        if self.resumed.is_set():
+        if self.resumed.is_set() and self.cut:
             raise SourceFailed("failpoint lazy-store-cut: the store stopped answering")
 
     def read_at(self, name: str, offset: int, length: int) -> bytes:
         self._check()
+        if self.resumed.is_set() and not self.cut:
+            time.sleep(0.2)
         return self.inner.read_at(name, offset, length)
 
     def blocks(self, name: str) -> list[tuple[int, int]]:
@@ -196,8 +199,8 @@ def prepare(drain: Any, rec: CheckpointRecord, root: Path,
             source = chunk_source
         else:
             source = whole_file_source(drain, rec, stored, lazy_files, spill)
-        if failpoints.armed("lazy-store-cut"):
-            source = CutAfterResume(source)
+        if failpoints.armed("lazy-store-cut") or failpoints.armed("slow-lazy-store"):
+            source = CutAfterResume(source, cut=failpoints.armed("lazy-store-cut"))
         fds: dict[str, int] = {}
         try:
             for name in sorted(lazy_files):

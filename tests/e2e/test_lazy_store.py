@@ -168,3 +168,27 @@ def test_migrate_via_store_pages_the_job_in_from_the_store_on_the_target(pair, j
             assert not cl.show(ck).in_tier
     finally:
         c.cleanup()
+
+
+def test_a_daemon_killed_while_a_lazy_restore_pages_in_from_the_store_leaves_no_job_running(make_daemon,
+                                                                                           jobs_to_kill):
+    # slow-lazy-store: each store read takes 0.2 s once the job resumed, so its pages are still coming when
+    # the daemon dies; lazy-pages loses its page server, fails, and its supervisor kills the job (whose
+    # missing pages would read as zeros). The restarted daemon records it as ended and removes the dir.
+    import signal
+
+    d = make_daemon("crash", env={"MEMSNAP_FAILPOINTS": "slow-lazy-store"}).start()
+    ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, 64)
+    r = d.ctl("--json", "restore", "--lazy", ck["id"])
+    assert r.returncode == 0, r.stderr
+    pid = json.loads(r.stdout)["pid"]
+    jobs_to_kill.append(pid)
+    assert _lazy_pages_running(d), "every page arrived before the daemon could be killed"
+    d.stop(signal.SIGKILL)
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+             30, what="the half-paged job to be killed")
+    wait_for(lambda: not _lazy_pages_running(d), 30, what="lazy-pages to end")
+    d.start()
+    with d.client() as c:
+        assert not [j for j in c.jobs() if j.running and int(j.pid) == pid]
+    assert not list(d.state.glob(f"work/{ck['id']}.lazystore-*"))
