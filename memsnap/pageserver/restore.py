@@ -279,6 +279,25 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     return res
 
 
+_ACTIVE: set[_Watch] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def paging_in() -> int:
+    """How many lazy restores from the store still page in (their jobs die with this daemon)."""
+    with _ACTIVE_LOCK:
+        return len(_ACTIVE)
+
+
+def wait_paged_in(timeout: float) -> int:
+    """Waits up to timeout s for the lazy restores from the store to finish paging in (a graceful stop
+    should: a job still paging in dies with the daemon); returns how many are still going."""
+    deadline = time.monotonic() + timeout
+    while paging_in() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return paging_in()
+
+
 def _store_error(why: str) -> type[IntegrityFailure] | type[Unavailable]:
     return IntegrityFailure if "integrity" in why or "checksum" in why else Unavailable
 
@@ -316,6 +335,8 @@ class _Watch:
             self.cleanup()
             raise _store_error(why)(f"restore of {self.rec.id} from the store failed: {why}; the restored "
                                     "copy was killed")
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self)
         threading.Thread(target=self._follow, args=(res.lazy_server,), name=f"lazystore-{self.rec.id}",
                          daemon=True).start()
 
@@ -326,6 +347,8 @@ class _Watch:
             log.exception("lazy restore of %s from the store: following it failed", self.rec.id)
         finally:
             self.cleanup()
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(self)
 
     def _verdict(self, lazy_pages: Any) -> None:
         server = self.server
