@@ -240,6 +240,10 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
             return None
         try:
             prep = prepare(drain, rec, root)
+        except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
+            shutil.rmtree(root, ignore_errors=True)
+            _refused(engine, rec, str(exc), t0)
+            raise
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             engine.observe("restore", "error", time.monotonic() - t0)
@@ -262,10 +266,7 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
         server.fail("the restore failed")
         watch.cleanup()
         if why:  # (the pages could not be had: that, not how CRIU noticed it, is the reason)
-            msg = f"lazy restore from the store refused before the job resumed: {why}"
-            engine.catalog.update_checkpoint(rec.id, last_error=msg)
-            engine.observe("restore", "store_failed", time.monotonic() - t0)
-            log.error(msg, extra={"checkpoint_id": rec.id})
+            _refused(engine, rec, why, t0)
             raise _store_error(why)(f"restore of {rec.id} failed: {why}; nothing was left running") from exc
         raise
     finally:
@@ -277,6 +278,13 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     finally:
         server.release()
     return res
+
+
+def _refused(engine: Engine, rec: CheckpointRecord, why: str, t0: float) -> None:
+    msg = f"lazy restore from the store refused before the job resumed: {why}"
+    engine.catalog.update_checkpoint(rec.id, last_error=msg)
+    engine.observe("restore", "store_failed", time.monotonic() - t0)
+    log.error(msg, extra={"checkpoint_id": rec.id})
 
 
 _ACTIVE: set[_Watch] = set()

@@ -111,14 +111,17 @@ def test_lazy_restore_with_the_store_cut_off_mid_way_kills_the_job_and_says_why(
         assert not [j for j in c.jobs() if j.running and j.name == ck["name"] and j.id != ck["job"]]
 
 
-def test_lazy_restore_of_a_tampered_chunk_kills_or_refuses_the_job_and_says_why(make_daemon, jobs_to_kill):
+@pytest.mark.parametrize("where", ["lazy", "eager"])
+def test_lazy_restore_of_a_tampered_chunk_kills_or_refuses_the_job_and_says_why(where, make_daemon, jobs_to_kill):
+    # lazy: a chunk of the job's buffer (the largest pages image), served after the job resumed: killed.
+    # eager: the last chunk of the smallest pages image (the job's init; its stack, which criu restore
+    # reads itself): refused before anything runs.
     d = make_daemon("tamper").start()
     ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, 32)
-    # A chunk from the middle of the pages image: the job's buffer, which lazy-pages serves.
     stored = json.loads((d.store / ck["id"] / "manifest.json").read_text())
-    name = max((n for n in stored["files"] if n.startswith("pages-")), key=lambda n: stored["files"][n]["size"])
-    refs = stored["storage"]["files"][name]["chunks"]
-    cid = refs[len(refs) // 2][0]
+    pages = sorted((n for n in stored["files"] if n.startswith("pages-")), key=lambda n: stored["files"][n]["size"])
+    refs = stored["storage"]["files"][pages[-1] if where == "lazy" else pages[0]]["chunks"]
+    cid = refs[len(refs) // 2][0] if where == "lazy" else refs[-1][0]
     chunk = d.store / "chunks" / cid[:2] / cid
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -127,15 +130,16 @@ def test_lazy_restore_of_a_tampered_chunk_kills_or_refuses_the_job_and_says_why(
     r = restore_refused(d, ck["id"], jobs_to_kill, "--lazy")
     shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
     if r.returncode == 0:  # refused only once the job ran (the tampered bytes were lazy): killed
+        assert where == "lazy", r.stdout
         pid = json.loads(r.stdout)["pid"]
         wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
                  60, what="the job to be killed")
         shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
-        assert ("integrity" in shown["last_error"] or "checksum" in shown["last_error"]) and \
-            "killed" in shown["last_error"], shown["last_error"]
+        assert "killed" in shown["last_error"], shown["last_error"]
     else:  # refused before the job resumed: nothing runs
         assert "DATA_LOSS" in r.stderr and ("integrity" in r.stderr or "checksum" in r.stderr), r.stderr
-        assert cid in shown["last_error"]
+        assert "refused" in shown["last_error"], shown["last_error"]
+    assert "integrity check failed" in shown["last_error"] and cid in shown["last_error"], shown["last_error"]
     assert _running(d) == before
     assert not _lazy_pages_running(d)
     assert not list(d.state.glob(f"work/{ck['id']}.lazystore-*"))
