@@ -333,6 +333,24 @@ class DrainService:
     def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
         """Copies a durable checkpoint into dest, verifying the signature and every hash on the way."""
         t0 = time.monotonic()
+        stored = self.stored_manifest(rec)
+        files = stored["files"]
+        storage = stored.get("storage", {}).get("files", {})
+        if set(storage) != set(files):
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
+        with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
+            if chunks.is_chunked(stored):
+                self._fetch_chunked(rec, stored, dfd)
+            else:
+                self._fetch_files(rec, stored, dfd)
+        tier_body = {k: v for k, v in stored.items() if k != "storage"}
+        manifest.write(dest, manifest.sign(tier_body, self.key))
+        if self.metrics is not None:
+            self.metrics.observe_phase("fetch", time.monotonic() - t0)
+        release_memory()
+
+    def stored_manifest(self, rec: CheckpointRecord) -> dict[str, Any]:
+        """The stored manifest of a durable checkpoint, its signature verified and bound to rec."""
         try:
             with self.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
                 stored = json.loads(f.read())
@@ -349,20 +367,16 @@ class DrainService:
             manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
         except manifest.IntegrityError as exc:
             raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
-        files = stored["files"]
-        storage = stored.get("storage", {}).get("files", {})
-        if set(storage) != set(files):
-            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
-        with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
-            if chunks.is_chunked(stored):
-                self._fetch_chunked(rec, stored, dfd)
-            else:
-                self._fetch_files(rec, stored, dfd)
-        tier_body = {k: v for k, v in stored.items() if k != "storage"}
-        manifest.write(dest, manifest.sign(tier_body, self.key))
-        if self.metrics is not None:
-            self.metrics.observe_phase("fetch", time.monotonic() - t0)
-        release_memory()
+        return dict(stored)
+
+    def chunk_reader(self, rec: CheckpointRecord) -> chunks.ChunkReader:
+        """Random access to a durable chunked checkpoint in the store (its manifest verified and bound to rec),
+        through the node's chunk cache; IntegrityFailure for a whole-file (format 1) or tampered one."""
+        stored = self.stored_manifest(rec)
+        try:
+            return chunks.ChunkReader(self.store, stored, self.node_chunks.cache())  # type: ignore[arg-type]
+        except (chunks.ChunkError, ValueError, TypeError, KeyError) as exc:
+            raise IntegrityFailure(f"integrity check failed: stored copy of {rec.id}: {exc}") from exc
 
     def _fetch_chunked(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
         cstore: chunks.ChunkStore = self.store  # type: ignore[assignment]

@@ -12,6 +12,7 @@ chunk cache, or the store (in parallel); each is verified against its id before 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -64,7 +65,7 @@ class ChunkOpts:
     state_dir: str = ""  # index of present chunks and chunk maps of tier copies; "" = none
     cache_dir: str = ""  # "" = <state_dir>/chunk-cache
     cache_size: int = 0  # bytes; 0 = no chunk cache
-    threads: int = 4
+    threads: int = 8  # chunks hashed, compressed and uploaded at once (uploads wait on fsyncs, not CPU)
 
 
 class NodeChunks:
@@ -195,7 +196,6 @@ class ChunkedDrain:
             if fp != trusted_fp and manifest.fd_blake3(fd) != meta["blake3"]:
                 raise IntegrityFailure(f"integrity check failed: tier copy of {name} does not match its manifest; "
                                        "it will not be made durable")
-            bounds = _boundaries(fd, st.st_size, self.chunking)
             refs: list[list[Any]] = []
             trusted: dict[str, tuple[int, int]] = {}
             pending: deque[tuple[int, int, Future[tuple[str, str]]]] = deque()
@@ -209,10 +209,12 @@ class ChunkedDrain:
                     trusted[cid] = (off, n)
                 progress(n)  # (called between chunks: the hook point for throttling and pausing drains)
 
-            for off, n in bounds:
-                pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
-                while len(pending) >= depth:
-                    collect()
+            with contextlib.ExitStack() as stack:
+                mm = stack.enter_context(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)) if st.st_size else b""
+                for off, n in self.chunking.iter_boundaries(mm):
+                    pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
+                    while len(pending) >= depth:
+                        collect()
             while pending:
                 collect()
             self._verify_trusted(fd, trusted)
@@ -271,13 +273,6 @@ class ChunkedDrain:
                 raise IntegrityFailure("integrity check failed: tier copy changed while it drained")
             self._upload(cid, raw)
             self.stats.add(reuploaded_chunks=1)
-
-
-def _boundaries(fd: int, size: int, chunking: Chunking) -> list[tuple[int, int]]:
-    if size == 0:
-        return []
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-        return chunking.boundaries(mm)
 
 
 # -- chunk maps of tier copies: chunks of other checkpoints count as local -------------------------------------
