@@ -118,6 +118,10 @@ class DrainService:
                 log.info("removed %d interrupted uploads from the store", removed)
         except StoreError as exc:
             log.warning("store not reachable at start (%s); drains will retry", exc)
+        try:
+            self.node_chunks.prepare({r.id for r in self.catalog.checkpoints() if r.in_tier})
+        except OSError as exc:
+            log.warning("chunk state in %s unusable: %s", self.chunk_opts.state_dir, exc)
         for ckpt_id in pending:
             self.enqueue(ckpt_id)
         for i in range(self.concurrency):
@@ -381,18 +385,19 @@ class DrainService:
     def _fetch_chunked(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
         cstore: chunks.ChunkStore = self.store  # type: ignore[assignment]
         try:
-            reader = chunks.ChunkReader(cstore, stored, self.node_chunks.cache())
+            reader = chunks.ChunkReader(cstore, stored)
             tier = {r.id: self.tier.path(r.id) for r in self.catalog.checkpoints()
                     if r.in_tier and r.id != rec.id and self.tier.has(r.id)}
-            got = chunked.fetch_chunked(reader, dfd, chunked.TierChunks(self.node_chunks.maps_dir, tier))
+            got = chunked.fetch_chunked(reader, dfd, self.node_chunks.tier_chunks(tier), self.node_chunks.cache())
         except StoreUnavailable as exc:
             self._storage_error("get")
             raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
         except (StoreError, ValueError, TypeError, KeyError) as exc:
             self._storage_error("get")
             raise IntegrityFailure(f"integrity check failed: stored copy of {rec.id}: {exc}") from exc
-        log.info("fetched %s: %d chunks, %d from tier copies, %d from the store (%d bytes)", rec.id, got["chunks"],
-                 got["from_tier"], got["from_store"], got["fetched_bytes"], extra={"checkpoint_id": rec.id})
+        log.info("fetched %s: %d chunks, %d from tier copies, %d from the chunk cache, %d from the store (%d bytes)",
+                 rec.id, got["chunks"], got["from_tier"], got["from_cache"], got["from_store"], got["fetched_bytes"],
+                 extra={"checkpoint_id": rec.id})
 
     def _fetch_files(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
         files = stored["files"]
@@ -451,8 +456,8 @@ class DrainService:
         return found
 
     def delete(self, rec: CheckpointRecord) -> None:
-        """Removes the stored copy (its chunks stay until a sweep finds them unreferenced)."""
-        self.node_chunks.forget(rec.id)
+        """Removes the stored copy (its chunks stay until a sweep finds them unreferenced; the node's chunk map
+        of it goes at the next start)."""
         try:
             self.store.delete_prefix(rec.id + "/")
         except StoreUnavailable as exc:

@@ -404,14 +404,15 @@ class ChunkReader:
 
     Built from a store and a stored manifest whose signature and binding the caller verified. Thread-safe:
     concurrent reads of one chunk fetch it once. Chunks go through the optional ChunkCache; the last few
-    decoded chunks stay in memory (mem_chunks) for neighbouring reads.
+    decoded chunks stay in memory (mem_chunks) for neighbouring reads. With fill_cache=False the cache is only
+    read (a restore fills it once every chunk was verified: fetch_chunked).
     """
 
     def __init__(self, store: ChunkStore, stored_manifest: dict[str, Any], cache: ChunkCache | None = None,
-                 mem_chunks: int = 8) -> None:
+                 mem_chunks: int = 8, fill_cache: bool = True) -> None:
         if not is_chunked(stored_manifest):
             raise ChunkError("integrity check failed: not a chunked stored manifest")
-        self.store, self.manifest, self.cache = store, stored_manifest, cache
+        self.store, self.manifest, self.cache, self.fill_cache = store, stored_manifest, cache, fill_cache
         self.layouts = layouts(stored_manifest)
         self._mem: OrderedDict[str, bytes] = OrderedDict()
         self._mem_max = max(1, mem_chunks)
@@ -487,7 +488,7 @@ class ChunkReader:
         with self._lock:
             self.fetched_chunks += 1
             self.fetched_bytes += len(stored)
-        if self.cache is not None:
+        if self.cache is not None and self.fill_cache:
             self.cache.put(ref.id, stored)
         return raw
 
