@@ -264,7 +264,9 @@ def check_binding(manifest: dict[str, Any], ckpt_id: str, job: str, uid: int) ->
     Every manifest since format 1 carries id, job and uid in its signed body, so old ones are bound too;
     one that lacks them, or has an unknown format, is refused.
     """
-    if manifest.get("format") not in KNOWN_FORMATS:
+    # Format 2 is only ever a stored manifest of a chunked image: one without its chunk lists is not one.
+    if manifest.get("format") not in KNOWN_FORMATS or \
+            (manifest.get("format") == FORMAT_CHUNKED and not isinstance(manifest.get("storage"), dict)):
         raise IntegrityError(f"integrity check failed: manifest format {manifest.get('format')!r} is not one "
                              f"this memsnap knows ({sorted(KNOWN_FORMATS)})")
     got = (manifest.get("id"), manifest.get("job"), manifest.get("uid"))

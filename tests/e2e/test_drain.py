@@ -71,7 +71,10 @@ def test_evict_refuses_checkpoint_that_is_not_durable(make_daemon, jobs_to_kill)
 
 
 def test_kill9_during_slow_drain_then_restart_finishes_and_restores(make_daemon, jobs_to_kill):
-    d = make_daemon("crash", extra=["--drain-bandwidth", "4M", "--compression-level", "0"]).start()
+    # (the whole-file format: its objects are big enough to be caught mid-upload; test_chunkstore has the
+    # chunked format's crash tests)
+    d = make_daemon("crash", extra=["--drain-bandwidth", "4M", "--compression-level", "0",
+                                    "--store-format", "whole"]).start()
     jid, pid, log = _job(d, jobs_to_kill, 48)
     digest = start_digest(log)
     ck = json.loads(d.ctl("--json", "checkpoint", jid, "--stop", check=True).stdout)
@@ -83,7 +86,7 @@ def test_kill9_during_slow_drain_then_restart_finishes_and_restores(make_daemon,
     # The interrupted upload left a temp object behind; recovery must clean it and finish the drain.
     assert not (d.store / ck["id"] / "manifest.json").exists()
     assert _no_temp_files(d.store) != []
-    d.extra = []  # restart without the bandwidth cap
+    d.extra = ["--store-format", "whole"]  # restart without the bandwidth cap
     d.start()
     with d.client() as c:
         wait_for(lambda: c.show(ck["id"]).state == DURABLE, 60, what="the drain to finish after restart")
@@ -95,7 +98,8 @@ def test_kill9_during_slow_drain_then_restart_finishes_and_restores(make_daemon,
     _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
 
 
-def test_flipped_byte_in_stored_image_is_refused_and_nothing_starts(daemon, jobs_to_kill):
+def test_flipped_byte_in_stored_image_is_refused_and_nothing_starts(make_daemon, jobs_to_kill):
+    daemon = make_daemon("flip", extra=["--store-format", "whole"]).start()  # (test_chunkstore: a flipped chunk)
     jid, pid, log = _job(daemon, jobs_to_kill, 8)
     ck = json.loads(daemon.ctl("--json", "checkpoint", jid, "--stop", "--wait", "durable", check=True).stdout)
     daemon.ctl("evict", ck["id"], check=True)
