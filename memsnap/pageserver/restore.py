@@ -16,7 +16,6 @@ the daemon log and memsnap_restores_total{result="store_failed"}.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -33,13 +32,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import blake3
 
-from memsnap import failpoints, knobs, manifest, proc, safefs
+from memsnap import failpoints, knobs, proc, safefs
 from memsnap.catalog import CheckpointRecord
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed, StreamedSource
-from memsnap.store import MANIFEST_NAME, StoreError, StoreNotFound, StoreUnavailable, chunks, copy_decode
+from memsnap.store import MANIFEST_NAME, StoreError, StoreUnavailable, chunks, copy_decode
 
 if TYPE_CHECKING:
     from memsnap.engine import Engine, RestoreResult
@@ -51,22 +50,9 @@ _GRACE_S = 10.0  # how long a failed page server waits for lazy-pages to give up
 
 
 def stored_manifest(drain: Any, rec: CheckpointRecord) -> dict[str, Any]:
-    """The store's signed manifest of rec, verified and bound to it."""
-    try:
-        with drain.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
-            stored: dict[str, Any] = json.loads(f.read())
-    except StoreNotFound as exc:
-        raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
-    except StoreUnavailable as exc:
-        raise Unavailable(f"cannot restore {rec.id} from the store: {exc}") from exc
-    except (ValueError, StoreError) as exc:
-        raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable: {exc}") \
-            from exc
-    try:
-        manifest.verify_signature(stored, drain.key)
-        manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
-    except manifest.IntegrityError as exc:
-        raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
+    """The store's signed manifest of rec, verified and bound to it (DrainService.stored_manifest), with its
+    file entries checked."""
+    stored: dict[str, Any] = drain.stored_manifest(rec)
     storage = stored.get("storage", {}).get("files", {})
     if not isinstance(stored.get("files"), dict) or set(storage) != set(stored["files"]):
         raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
