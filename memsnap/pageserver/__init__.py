@@ -2,7 +2,7 @@
 
 from memsnap.pageserver.images import PageIndex, Pagemap, PagemapEntry, parse_pagemap
 from memsnap.pageserver.server import PageServer
-from memsnap.pageserver.sources import DirPageSource, PageSource, SourceFailed, StreamedSource
+from memsnap.pageserver.sources import ChunkSource, DirPageSource, PageSource, SourceFailed
 
-__all__ = ["DirPageSource", "PageIndex", "PageServer", "PageSource", "Pagemap", "PagemapEntry", "SourceFailed",
-           "StreamedSource", "parse_pagemap"]
+__all__ = ["ChunkSource", "DirPageSource", "PageIndex", "PageServer", "PageSource", "Pagemap", "PagemapEntry",
+           "SourceFailed", "parse_pagemap"]

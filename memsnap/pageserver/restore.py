@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any
 
 import blake3
 
@@ -37,8 +37,8 @@ from memsnap.catalog import CheckpointRecord
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
-from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed, StreamedSource
-from memsnap.store import MANIFEST_NAME, StoreError, StoreUnavailable, chunks, copy_decode
+from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
+from memsnap.store import StoreError, chunks
 
 if TYPE_CHECKING:
     from memsnap.engine import Engine, RestoreResult
@@ -50,8 +50,8 @@ _GRACE_S = 10.0  # how long a failed page server waits for lazy-pages to give up
 
 
 def stored_manifest(drain: Any, rec: CheckpointRecord) -> dict[str, Any]:
-    """The store's signed manifest of rec, verified and bound to it (DrainService.stored_manifest), with its
-    file entries checked."""
+    """The store's signed manifest of rec, verified and bound to it (DrainService.stored_manifest), its chunk
+    lists checked when it is chunked."""
     stored: dict[str, Any] = drain.stored_manifest(rec)
     storage = stored.get("storage", {}).get("files", {})
     if not isinstance(stored.get("files"), dict) or set(storage) != set(stored["files"]):
@@ -61,40 +61,7 @@ def stored_manifest(drain: Any, rec: CheckpointRecord) -> dict[str, Any]:
             chunks.layouts(stored)
         except (StoreError, ValueError, TypeError, KeyError) as exc:
             raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id}: {exc}") from exc
-        return stored
-    for name, s in storage.items():
-        if "/" in name or name.startswith(".") or not name or name == MANIFEST_NAME or \
-                s.get("key") != f"{rec.id}/{name}" + (".zst" if s.get("codec") == "zstd" else ""):
-            raise IntegrityFailure(f"integrity check failed: bad entry {name!r} in stored manifest")
     return stored
-
-
-def _fetch_whole(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], name: str, dfd: int) -> None:
-    meta, s = stored["files"][name], stored["storage"]["files"][name]
-    fd = safefs.create_file(dfd, name, 0o600)
-    try:
-        with drain.store.open_reader(s["key"]) as src, os.fdopen(fd, "wb") as out:
-            res = copy_decode(src, out, s.get("codec") == "zstd")
-    except StoreUnavailable as exc:
-        raise Unavailable(f"cannot restore {rec.id} from the store: {exc}") from exc
-    except StoreError as exc:
-        raise IntegrityFailure(f"integrity check failed: {name}: {exc}") from exc
-    if (res.raw_bytes, res.raw_blake3, res.stored_blake3) != (meta["size"], meta["blake3"], s["stored_blake3"]):
-        raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
-
-
-def whole_file_source(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], names: set[str],
-                      spill: Path) -> PageSource:
-    """The pages images of a whole-file stored checkpoint, streamed in order (memsnap.pageserver.sources)."""
-    files: dict[str, tuple[Callable[[], BinaryIO], bool, int, str, str]] = {}
-    for name in names:
-        meta, s = stored["files"][name], stored["storage"]["files"][name]
-
-        def opener(key: str = s["key"]) -> BinaryIO:
-            return cast(BinaryIO, drain.store.open_reader(key))
-
-        files[name] = (opener, s.get("codec") == "zstd", int(meta["size"]), meta["blake3"], s["stored_blake3"])
-    return StreamedSource(files, spill, _storage_error_counter(drain))
 
 
 def _storage_error_counter(drain: Any) -> Callable[[], None] | None:
@@ -141,34 +108,28 @@ class Prepared:
         self.fetch_ms = fetch_ms
 
 
-def prepare(drain: Any, rec: CheckpointRecord, root: Path,
-            make_source: Callable[[dict[str, Any], set[str], Path], PageSource] | None = None) -> Prepared:
-    """Fetches and verifies the small files into root/images, and writes the eager pages there."""
+def prepare(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], root: Path) -> Prepared:
+    """Fetches and verifies the small files of a chunked stored checkpoint into root/images, and writes the
+    eager pages there."""
     t0 = time.monotonic()
-    stored = stored_manifest(drain, rec)
-    images, spill = root / "images", root / "spill"
+    images = root / "images"
     images.mkdir(parents=True, mode=0o700)
-    spill.mkdir(mode=0o700)
     files: dict[str, dict[str, Any]] = stored["files"]
-    on_error = _storage_error_counter(drain)
-    chunked = chunks.is_chunked(stored)
-    if chunked:
-        node = getattr(drain, "node_chunks", None)
-        chunk_source = ChunkSource(chunks.ChunkReader(drain.store, stored, node.cache() if node else None), on_error)
+    node = getattr(drain, "node_chunks", None)
+    source: PageSource = ChunkSource(chunks.ChunkReader(drain.store, stored, node.cache() if node else None),
+                                     _storage_error_counter(drain))
 
-        def fetch(name: str, dfd: int) -> None:
-            try:
-                data = chunk_source.read_at(name, 0, int(files[name]["size"]))
-            except SourceFailed as exc:
-                raise (IntegrityFailure if exc.integrity else Unavailable)(
-                    f"cannot restore {rec.id} from the store: {exc}") from exc
-            if blake3.blake3(data).hexdigest() != files[name]["blake3"]:
-                raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
-            with os.fdopen(safefs.create_file(dfd, name, 0o600), "wb") as out:
-                out.write(data)
-    else:
-        def fetch(name: str, dfd: int) -> None:
-            _fetch_whole(drain, rec, stored, name, dfd)
+    def fetch(name: str, dfd: int) -> None:
+        try:
+            data = source.read_at(name, 0, int(files[name]["size"]))
+        except SourceFailed as exc:
+            raise (IntegrityFailure if exc.integrity else Unavailable)(
+                f"cannot restore {rec.id} from the store: {exc}") from exc
+        if blake3.blake3(data).hexdigest() != files[name]["blake3"]:
+            raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
+        with os.fdopen(safefs.create_file(dfd, name, 0o600), "wb") as out:
+            out.write(data)
+
     with safefs.opened(os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
         for name in sorted(n for n in files if not _PAGES_NAME.match(n)):
             fetch(name, dfd)
@@ -179,12 +140,6 @@ def prepare(drain: Any, rec: CheckpointRecord, root: Path,
         lazy_files = index.pages_files() & set(files)
         for name in sorted(n for n in files if _PAGES_NAME.match(n) and n not in lazy_files):
             fetch(name, dfd)  # (shared memory: CRIU restores it itself)
-        if make_source is not None:
-            source = make_source(stored, lazy_files, spill)
-        elif chunked:
-            source = chunk_source
-        else:
-            source = whole_file_source(drain, rec, stored, lazy_files, spill)
         if failpoints.armed("lazy-store-cut") or failpoints.armed("slow-lazy-store"):
             source = CutAfterResume(source, cut=failpoints.armed("lazy-store-cut"))
         fds: dict[str, int] = {}
@@ -225,7 +180,12 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
         if cur is None or (cur.in_tier and engine.tier.has(rec.id)) or not cur.in_store:
             return None
         try:
-            prep = prepare(drain, rec, root)
+            stored = stored_manifest(drain, rec)
+            if not chunks.is_chunked(stored):
+                # A whole-file (format 1) copy can be verified only whole: served before its hash is known,
+                # a forged one would run until the end. It is fetched and verified first, as before.
+                return None
+            prep = prepare(drain, rec, stored, root)
         except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
             shutil.rmtree(root, ignore_errors=True)
             _refused(engine, rec, str(exc), t0)

@@ -409,7 +409,7 @@ class PageServer:
     def _closing(self) -> None:
         if not self.error:
             try:
-                self.source.finish()  # (a whole-file source verifies only at its end)
+                self.source.finish()  # (a source may confirm what it served only at its end)
             except SourceFailed as exc:
                 self.fail(str(exc))
             except Exception as exc:

@@ -4,12 +4,13 @@ A PageSource answers read_at(file, offset, length) with verified bytes of a chec
 SourceFailed. blocks(file) names the units it fetches in (chunk boundaries), which the prefetcher
 streams in order.
 
-- DirPageSource: files in a local directory (tests, and a source for the tier).
-- StreamedSource: today's whole-file store format (one zstd object per file). The object streams in
-  order into a local spill file; read_at waits until the stream passed the range. Whole-file objects can
-  only be verified at their end: the last hash check fails the source, and the restored job is killed.
-- memsnap.pageserver.chunked (with the chunked store format): chunks fetched on demand, each verified
-  before a byte of it is served.
+- DirPageSource: files in a local directory (tests).
+- ChunkSource: a chunked stored image (store format 2): chunks fetched on demand, each verified before a
+  byte of it is served.
+
+Whole-file stored images (format 1: one zstd object per file) have no source: their hash is known only at
+the end of a file, so bytes served before it would be unverified. Those are fetched whole and verified
+first, as before (memsnap.pageserver.restore returns None for them).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, cast
+from typing import Any, Protocol
 
-from memsnap.store import StoreError, StoreUnavailable, copy_decode
+from memsnap.store import StoreError, StoreUnavailable
 
 log = logging.getLogger("memsnap.pageserver")
 
@@ -98,129 +99,6 @@ class DirPageSource:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-
-class _Spill:
-    """One stored object streaming into a local file; readers wait for the bytes they need."""
-
-    def __init__(self, name: str, path: Path, size: int) -> None:
-        self.name = name
-        self.size = size
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        path.unlink()  # (gone with the fd)
-        self.avail = 0
-        self.error: SourceFailed | None = None
-        self.verified = False
-        self.cv = threading.Condition()
-
-    def write(self, data: Any) -> int:
-        n = os.pwrite(self.fd, data, self.avail)
-        with self.cv:
-            self.avail += n
-            self.cv.notify_all()
-        return n
-
-    def fail(self, err: SourceFailed) -> None:
-        with self.cv:
-            if self.error is None:
-                self.error = err
-            self.cv.notify_all()
-
-
-class StreamedSource:
-    """Whole-file stored objects (store format 1), streamed in order into spill files under spill_dir.
-
-    files: {name: (open_stream, compressed, raw size, raw blake3, stored blake3)}. The streams start at once,
-    one thread per file: that is the prefetch.
-    """
-
-    def __init__(self, files: dict[str, tuple[Callable[[], BinaryIO], bool, int, str, str]], spill_dir: Path,
-                 on_storage_error: Callable[[], None] | None = None) -> None:
-        self._spills: dict[str, _Spill] = {}
-        self._closed = threading.Event()
-        self._on_error = on_storage_error or (lambda: None)
-        for i, (name, spec) in enumerate(sorted(files.items())):
-            spill = _Spill(name, spill_dir / f"spill-{i}", spec[2])
-            self._spills[name] = spill
-            threading.Thread(target=self._stream, args=(spill, *spec), name=f"lazystore-stream-{name}",
-                             daemon=True).start()
-
-    def _stream(self, spill: _Spill, open_stream: Callable[[], BinaryIO], compressed: bool, size: int,
-                raw_blake3: str, stored_blake3: str) -> None:
-        try:
-            with open_stream() as src:
-                res = copy_decode(src, cast(BinaryIO, _Sink(spill, self._closed)), compressed)
-            if (res.raw_bytes, res.raw_blake3, res.stored_blake3) != (size, raw_blake3, stored_blake3):
-                raise SourceFailed(f"integrity check failed: checksum mismatch in stored {spill.name}",
-                                   integrity=True)
-            with spill.cv:
-                spill.verified = True
-                spill.cv.notify_all()
-            log.debug("%s streamed and verified (%d bytes)", spill.name, size)
-        except SourceFailed as exc:
-            spill.fail(exc)
-        except StoreUnavailable as exc:
-            self._on_error()
-            spill.fail(SourceFailed(f"the store failed while streaming {spill.name}: {exc}"))
-        except StoreError as exc:
-            self._on_error()
-            spill.fail(SourceFailed(f"integrity check failed: stored {spill.name}: {exc}", integrity=True))
-        except _Closed:
-            spill.fail(SourceFailed("the page source was closed"))
-        except Exception as exc:  # a broken stream of any kind: the pages cannot be had
-            self._on_error()
-            spill.fail(SourceFailed(f"the store failed while streaming {spill.name}: {exc}"))
-
-    def read_at(self, name: str, offset: int, length: int) -> bytes:
-        spill = self._spills.get(name)
-        if spill is None:
-            raise SourceFailed(f"no stored file {name!r}")
-        if offset + length > spill.size:
-            raise SourceFailed(f"{name} ends before {offset + length}")
-        with spill.cv:
-            while spill.avail < offset + length and spill.error is None:
-                spill.cv.wait(1.0)
-            if spill.avail < offset + length:
-                assert spill.error is not None
-                raise spill.error
-        return os.pread(spill.fd, length, offset)
-
-    def blocks(self, name: str) -> list[tuple[int, int]]:
-        spill = self._spills.get(name)
-        return fixed_blocks(spill.size) if spill is not None else []
-
-    def finish(self) -> None:
-        """Waits until every file streamed in full and verified (a whole-file hash is known only at its end)."""
-        for s in self._spills.values():
-            with s.cv:
-                while not s.verified and s.error is None:
-                    s.cv.wait(1.0)
-                if s.error is not None:
-                    raise s.error
-
-    def close(self) -> None:
-        self._closed.set()
-        for s in self._spills.values():
-            s.fail(SourceFailed("the page source was closed"))
-            try:
-                os.close(s.fd)
-            except OSError:
-                pass
-
-
-class _Closed(Exception):
-    pass
-
-
-class _Sink:
-    def __init__(self, spill: _Spill, closed: threading.Event) -> None:
-        self.spill = spill
-        self.closed = closed
-
-    def write(self, data: Any) -> int:
-        if self.closed.is_set():
-            raise _Closed()
-        return self.spill.write(data)
 
 
 class ChunkSource:

@@ -252,47 +252,6 @@ def test_prefetch_fills_the_cache_so_requests_hit_it(tmp_path):
 
 
 
-# -- whole-file stored objects (store format 1) ----------------------------------------------------------
-def _streamed(tmp_path: Path, data: bytes, claimed: bytes):
-    import io
-
-    import blake3
-
-    from memsnap.pageserver.sources import StreamedSource
-
-    digest = blake3.blake3(claimed).hexdigest()
-    return StreamedSource({"pages-3.img": (lambda: io.BytesIO(data), False, len(claimed), digest, digest)},
-                          tmp_path)
-
-
-def test_a_streamed_whole_file_serves_ranges_and_verifies_at_its_end(tmp_path):
-    data = os.urandom(3 * PAGE)
-    src = _streamed(tmp_path, data, data)
-    assert src.read_at("pages-3.img", PAGE, PAGE) == data[PAGE:2 * PAGE]
-    src.finish()
-    assert src.blocks("pages-3.img") == [(0, 3 * PAGE)]
-    src.close()
-
-
-def test_a_streamed_whole_file_that_does_not_match_fails_finish(tmp_path):
-    data = os.urandom(3 * PAGE)
-    tampered = data[:PAGE] + bytes(PAGE) + data[2 * PAGE:]
-    src = _streamed(tmp_path, tampered, data)
-    assert src.read_at("pages-3.img", 0, PAGE) == data[:PAGE]  # (not known yet: the hash is at the end)
-    with pytest.raises(SourceFailed, match="checksum mismatch") as e:
-        src.finish()
-    assert e.value.integrity
-    src.close()
-
-
-def test_a_streamed_whole_file_that_breaks_off_fails_the_reads_past_it(tmp_path):
-    data = os.urandom(3 * PAGE)
-    src = _streamed(tmp_path, data[:PAGE], data)
-    with pytest.raises(SourceFailed):
-        src.read_at("pages-3.img", 2 * PAGE, PAGE)
-    src.close()
-
-
 def test_recovery_removes_the_dirs_of_lazy_restores_from_the_store(tmp_path):
     # Their page server died with the daemon (lazy-pages failed, its supervisor killed the job): nothing
     # will read them again.
