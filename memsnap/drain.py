@@ -118,6 +118,10 @@ class DrainService:
                 log.info("removed %d interrupted uploads from the store", removed)
         except StoreError as exc:
             log.warning("store not reachable at start (%s); drains will retry", exc)
+        try:
+            self.node_chunks.prepare({r.id for r in self.catalog.checkpoints() if r.in_tier})
+        except OSError as exc:
+            log.warning("chunk state in %s unusable: %s", self.chunk_opts.state_dir, exc)
         for ckpt_id in pending:
             self.enqueue(ckpt_id)
         for i in range(self.concurrency):
@@ -333,6 +337,24 @@ class DrainService:
     def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
         """Copies a durable checkpoint into dest, verifying the signature and every hash on the way."""
         t0 = time.monotonic()
+        stored = self.stored_manifest(rec)
+        files = stored["files"]
+        storage = stored.get("storage", {}).get("files", {})
+        if set(storage) != set(files):
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
+        with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
+            if chunks.is_chunked(stored):
+                self._fetch_chunked(rec, stored, dfd)
+            else:
+                self._fetch_files(rec, stored, dfd)
+        tier_body = {k: v for k, v in stored.items() if k != "storage"}
+        manifest.write(dest, manifest.sign(tier_body, self.key))
+        if self.metrics is not None:
+            self.metrics.observe_phase("fetch", time.monotonic() - t0)
+        release_memory()
+
+    def stored_manifest(self, rec: CheckpointRecord) -> dict[str, Any]:
+        """The stored manifest of a durable checkpoint, its signature verified and bound to rec."""
         try:
             with self.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
                 stored = json.loads(f.read())
@@ -349,36 +371,33 @@ class DrainService:
             manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
         except manifest.IntegrityError as exc:
             raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
-        files = stored["files"]
-        storage = stored.get("storage", {}).get("files", {})
-        if set(storage) != set(files):
-            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
-        with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
-            if chunks.is_chunked(stored):
-                self._fetch_chunked(rec, stored, dfd)
-            else:
-                self._fetch_files(rec, stored, dfd)
-        tier_body = {k: v for k, v in stored.items() if k != "storage"}
-        manifest.write(dest, manifest.sign(tier_body, self.key))
-        if self.metrics is not None:
-            self.metrics.observe_phase("fetch", time.monotonic() - t0)
-        release_memory()
+        return dict(stored)
+
+    def chunk_reader(self, rec: CheckpointRecord) -> chunks.ChunkReader:
+        """Random access to a durable chunked checkpoint in the store (its manifest verified and bound to rec),
+        through the node's chunk cache; IntegrityFailure for a whole-file (format 1) or tampered one."""
+        stored = self.stored_manifest(rec)
+        try:
+            return chunks.ChunkReader(self.store, stored, self.node_chunks.cache())  # type: ignore[arg-type]
+        except (chunks.ChunkError, ValueError, TypeError, KeyError) as exc:
+            raise IntegrityFailure(f"integrity check failed: stored copy of {rec.id}: {exc}") from exc
 
     def _fetch_chunked(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
         cstore: chunks.ChunkStore = self.store  # type: ignore[assignment]
         try:
-            reader = chunks.ChunkReader(cstore, stored, self.node_chunks.cache())
+            reader = chunks.ChunkReader(cstore, stored)
             tier = {r.id: self.tier.path(r.id) for r in self.catalog.checkpoints()
                     if r.in_tier and r.id != rec.id and self.tier.has(r.id)}
-            got = chunked.fetch_chunked(reader, dfd, chunked.TierChunks(self.node_chunks.maps_dir, tier))
+            got = chunked.fetch_chunked(reader, dfd, self.node_chunks.tier_chunks(tier), self.node_chunks.cache())
         except StoreUnavailable as exc:
             self._storage_error("get")
             raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
         except (StoreError, ValueError, TypeError, KeyError) as exc:
             self._storage_error("get")
             raise IntegrityFailure(f"integrity check failed: stored copy of {rec.id}: {exc}") from exc
-        log.info("fetched %s: %d chunks, %d from tier copies, %d from the store (%d bytes)", rec.id, got["chunks"],
-                 got["from_tier"], got["from_store"], got["fetched_bytes"], extra={"checkpoint_id": rec.id})
+        log.info("fetched %s: %d chunks, %d from tier copies, %d from the chunk cache, %d from the store (%d bytes)",
+                 rec.id, got["chunks"], got["from_tier"], got["from_cache"], got["from_store"], got["fetched_bytes"],
+                 extra={"checkpoint_id": rec.id})
 
     def _fetch_files(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
         files = stored["files"]
@@ -437,8 +456,8 @@ class DrainService:
         return found
 
     def delete(self, rec: CheckpointRecord) -> None:
-        """Removes the stored copy (its chunks stay until a sweep finds them unreferenced)."""
-        self.node_chunks.forget(rec.id)
+        """Removes the stored copy (its chunks stay until a sweep finds them unreferenced; the node's chunk map
+        of it goes at the next start)."""
         try:
             self.store.delete_prefix(rec.id + "/")
         except StoreUnavailable as exc:

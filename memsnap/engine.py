@@ -621,6 +621,14 @@ class Engine:
             why = f": {rec.last_error}" if rec.last_error else ""
             raise FailedPrecondition(f"checkpoint {rec.id} is {rec.state} and cannot be restored{why}")
         t0 = time.monotonic()
+        if lazy and lazy_ps_socket < 0 and not rec.in_tier and rec.in_store and self.drain is not None and \
+                getattr(self.drain, "store", None) is not None:
+            # No tier copy: page it in from the store while the job runs (memsnap.pageserver).
+            from memsnap.pageserver.restore import restore_from_store
+
+            res = restore_from_store(self, rec, t0, gpu_map, tcp_established, notify, restore_opts)
+            if res is not None:
+                return res
         with self._ckpt_lock(rec.id):
             images, fetch_ms, from_store = self._local_copy(rec)
             t1 = time.monotonic()
@@ -914,6 +922,8 @@ class Engine:
         copies in doubt stay stopped and restored moves stay as they are.
         """
         fixed = {"failed_dumps": 0, "stray_staging": 0, "stray_tier": 0, "lost_tier": 0}
+        for stale in self.work_root.glob("*.lazystore-*"):  # a lazy restore from the store ends with its daemon
+            shutil.rmtree(stale, ignore_errors=True)
         in_doubt: set[str] = set()
 
         def doubt(rec: CheckpointRecord) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
-PHASES = ("freeze", "dump", "drain", "fetch", "restore")
+PHASES = ("freeze", "dump", "drain", "fetch", "restore", "page_in")  # page_in: lazy restore from the store
 RESULTS = ("ok", "error")
 STORAGE_OPS = ("put", "get", "delete", "list")
 # 1 ms .. 10 min, roughly 1-2.5-5 per decade: freezes take ms, drains of big images take minutes.

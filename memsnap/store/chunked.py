@@ -12,6 +12,7 @@ chunk cache, or the store (in parallel); each is verified against its id before 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -64,20 +65,36 @@ class ChunkOpts:
     state_dir: str = ""  # index of present chunks and chunk maps of tier copies; "" = none
     cache_dir: str = ""  # "" = <state_dir>/chunk-cache
     cache_size: int = 0  # bytes; 0 = no chunk cache
-    threads: int = 4
+    threads: int = 8  # chunks hashed, compressed and uploaded at once (uploads wait on fsyncs, not CPU)
 
 
 class NodeChunks:
-    """This node's chunk state for one store: the index of present chunks, the chunk cache, the chunk maps."""
+    """This node's chunk state for one store: the index of present chunks, the chunk cache, the chunk maps
+    (<state>/chunks/maps: one JSON line per drained checkpoint, its files' chunks). prepare() creates all of
+    them at start, so that later drains and restores only write into files that exist (no new names)."""
 
     def __init__(self, store_desc: str, opts: ChunkOpts) -> None:
         self.opts = opts
         base = Path(opts.state_dir) / "chunks" if opts.state_dir else None
-        self.maps_dir = base / "maps" if base else None
+        self.maps_path = base / "maps" if base else None
         self._index_path = base / f"index-{chunk_id(store_desc.encode())[:16]}" if base else None
         self._index: ChunkIndex | None = None
         self._cache: ChunkCache | None = None
         self._lock = threading.Lock()
+
+    def prepare(self, keep_ids: set[str]) -> None:
+        """Creates the index, the maps file (keeping the maps of keep_ids only) and the cache dir."""
+        if self.maps_path is not None:
+            self.maps_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            kept = [line for line in _map_lines(self.maps_path) if line.get("id") in keep_ids]
+            tmp = self.maps_path.with_name(".tmp-maps")
+            tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.maps_path)
+        if self._index_path is not None and not self._index_path.exists():
+            self._index_path.touch(mode=0o600)
+        self.index()
+        self.cache()
 
     def index(self) -> ChunkIndex:
         with self._lock:
@@ -93,13 +110,37 @@ class NodeChunks:
             return self._cache
 
     def save_map(self, ckpt_id: str, storage: dict[str, Any]) -> None:
-        if self.maps_dir is not None:
-            save_chunk_map(self.maps_dir, ckpt_id, storage)
+        """Remembers which chunks a drained tier copy holds (a hint: every use is verified)."""
+        if self.maps_path is None:
+            return
+        body = {n: s["chunks"] for n, s in storage["files"].items() if "chunks" in s}
+        line = json.dumps({"id": ckpt_id, "files": body}) + "\n"
+        with self._lock:
+            fd = os.open(self.maps_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write(line)
 
-    def forget(self, ckpt_id: str) -> None:
-        """Drops the chunk map of a deleted checkpoint."""
-        if self.maps_dir is not None:
-            (self.maps_dir / f"{ckpt_id}.json").unlink(missing_ok=True)
+    def tier_chunks(self, tier_paths: dict[str, Path]) -> TierChunks:
+        """Where the tier copies in tier_paths (id -> dir) hold which chunks."""
+        maps = {m["id"]: m["files"] for m in _map_lines(self.maps_path) if m.get("id") in tier_paths} \
+            if self.maps_path is not None else {}
+        return TierChunks({tier_paths[i]: files for i, files in maps.items()})
+
+
+def _map_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue  # (a line cut short by a crash)
+        if isinstance(m, dict) and isinstance(m.get("files"), dict):
+            out.append(m)
+    return out
 
 
 @dataclass
@@ -195,7 +236,6 @@ class ChunkedDrain:
             if fp != trusted_fp and manifest.fd_blake3(fd) != meta["blake3"]:
                 raise IntegrityFailure(f"integrity check failed: tier copy of {name} does not match its manifest; "
                                        "it will not be made durable")
-            bounds = _boundaries(fd, st.st_size, self.chunking)
             refs: list[list[Any]] = []
             trusted: dict[str, tuple[int, int]] = {}
             pending: deque[tuple[int, int, Future[tuple[str, str]]]] = deque()
@@ -209,10 +249,12 @@ class ChunkedDrain:
                     trusted[cid] = (off, n)
                 progress(n)  # (called between chunks: the hook point for throttling and pausing drains)
 
-            for off, n in bounds:
-                pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
-                while len(pending) >= depth:
-                    collect()
+            with contextlib.ExitStack() as stack:
+                mm = stack.enter_context(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)) if st.st_size else b""
+                for off, n in self.chunking.iter_boundaries(mm):
+                    pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
+                    while len(pending) >= depth:
+                        collect()
             while pending:
                 collect()
             self._verify_trusted(fd, trusted)
@@ -273,37 +315,14 @@ class ChunkedDrain:
             self.stats.add(reuploaded_chunks=1)
 
 
-def _boundaries(fd: int, size: int, chunking: Chunking) -> list[tuple[int, int]]:
-    if size == 0:
-        return []
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-        return chunking.boundaries(mm)
-
-
-# -- chunk maps of tier copies: chunks of other checkpoints count as local -------------------------------------
-def save_chunk_map(maps_dir: Path, ckpt_id: str, storage: dict[str, Any]) -> None:
-    """Remembers which chunks a drained tier copy holds (node-local, a hint: every use is verified)."""
-    body = {n: s["chunks"] for n, s in storage["files"].items() if "chunks" in s}
-    maps_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = maps_dir / f".tmp-{ckpt_id}.json"
-    tmp.write_text(json.dumps(body))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, maps_dir / f"{ckpt_id}.json")
-
-
+# -- chunks of other checkpoints' tier copies count as local ----------------------------------------------------
 class TierChunks:
-    """chunk id -> where a tier copy of another checkpoint has it, from the saved chunk maps."""
+    """chunk id -> where a tier copy of another checkpoint has it, from the chunk maps (tier dir -> files)."""
 
-    def __init__(self, maps_dir: Path | None, tier_paths: dict[str, Path]) -> None:
+    def __init__(self, maps: dict[Path, dict[str, Any]] | None = None) -> None:
         self._where: dict[str, tuple[Path, int, int]] = {}
         self.hits = 0
-        if maps_dir is None or not maps_dir.is_dir():
-            return
-        for ckpt_id, path in tier_paths.items():
-            try:
-                body = json.loads((maps_dir / f"{ckpt_id}.json").read_text())
-            except (OSError, ValueError):
-                continue
+        for path, body in (maps or {}).items():
             for name, refs in body.items():
                 if "/" in name or name.startswith("."):
                     continue
@@ -327,15 +346,22 @@ class TierChunks:
         return raw
 
 
-def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, threads: int = 8) -> dict[str, int]:
-    """Writes every file of a chunked image into dfd, each chunk verified; returns counts."""
+def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: ChunkCache | None = None,
+                  threads: int = 8) -> dict[str, int]:
+    """Writes every file of a chunked image into dfd, each chunk verified, taking chunks from tier copies (local),
+    then the cache, then the store (reader). The chunks that came from the store go into the cache only once
+    every file was written and verified: a refused restore leaves nothing behind. Returns counts."""
     files = reader.manifest["files"]
     jobs: list[tuple[int, ChunkRef]] = []
     fds: list[int] = []
+    names: dict[int, str] = {}
+    from_store: list[tuple[int, ChunkRef]] = []
+    from_cache = 0
     try:
         for name, lay in reader.layouts.items():
             fd = safefs.create_file(dfd, name, 0o600)
             fds.append(fd)
+            names[fd] = name
             if lay.bundle is not None:
                 data = reader.read_at(name, 0, lay.size)
                 if len(data) != lay.size or blake3.blake3(data).hexdigest() != files[name]["blake3"]:
@@ -346,19 +372,29 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, threads: int
             jobs.extend((fd, ref) for ref in lay.chunks)
 
         def one(job: tuple[int, ChunkRef]) -> int:
+            nonlocal from_cache
             fd, ref = job
-            raw = local.get(ref)  # (verified against its id there)
+            raw = local.get(ref)  # (verified against its id there, as in the cache and the reader)
+            if raw is None and cache is not None:
+                raw = cache.get(ref.id, ref.length)
+                from_cache += raw is not None
             if raw is None:
                 raw = reader.chunk(ref)
+                from_store.append(job)
             os.pwrite(fd, raw, ref.offset)
             return len(raw)
 
         parallel_map(one, jobs, threads)
+        for fd in {fd for fd, _ in from_store} if cache is not None else ():
+            with safefs.opened(safefs.open_file(dfd, names[fd])) as rfd:
+                for wfd, ref in from_store:
+                    if wfd == fd and cache is not None:
+                        cache.put(ref.id, encode_chunk(os.pread(rfd, ref.length, ref.offset), 0))
     finally:
         for fd in fds:
             os.close(fd)
-    return {"chunks": len(jobs), "from_tier": local.hits, "from_store": reader.fetched_chunks,
-            "fetched_bytes": reader.fetched_bytes}
+    return {"chunks": len(jobs), "from_tier": local.hits, "from_cache": from_cache,
+            "from_store": reader.fetched_chunks, "fetched_bytes": reader.fetched_bytes}
 
 
 def open_cache(cache_dir: str, cap: int) -> ChunkCache | None:

@@ -97,39 +97,42 @@ class Chunking:
 
     def boundaries(self, buf: Bytes | mmap.mmap) -> list[tuple[int, int]]:
         """(offset, length) of the chunks of buf, in order, covering it exactly."""
+        return list(self.iter_boundaries(buf))
+
+    def iter_boundaries(self, buf: Bytes | mmap.mmap, window: int = 16 << 20) -> Iterator[tuple[int, int]]:
+        """boundaries(), found window bytes at a time (a drain starts uploading before the scan ends)."""
         size = len(buf)
-        if size == 0:
-            return []
         avgp = max(1, self.avg // PAGE)
         npages = size // PAGE
-        out: list[tuple[int, int]] = []
         start = 0
         lo, hi = self.min, self.max
-        for i in _cut_candidates(buf, npages, avgp):
-            end = (i + 1) * PAGE
-            if end - start < lo:
-                continue
-            while end - start > hi:
-                out.append((start, hi))
-                start += hi
-            out.append((start, end - start))
-            start = end
+        step = max(1, window // PAGE)
+        for first in range(0, npages, step):
+            for i in _cut_candidates(buf, first, min(npages, first + step), avgp):
+                end = (i + 1) * PAGE
+                if end - start < lo:
+                    continue
+                while end - start > hi:
+                    yield start, hi
+                    start += hi
+                yield start, end - start
+                start = end
         while size - start > hi:
-            out.append((start, hi))
+            yield start, hi
             start += hi
         if size > start:
-            out.append((start, size - start))
-        return out
+            yield start, size - start
 
 
-def _cut_candidates(buf: Bytes | mmap.mmap, npages: int, avgp: int) -> list[int]:
-    """Pages i after which a chunk may end: a mix of 4 of the page's 64-bit words is 0 modulo avgp."""
-    if npages == 0:
+def _cut_candidates(buf: Bytes | mmap.mmap, first: int, last: int, avgp: int) -> list[int]:
+    """Pages i in [first, last) after which a chunk may end: a mix of 4 of the page's 64-bit words is 0 modulo
+    avgp."""
+    if last <= first:
         return []
-    w = memoryview(buf)[: npages * PAGE].cast("B").cast("Q")
-    a, b, c, d = (w[k::PAGE // 8].tolist() for k in (0, 129, 258, 511))
+    with memoryview(buf) as mv, mv[first * PAGE : last * PAGE] as win, win.cast("B") as bw, bw.cast("Q") as w:
+        a, b, c, d = (w[k::PAGE // 8].tolist() for k in (0, 129, 258, 511))
     out = []
-    for i, (x, y, z, q) in enumerate(zip(a, b, c, d, strict=True)):
+    for i, (x, y, z, q) in enumerate(zip(a, b, c, d, strict=True), first):
         h = ((x * _K1 ^ y * _K2 ^ z * _K3 ^ q * _K4) + _K1) & _M64
         h ^= h >> 29
         h = (h * _K2) & _M64
@@ -401,14 +404,15 @@ class ChunkReader:
 
     Built from a store and a stored manifest whose signature and binding the caller verified. Thread-safe:
     concurrent reads of one chunk fetch it once. Chunks go through the optional ChunkCache; the last few
-    decoded chunks stay in memory (mem_chunks) for neighbouring reads.
+    decoded chunks stay in memory (mem_chunks) for neighbouring reads. With fill_cache=False the cache is only
+    read (a restore fills it once every chunk was verified: fetch_chunked).
     """
 
     def __init__(self, store: ChunkStore, stored_manifest: dict[str, Any], cache: ChunkCache | None = None,
-                 mem_chunks: int = 8) -> None:
+                 mem_chunks: int = 8, fill_cache: bool = True) -> None:
         if not is_chunked(stored_manifest):
             raise ChunkError("integrity check failed: not a chunked stored manifest")
-        self.store, self.manifest, self.cache = store, stored_manifest, cache
+        self.store, self.manifest, self.cache, self.fill_cache = store, stored_manifest, cache, fill_cache
         self.layouts = layouts(stored_manifest)
         self._mem: OrderedDict[str, bytes] = OrderedDict()
         self._mem_max = max(1, mem_chunks)
@@ -484,7 +488,7 @@ class ChunkReader:
         with self._lock:
             self.fetched_chunks += 1
             self.fetched_bytes += len(stored)
-        if self.cache is not None:
+        if self.cache is not None and self.fill_cache:
             self.cache.put(ref.id, stored)
         return raw
 

@@ -152,31 +152,11 @@ class PosixStore:
         return s.st_size
 
     def _walk(self, prefix: str, temps: bool) -> list[str]:
+        return sorted(key for key, _st in self._walk_stat(prefix, temps))
+
+    def _walk_stat(self, prefix: str, temps: bool) -> builtins.list[tuple[str, os.stat_result]]:
         base = prefix.rpartition("/")[0]
-        out: list[str] = []
-        with self._translate(f"list {prefix!r}"):
-            try:
-                dfd = self._dir_fd(base)
-            except (FileNotFoundError, NotADirectoryError):
-                if not self.root.is_dir():
-                    raise self._root_missing() from None
-                return []
-            with safefs.opened(dfd):
-                for rel, _fd, name, _st in safefs.walk(dfd, f"{base}/" if base else ""):
-                    key = rel + name
-                    if name.startswith(TEMP_PREFIX) == temps and key.startswith(prefix):
-                        out.append(key)
-        return sorted(out)
-
-    def list(self, prefix: str) -> list[str]:
-        """Sorted keys starting with prefix; temp files are skipped. A symlink met on the way is refused
-        (StoreTampered), never followed."""
-        return self._walk(validate_prefix(prefix), temps=False)
-
-    def list_with_mtime(self, prefix: str) -> builtins.list[tuple[str, int, float]]:
-        """(key, size, mtime) of every key starting with prefix, sorted; temp files skipped, symlinks refused."""
-        base = validate_prefix(prefix).rpartition("/")[0]
-        out: builtins.list[tuple[str, int, float]] = []
+        out: builtins.list[tuple[str, os.stat_result]] = []
         with self._translate(f"list {prefix!r}"):
             try:
                 dfd = self._dir_fd(base)
@@ -187,9 +167,18 @@ class PosixStore:
             with safefs.opened(dfd):
                 for rel, _fd, name, s in safefs.walk(dfd, f"{base}/" if base else ""):
                     key = rel + name
-                    if not name.startswith(TEMP_PREFIX) and key.startswith(prefix):
-                        out.append((key, s.st_size, s.st_mtime))
-        return sorted(out)
+                    if name.startswith(TEMP_PREFIX) == temps and key.startswith(prefix):
+                        out.append((key, s))
+        return out
+
+    def list(self, prefix: str) -> list[str]:
+        """Sorted keys starting with prefix; temp files are skipped. A symlink met on the way is refused
+        (StoreTampered), never followed."""
+        return self._walk(validate_prefix(prefix), temps=False)
+
+    def list_with_mtime(self, prefix: str) -> builtins.list[tuple[str, int, float]]:
+        """(key, size, mtime) of every key starting with prefix, sorted; temp files skipped, symlinks refused."""
+        return sorted((k, s.st_size, s.st_mtime) for k, s in self._walk_stat(validate_prefix(prefix), temps=False))
 
     def touch(self, key: str) -> bool:
         """Sets key's mtime to now (a chunk reused by a drain starts a new grace period); False if absent."""

@@ -145,7 +145,7 @@ class Bench:
 
     def service(self, fmt: str, store: Any, state: str = "", cache: int = 0) -> DrainService:
         opts = ChunkOpts(format=fmt, avg=self.args.chunk_size, state_dir=state, cache_dir=f"{state}/cache",
-                         cache_size=cache)
+                         cache_size=cache, threads=self.args.threads)
         return DrainService(store, self.cat, self.tier, self.key, self.codec, chunk_opts=opts)
 
     def checkpoint(self, job_id: str) -> CheckpointRecord:
@@ -359,6 +359,8 @@ def main() -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the dedup-vs-chunk-size sweep")
     p.add_argument("--link-mbit", type=int, default=0, help="object bytes to and from the stores cross a "
                    "token bucket of this many Mbit/s each way (see Linked)")
+    p.add_argument("--threads", type=int, default=ChunkOpts().threads, help="chunk drain worker threads")
+    p.add_argument("--throughput-only", action="store_true", help="only the drain vs plain write comparison")
     p.add_argument("--render", nargs="*", help="TITLE=results.json ...: print a markdown report and exit")
     args = p.parse_args()
     if args.render:
@@ -372,6 +374,14 @@ def main() -> None:
     results: dict[str, Any] = {"params": {k: v for k, v in vars(args).items()}, "workloads": {}}
     try:
         wl = workloads(args.weights_mib)
+        if args.throughput_only:
+            with b.d.client() as c:
+                job = c.run(wl["infer"])
+            time.sleep(args.warmup)
+            results["throughput"] = [b.plain_write(b.checkpoint(job.id)) for _ in range(args.count)]
+            print(results["throughput"], flush=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+            return
         for name in (args.only.split(",") if args.only else list(wl)):
             r = b.periodic(name, wl[name])
             recs = r.pop("_recs")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -73,7 +74,7 @@ def _tier(tmp: Path, pages: bytes, small: bytes = b"core" * 100) -> tuple[Path, 
     return d, files
 
 
-def _drain(store: PosixStore, d: Path, files: dict, ckpt: str, index: ChunkIndex | None = None,
+def _drain(store: Any, d: Path, files: dict, ckpt: str, index: ChunkIndex | None = None,
            level: int = 3) -> tuple[dict, ChunkedDrain]:
     job = ChunkedDrain(store, level, index if index is not None else ChunkIndex(None), Chunking(AVG), threads=2)
     with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
@@ -131,14 +132,22 @@ def test_fetch_writes_the_files_from_tier_chunks_cache_and_store(tmp_path: Path,
     out = tmp_path / "out"
     out.mkdir()
     with safefs.opened(os.open(out, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        got = fetch_chunked(ChunkReader(store, m, cache), dfd, TierChunks(None, {}))
+        got = fetch_chunked(ChunkReader(store, m), dfd, TierChunks(), cache)
     assert (out / "pages-1.img").read_bytes() == pages and got["from_store"] == got["chunks"]
     # Warm cache: nothing more from the store.
     out2 = tmp_path / "out2"
     out2.mkdir()
     with safefs.opened(os.open(out2, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        got2 = fetch_chunked(ChunkReader(store, m, cache), dfd, TierChunks(None, {}))
+        got2 = fetch_chunked(ChunkReader(store, m), dfd, TierChunks(), cache)
     assert (out2 / "pages-1.img").read_bytes() == pages and got2["from_store"] == 0
+    assert got2["from_cache"] == got2["chunks"]
+    # Chunks of another checkpoint's tier copy count as local too.
+    out3 = tmp_path / "out3"
+    out3.mkdir()
+    tier = TierChunks({d: {"pages-1.img": m["storage"]["files"]["pages-1.img"]["chunks"]}})
+    with safefs.opened(os.open(out3, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        got3 = fetch_chunked(ChunkReader(store, m), dfd, tier)
+    assert (out3 / "pages-1.img").read_bytes() == pages and got3["from_tier"] == got3["chunks"]
 
 
 def test_a_chunk_the_index_lists_but_the_store_lost_is_uploaded_again(tmp_path: Path, store: PosixStore) -> None:
@@ -164,14 +173,20 @@ def test_cache_keeps_under_its_cap_and_drops_a_bad_entry(tmp_path: Path, store: 
     assert cache.get(cid, 4) is None and not (tmp_path / "cache" / cid).exists()
 
 
-def test_sweep_deletes_unreferenced_chunks_past_grace_and_keeps_young_ones(tmp_path: Path,
-                                                                           store: PosixStore) -> None:
-    d, files = _tier(tmp_path, _pages(400, 11))
+def _two_checkpoints(tmp: Path, store: Any, seed: int) -> tuple[Path, dict, dict]:
+    """Two drained checkpoints whose pages share nothing (their small files are the same)."""
+    d, files = _tier(tmp, _pages(400, seed))
     m1, _ = _drain(store, d, files, "ck-1")
-    (d / "pages-1.img").write_bytes(_pages(400, 12))
+    (d / "pages-1.img").write_bytes(_pages(400, seed + 1))
     files2 = dict(files, **{"pages-1.img": {"size": 400 * PAGE,
                                              "blake3": blake3.blake3((d / "pages-1.img").read_bytes()).hexdigest()}})
     m2, _ = _drain(store, d, files2, "ck-2")
+    return d, m1, m2
+
+
+def test_sweep_deletes_unreferenced_chunks_past_grace_and_keeps_young_ones(tmp_path: Path,
+                                                                           store: PosixStore) -> None:
+    d, m1, m2 = _two_checkpoints(tmp_path, store, 11)
     keep, old = referenced_chunks(m2), referenced_chunks(m1) - referenced_chunks(m2)
     assert old
     now = time.time()
@@ -196,12 +211,7 @@ sweep(PosixStore(sys.argv[1]), keep, grace_s=60, dry_run=False, now=time.time())
 
 
 def test_kill9_during_sweep_never_loses_a_referenced_chunk(tmp_path: Path, store: PosixStore) -> None:
-    d, files = _tier(tmp_path, _pages(400, 13))
-    m1, _ = _drain(store, d, files, "ck-1")
-    (d / "pages-1.img").write_bytes(_pages(400, 14))
-    files2 = dict(files, **{"pages-1.img": {"size": 400 * PAGE,
-                                             "blake3": blake3.blake3((d / "pages-1.img").read_bytes()).hexdigest()}})
-    m2, _ = _drain(store, d, files2, "ck-2")
+    d, m1, m2 = _two_checkpoints(tmp_path, store, 13)
     old = referenced_chunks(m1) - referenced_chunks(m2)
     for p in (store.root / "chunks").rglob("*"):
         if p.is_file():
@@ -215,3 +225,18 @@ def test_kill9_during_sweep_never_loses_a_referenced_chunk(tmp_path: Path, store
     assert ChunkReader(store, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
     # A sweep run again finishes the job.
     assert sweep(store, referenced_chunks(m2), grace_s=60).deleted == len(old) - 1
+
+
+def test_sweep_on_s3_deletes_only_unreferenced_chunks_past_grace(tmp_path: Path, s3_server) -> None:
+    from memsnap.store.s3 import S3Store
+
+    s3 = S3Store(s3_server.bucket, f"sweep-{time.time_ns()}", **s3_server.store_kwargs())
+    d, m1, m2 = _two_checkpoints(tmp_path, s3, 15)
+    old, keep = referenced_chunks(m1) - referenced_chunks(m2), referenced_chunks(m2)
+    assert s3.touch(chunk_key(sorted(keep)[0])) and not s3.touch(chunk_key("0" * 64))
+    assert sweep(s3, keep, grace_s=3600).deleted == 0  # everything is young
+    res = sweep(s3, keep, grace_s=60, now=time.time() + 120)
+    assert (res.deleted, res.kept_in_grace) == (len(old), 0) and res.bytes_freed > 0
+    left = {k.rsplit("/", 1)[-1] for k, _, _ in s3.list_with_mtime("chunks/")}
+    assert left == keep
+    assert ChunkReader(s3, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()

@@ -1,0 +1,354 @@
+"""`restore --lazy` of a checkpoint whose tier copy is gone: the job runs while its pages are in the store.
+
+    store                      memsnapd                                   restore work dir
+    signed manifest  --------> verified (signature, binding)
+    small files      --------> fetched whole, each hash checked --------> images/ (all but the pages)
+    pagemaps                   -> PageIndex: lazy and eager ranges
+    eager pages      --------> read through the PageSource     --------> images/pages-N.img (sparse: only
+                                                                          what `criu restore` reads itself)
+    lazy pages       <-------> PageServer <-- socketpair --> `criu lazy-pages --page-server --ps-socket`
+                               (faults first, prefetch in order)          `criu restore --lazy-pages`: runs
+
+When a page cannot be had (the store fails, a chunk does not verify), the job is killed: once userfaultfd
+is gone its missing pages would read as zeros. The reason lands in the checkpoint's last_error (`show`),
+the daemon log and memsnap_restores_total{result="store_failed"}.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from memsnap import failpoints, knobs, proc, safefs
+from memsnap.catalog import CheckpointRecord
+from memsnap.errors import IntegrityFailure, Unavailable
+from memsnap.pageserver.images import ImageError, PageIndex
+from memsnap.pageserver.server import PageServer, read_retrying
+from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
+from memsnap.store import StoreError, chunks
+
+if TYPE_CHECKING:
+    from memsnap.engine import Engine, RestoreResult
+
+log = logging.getLogger("memsnap.pageserver")
+
+_PAGES_NAME = re.compile(r"^pages-\d+\.img$")
+_GRACE_S = 10.0  # how long a failed page server waits for lazy-pages to give up before killing it
+
+
+def stored_manifest(drain: Any, rec: CheckpointRecord) -> dict[str, Any]:
+    """The store's signed manifest of rec, verified and bound to it (DrainService.stored_manifest), its chunk
+    lists checked when it is chunked."""
+    stored: dict[str, Any] = drain.stored_manifest(rec)
+    storage = stored.get("storage", {}).get("files", {})
+    if not isinstance(stored.get("files"), dict) or set(storage) != set(stored["files"]):
+        raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
+    if chunks.is_chunked(stored):
+        try:
+            chunks.layouts(stored)
+        except (StoreError, ValueError, TypeError, KeyError) as exc:
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id}: {exc}") from exc
+    return stored
+
+
+def _storage_error_counter(drain: Any) -> Callable[[], None] | None:
+    metrics = getattr(drain, "metrics", None)
+    return (lambda: metrics.storage_errors.labels(op="get").inc()) if metrics is not None else None
+
+
+class CutAfterResume:
+    """Failpoints (tests): lazy-store-cut, a source whose store stops answering once the restored job asked
+    for its first lazy page; slow-lazy-store, one whose reads take 0.2 s each once it did."""
+
+    def __init__(self, inner: PageSource, cut: bool) -> None:
+        self.inner = inner
+        self.cut = cut
+        self.resumed = threading.Event()
+
+    def _check(self) -> None:
+        if self.resumed.is_set() and self.cut:
+            raise SourceFailed("failpoint lazy-store-cut: the store stopped answering")
+
+    def read_at(self, name: str, offset: int, length: int) -> bytes:
+        self._check()
+        if self.resumed.is_set() and not self.cut:
+            time.sleep(0.2)
+        return self.inner.read_at(name, offset, length)
+
+    def blocks(self, name: str) -> list[tuple[int, int]]:
+        return self.inner.blocks(name)
+
+    def finish(self) -> None:
+        self._check()
+        self.inner.finish()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Prepared:
+    """A restore dir with everything but the lazy pages, and where those come from."""
+
+    def __init__(self, root: Path, man: dict[str, Any], index: PageIndex, source: PageSource,
+                 fetch_ms: float) -> None:
+        self.root, self.images, self.man, self.index, self.source = root, root / "images", man, index, source
+        self.fetch_ms = fetch_ms
+
+
+def prepare(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], root: Path) -> Prepared:
+    """Fetches and verifies the small files of a chunked stored checkpoint into root/images, and writes the
+    eager pages there."""
+    t0 = time.monotonic()
+    images = root / "images"
+    images.mkdir(parents=True, mode=0o700)
+    files: dict[str, dict[str, Any]] = stored["files"]
+    node = getattr(drain, "node_chunks", None)
+    source: PageSource = ChunkSource(chunks.ChunkReader(drain.store, stored, node.cache() if node else None),
+                                     _storage_error_counter(drain))
+
+    def fetch(name: str, dfd: int) -> None:
+        try:
+            data = source.read_at(name, 0, int(files[name]["size"]))
+        except SourceFailed as exc:
+            raise (IntegrityFailure if exc.integrity else Unavailable)(
+                f"cannot restore {rec.id} from the store: {exc}") from exc
+        if blake3.blake3(data).hexdigest() != files[name]["blake3"]:
+            raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
+        with os.fdopen(safefs.create_file(dfd, name, 0o600), "wb") as out:
+            out.write(data)
+
+    with safefs.opened(os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
+        for name in sorted(n for n in files if not _PAGES_NAME.match(n)):
+            fetch(name, dfd)
+        try:
+            index = PageIndex.from_images({n: (images / n).read_bytes() for n in files if n.startswith("pagemap-")})
+        except ImageError as exc:
+            raise IntegrityFailure(f"checkpoint {rec.id}: a pagemap image does not parse: {exc}") from exc
+        lazy_files = index.pages_files() & set(files)
+        for name in sorted(n for n in files if _PAGES_NAME.match(n) and n not in lazy_files):
+            fetch(name, dfd)  # (shared memory: CRIU restores it itself)
+        if failpoints.armed("lazy-store-cut") or failpoints.armed("slow-lazy-store"):
+            source = CutAfterResume(source, cut=failpoints.armed("lazy-store-cut"))
+        fds: dict[str, int] = {}
+        try:
+            for name in sorted(lazy_files):
+                fds[name] = safefs.create_file(dfd, name, 0o600)
+                os.ftruncate(fds[name], int(files[name]["size"]))  # sparse: the lazy pages never land here
+
+            def eager(r: tuple[str, int, int]) -> None:
+                os.pwrite(fds[r[0]], read_retrying(source, *r), r[1])
+
+            # In parallel: the job waits for these (a few MiB of libraries' data and stacks, in several chunks).
+            with ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazystore-eager") as pool:
+                list(pool.map(eager, index.ranges(lazy=False)))
+        except SourceFailed as exc:
+            source.close()
+            cls = IntegrityFailure if exc.integrity else Unavailable
+            raise cls(f"cannot restore {rec.id} from the store: {exc}") from exc
+        except BaseException:
+            source.close()
+            raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    man = {k: v for k, v in stored.items() if k != "storage"}
+    return Prepared(root, man, index, source, (time.monotonic() - t0) * 1000)
+
+
+def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map: dict[str, str] | None,
+                       tcp_established: bool, notify: Any, restore_opts: dict[str, Any] | None) -> RestoreResult | None:
+    """engine.restore(lazy=True) of a checkpoint with no tier copy but a durable stored one: the job resumes
+    at once, its pages follow from the store. Returns None when the tier copy is there after all (the
+    caller restores from it)."""
+    drain = engine.drain
+    root = engine.work_root / f"{rec.id}.lazystore-{secrets.token_hex(3)}"
+    with engine._ckpt_lock(rec.id):
+        cur = engine.catalog.get_checkpoint(rec.id)
+        if cur is None or (cur.in_tier and engine.tier.has(rec.id)) or not cur.in_store:
+            return None
+        try:
+            stored = stored_manifest(drain, rec)
+            if not chunks.is_chunked(stored):
+                # A whole-file (format 1) copy can be verified only whole: served before its hash is known,
+                # a forged one would run until the end. It is fetched and verified first, as before.
+                return None
+            prep = prepare(drain, rec, stored, root)
+        except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
+            shutil.rmtree(root, ignore_errors=True)
+            _refused(engine, rec, str(exc), t0)
+            raise
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            engine.observe("restore", "error", time.monotonic() - t0)
+            raise
+        engine._mark_reading(rec.id, +1)  # (delete waits: from lazy-pages' start on, lazy_in_use says so)
+    watch = _Watch(engine, rec, prep)
+    ours, theirs = socket.socketpair()
+    server = PageServer(ours, prep.index, prep.source, on_fail=watch.failed, name=rec.id,
+                        on_first_request=prep.source.resumed.set if isinstance(prep.source, CutAfterResume)
+                        else None, held=True)
+    watch.server = server
+    server.start()
+    t1 = time.monotonic()
+    try:
+        res = engine._restore_verified(rec, prep.man, prep.images, t0, t1, prep.fetch_ms, True, True, gpu_map,
+                                       tcp_established, notify, restore_opts, theirs.fileno())
+    except BaseException as exc:
+        why = server.error
+        server.release()
+        server.fail("the restore failed")
+        watch.cleanup()
+        if why:  # (the pages could not be had: that, not how CRIU noticed it, is the reason)
+            _refused(engine, rec, why, t0)
+            raise _store_error(why)(f"restore of {rec.id} failed: {why}; nothing was left running") from exc
+        raise
+    finally:
+        theirs.close()  # lazy-pages holds its own copy
+        engine._mark_reading(rec.id, -1)
+    res.verify_ms = 0.0  # (every file and chunk is verified as it arrives)
+    try:
+        watch.started(res)
+    finally:
+        server.release()
+    return res
+
+
+def _refused(engine: Engine, rec: CheckpointRecord, why: str, t0: float) -> None:
+    msg = f"lazy restore from the store refused before the job resumed: {why}"
+    engine.catalog.update_checkpoint(rec.id, last_error=msg)
+    engine.observe("restore", "store_failed", time.monotonic() - t0)
+    log.error(msg, extra={"checkpoint_id": rec.id})
+
+
+_ACTIVE: set[_Watch] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def paging_in() -> int:
+    """How many lazy restores from the store still page in (their jobs die with this daemon)."""
+    with _ACTIVE_LOCK:
+        return len(_ACTIVE)
+
+
+def wait_paged_in(timeout: float) -> int:
+    """Waits up to timeout s for the lazy restores from the store to finish paging in (a graceful stop
+    should: a job still paging in dies with the daemon); returns how many are still going."""
+    deadline = time.monotonic() + timeout
+    while paging_in() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return paging_in()
+
+
+def _store_error(why: str) -> type[IntegrityFailure] | type[Unavailable]:
+    return IntegrityFailure if "integrity" in why or "checksum" in why else Unavailable
+
+
+class _Watch:
+    """Follows one lazy restore from the store to its end: records a failure, kills the job, cleans up."""
+
+    def __init__(self, engine: Any, rec: CheckpointRecord, prep: Prepared) -> None:
+        self.engine, self.rec, self.prep = engine, rec, prep
+        self.server: PageServer | None = None
+        self.pid = 0
+        self.job_id = ""
+        self.t_resumed = 0.0
+        self.work_dir: Path | None = None
+        self._lock = threading.Lock()
+
+    def failed(self, why: str) -> None:
+        """The page server gave up: the job cannot go on."""
+        with self._lock:
+            pid = self.pid
+        if pid:
+            proc.kill_tree(pid)
+
+    def started(self, res: Any) -> None:
+        with self._lock:
+            self.pid, self.job_id = res.pid, res.job.id
+        self.work_dir = res.work_dir
+        self.t_resumed = time.monotonic()
+        server = self.server
+        assert server is not None
+        if server.error:  # (failed while CRIU restored: the job never ran on its missing pages)
+            why = server.error
+            self._record(f"paging in from the store failed: {why}")
+            server.release()
+            self.cleanup()
+            raise _store_error(why)(f"restore of {self.rec.id} from the store failed: {why}; the restored "
+                                    "copy was killed")
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self)
+        threading.Thread(target=self._follow, args=(res.lazy_server,), name=f"lazystore-{self.rec.id}",
+                         daemon=True).start()
+
+    def _follow(self, lazy_pages: Any) -> None:
+        try:
+            self._verdict(lazy_pages)
+        except Exception:
+            log.exception("lazy restore of %s from the store: following it failed", self.rec.id)
+        finally:
+            self.cleanup()
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(self)
+
+    def _verdict(self, lazy_pages: Any) -> None:
+        server = self.server
+        assert server is not None
+        while True:
+            try:
+                rc = lazy_pages.wait(timeout=1.0)
+                break
+            except Exception:  # subprocess.TimeoutExpired
+                if server.t_failed and time.monotonic() - server.t_failed > _GRACE_S:
+                    try:  # (its supervisor shell leads the group; the job is killed by us)
+                        os.killpg(lazy_pages.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+        server.done.wait(5.0)
+        if rc != 0 or server.error or not server.ok.is_set():
+            why = server.error or f"lazy-pages exited {rc} before every page arrived (see " \
+                                  f"{self.work_dir}/lazy-pages.log)"
+            self._record(f"paging in from the store failed: {why}")
+        else:
+            secs = (server.t_closed or time.monotonic()) - self.t_resumed
+            st = server.stats()
+            mib = st["lazy_bytes"] / (1 << 20)
+            log.info("lazy restore of %s from the store: every page resident %.2f s after the job resumed "
+                     "(%.0f MiB, %.0f MiB/s; %d requests; chunks read from memory %d times, waited for %d times, "
+                     "fetched at once %d times; prefetch done %.2f s after the server started)", self.rec.id, secs, mib,
+                     mib / secs if secs > 0 else 0.0, st["requests"], st["cache_hits"] - st["cache_waits"],
+                     st["cache_waits"], st["cache_misses"], st["prefetch_done_s"],
+                     extra={"checkpoint_id": self.rec.id, "job": self.job_id})
+            self.engine.observe("phase:page_in", "ok", secs)
+
+    def _record(self, why: str) -> None:
+        msg = f"lazy restore into job {self.job_id} (pid {self.pid}) killed: {why}"
+        if self.pid:
+            proc.kill_tree(self.pid)
+        if self.job_id:
+            self.engine.catalog.update_job(self.job_id, ended=True)
+        self.engine.catalog.update_checkpoint(self.rec.id, last_error=msg)
+        log.error(msg, extra={"checkpoint_id": self.rec.id, "job": self.job_id})
+        self.engine.observe("restore", "store_failed", time.monotonic() - (self.t_resumed or time.monotonic()))
+
+    def cleanup(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.prep.source.close()
+        if not knobs.keep_logs():
+            shutil.rmtree(self.prep.root, ignore_errors=True)
+        self.engine.reap_lazy()
+
