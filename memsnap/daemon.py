@@ -38,6 +38,9 @@ from memsnap.version import VersionAction
 log = logging.getLogger("memsnap.daemon")
 
 # Flag -> dotted config key; a flag given on the command line wins over the file.
+# A graceful stop waits this long for jobs paging in from the store (the unit's TimeoutStopSec is 60 s).
+STOP_PAGING_S = 45.0
+
 FLAGS = {
     "socket": "daemon.socket", "listen": "daemon.listen", "auth_token_file": "daemon.auth_token_file",
     "tls_cert": "daemon.tls_cert", "tls_key": "daemon.tls_key", "tls_ca": "daemon.tls_ca",
@@ -270,6 +273,11 @@ class Daemon:
                 s.shutdown()
         self.guard.stop()
         self.gc.stop()
+        from memsnap.pageserver.restore import wait_paged_in  # (its jobs die with this process otherwise)
+
+        left = wait_paged_in(STOP_PAGING_S)
+        if left:
+            log.warning("%d lazy restores from the store were still paging in; their jobs die with memsnapd", left)
         if self.drain is not None:
             self.drain.stop()
         self.heartbeat.stop()

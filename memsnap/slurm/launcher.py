@@ -8,7 +8,7 @@ Life of a launcher (one per run of the Slurm job; `exec` it from the batch scrip
 2. First run (SLURM_RESTART_COUNT unset or 0): start the workload as a memsnap job named KEY
    (default slurm-<jobid>), wrapped in /bin/sh so that its exit status reaches the job log.
    Requeued run (SLURM_RESTART_COUNT > 0): restore KEY's latest restorable checkpoint instead
-   (memsnapd fetches it from the store if its tier copy is gone); with no checkpoint, start afresh.
+   (with no tier copy here, it resumes at once and pages in from the store); with no checkpoint, start afresh.
 3. Relay the job log to stdout (so the Slurm output file shows the workload's output), checkpoint
    every --interval seconds if asked (without stopping), and wait for the workload to end.
 4. On SIGTERM ask slurmctld what is happening: a requeue (preemption, `scontrol requeue`) -> checkpoint
@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import psutil
 from memsnap import proc
 from memsnap.client import LONG_S, QUICK_S, ClientError, MemsnapClient, Target
 from memsnap.slurm import env as slurm_env
+from memsnap.slurm.direct import run_direct
 from memsnap.slurm.env import SlurmJob
 from memsnap.slurm.relay import LogRelay, empty_output, file_size, log_chain, wrap
 from memsnap.v1 import memsnap_pb2 as pb
@@ -118,6 +118,7 @@ class Launcher:
         self._client_factory = client_factory or (lambda t: MemsnapClient(t))
         self._signals = _Signals()
         self.store_ok = False
+        self._lazy = False  # the last restore paged the job in lazily (from the store)
         self.grace_s = 30.0
         self.workload: Workload | None = None
         self.relay: LogRelay | None = None
@@ -148,7 +149,7 @@ class Launcher:
         except ClientError as exc:
             self.warn(f"memsnapd is not available ({exc.message}); running the workload directly, "
                       "without checkpoints")
-            return self._run_direct()
+            return run_direct(self.opts.argv, self._signals.queue, self.note, self.slurm)
         self.store_ok = st.store not in ("", "none")
         early = self._early_exit()
         if early is not None:
@@ -158,7 +159,7 @@ class Launcher:
         except DaemonDown as exc:
             self.warn(f"memsnapd could not run the workload ({exc}); running it directly, "
                       "without checkpoints")
-            return self._run_direct()
+            return run_direct(self.opts.argv, self._signals.queue, self.note, self.slurm)
         try:
             return self._loop()
         finally:
@@ -246,7 +247,7 @@ class Launcher:
         self._output_was_empty = False  # a second restore (after a failed self-requeue) must not replay
         t0 = time.monotonic()
         try:
-            r = self._resume_parked() or self._c().restore(self.key, timeout=LONG_S)
+            r = self._resume_parked() or self._restore_newest()
         except ClientError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:
                 self.note(f"no checkpoint of {self.key} yet: starting from the beginning")
@@ -266,7 +267,8 @@ class Launcher:
             for earlier in log_chain(prev_log, w.log_path):  # each restore logs to a file of its own
                 LogRelay(earlier, 0, self.out, self.warn).finish()
         self.relay = LogRelay(w.log_path, offset, self.out, self.warn)
-        where = "fetched from the store" if r.from_store else "from the memory tier"
+        where = ("from the store, paging in lazily" if self._lazy else "fetched from the store") if r.from_store \
+            else "from the memory tier"
         self.note(f"restored {self.key} from checkpoint {w.restored_from} ({where}) as memsnap job "
                   f"{r.job.id} (pid {w.pid}) in {time.monotonic() - t0:.1f} s")
         return w
@@ -282,6 +284,22 @@ class Launcher:
                             grpc.StatusCode.UNIMPLEMENTED):
                 return None
             raise
+
+    def _restore_newest(self) -> pb.RestoreResponse:
+        """With no copy in this node's tier (requeued elsewhere, or evicted), pages in from the store."""
+        try:
+            mine = [c for c in self._mine() if c.state in RESTORABLE]
+        except ClientError:
+            mine = []
+        newest = max(mine, key=lambda c: (c.created_unix_ms, c.id), default=None)
+        self._lazy = newest is None or not newest.in_tier
+        try:
+            return self._c().restore(self.key, lazy=self._lazy, timeout=LONG_S)
+        except ClientError as exc:  # (a node without userfaultfd)
+            if not self._lazy or exc.code != grpc.StatusCode.FAILED_PRECONDITION or "lazily" not in exc.message:
+                raise
+        self._lazy = False
+        return self._c().restore(self.key, timeout=LONG_S)
 
     def _restore_older(self, failed_msg: str) -> pb.RestoreResponse | None:
         """Tries the key's older checkpoints, newest first, skipping the one that just failed."""
@@ -556,41 +574,6 @@ class Launcher:
         self.relay.finish()
         status = self.relay.exit_status
         return status if status is not None else default_status
-
-    # -- without memsnapd -------------------------------------------------------------------
-    def _run_direct(self) -> int:
-        """The workload as a plain child: no checkpoints, but the job runs and its status is known."""
-        try:
-            proc = subprocess.Popen(self.opts.argv)
-        except OSError as exc:
-            self.note(f"cannot start {self.opts.argv[0]}: {exc.strerror}")
-            return 127
-        while True:
-            try:
-                rc = proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            while self._signals.queue:
-                sig = self._signals.queue.popleft()
-                if sig in (signal.SIGUSR1, signal.SIGUSR2):
-                    # Meant for the launcher (sbatch --signal=B:USR1@N); the workload may not expect it.
-                    self.note(f"{signal.Signals(sig).name}: no checkpoint without memsnapd; ignored")
-                elif self._forward_direct(sig):
-                    try:
-                        proc.send_signal(sig)
-                    except OSError:
-                        pass
-        return 128 - rc if rc < 0 else rc
-
-    def _forward_direct(self, sig: int) -> bool:
-        """Under Slurm a SIGTERM/SIGINT that ends the job reaches every process of the step, the
-        workload included; forward only what Slurm did not deliver itself (e.g. scancel -b)."""
-        if sig not in (signal.SIGTERM, signal.SIGINT):
-            return False
-        if self.slurm is None:
-            return True
-        return slurm_env.job_fate(self.slurm.job_id, self.slurm.restart_count) == "running"
 
 
 def _start_time(pid: int) -> float:
