@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from memsnap import manifest, safefs
+from memsnap import background, manifest, safefs
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.malloc import idle_heap, release_memory
@@ -152,10 +152,13 @@ class DrainService:
         with self._cv:
             while not self._stop.is_set():
                 if self._heap:
-                    due, ckpt_id = self._heap[0]
-                    wait = due - time.monotonic()
+                    wait = self._heap[0][0] - time.monotonic()
                     if wait <= 0:
-                        heapq.heappop(self._heap)
+                        taken = background.take_due(self._heap)  # none while foreground work runs
+                        if taken is None:
+                            self._cv.wait(background.POLL_S)
+                            continue
+                        ckpt_id = taken
                         self._queued.discard(ckpt_id)
                         self._active.add(ckpt_id)
                         return ckpt_id
@@ -171,19 +174,23 @@ class DrainService:
             finally:
                 with self._cv:
                     self._active.discard(ckpt_id)
+                background.gate().forget(ckpt_id)
                 release_memory()
 
     # -- one drain ----------------------------------------------------------------------------
     def _drain_with_retry(self, ckpt_id: str) -> None:
         rec = self.catalog.get_checkpoint(ckpt_id)
-        if rec is None or rec.state not in (STAGED, DRAINING) or not rec.in_tier:
-            return
+        if rec is None or rec.state not in (STAGED, DRAINING) or not rec.in_tier or rec.meta.get("moved_to"):
+            return  # (a committed move's source image: the target drains it, docs/background.md)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
         attempts = rec.drain_attempts + 1
         self.catalog.update_checkpoint(ckpt_id, state=DRAINING, drain_attempts=attempts, drained_bytes=0)
         t0 = time.monotonic()
         try:
             stored = self._drain(rec)
+        except background.MovedAway as exc:  # the target drains it; its objects may share our keys
+            clog.info("drain stopped: %s", exc)
+            return
         except Exception as exc:  # any failure: keep the reason, back off, try again
             if self.catalog.get_checkpoint(ckpt_id) is None:
                 self._forget(ckpt_id)  # deleted while draining
@@ -214,6 +221,8 @@ class DrainService:
             self.metrics.storage_errors.labels(op=op).inc()
 
     def _forget(self, ckpt_id: str) -> None:
+        if background.moved_away(ckpt_id):
+            return  # a shared store may hold the target's objects under this id
         try:
             self.store.delete_prefix(ckpt_id + "/")
         except StoreError:
@@ -241,6 +250,8 @@ class DrainService:
             if time.monotonic() - last_report >= _PROGRESS_EVERY_S:
                 last_report = time.monotonic()
                 self.catalog.update_checkpoint(rec.id, drained_bytes=done)
+            background.check_still_wanted(rec.id)  # (a committed move's source image: the target drains it)
+            background.gate().pause_point(rec.id, self._stop.is_set)  # foreground work first
 
         # Small files first, so a late failure retries only the big page images.
         for name in sorted(files, key=lambda n: (files[n]["size"], n)):
@@ -495,6 +506,7 @@ def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metric
     # the cap (0.95-0.97 synchronous). Without a cap, every core (the same speed at 1 Gbit/s).
     threads = cfg.drain.compression_threads or (0 if cfg.drain.bandwidth else -1)
     codec = Codec(level=cfg.drain.compression_level or None, threads=threads)
+    background.configure(cfg.drain.max_pause_s)
     throttle = Throttle(cfg.drain.bandwidth) if cfg.drain.bandwidth else None
     return DrainService(store, catalog, tier, key, codec, throttle, cfg.drain.concurrency,
                         cfg.drain.retry_initial_s, cfg.drain.retry_max_s, metrics)

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from memsnap import knobs, manifest, net, proc
+from memsnap import background, knobs, manifest, net, proc
 from memsnap.auth import RemoteConfigError, load_credentials, transfer_key
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
 from memsnap.client import ClientError, MemsnapClient, Target
@@ -357,8 +357,12 @@ class Mover:
         self.engine.end_held(move.pid, move.job_id, rec.id)
         if move.lock is not None:
             move.lock.release()
-        if self.engine.drain is None:
-            # Nothing would ever drain or evict it, and the target holds a verified copy.
+        cur = self.engine.catalog.get_checkpoint(rec.id)
+        if self.engine.drain is None or (cur is not None and cur.state != DURABLE):
+            # The target holds a verified copy of the same image and drains it itself: draining it here too
+            # only doubles the disk and CPU load on both nodes while the job pages in (docs/background.md).
+            # A running drain of it stops at its next block.
+            background.mark_moved_away(rec.id)
             try:
                 self.engine.delete(ROOT, rec.id)
             except MemsnapError as exc:

@@ -27,7 +27,7 @@ from typing import Any
 import blake3
 import grpc
 
-from memsnap import failpoints, knobs, proc
+from memsnap import background, failpoints, knobs, proc
 from memsnap.auth import call_token, transfer_key
 from memsnap.engine import Caller
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied
@@ -354,6 +354,8 @@ class TunnelHost:
     def watch(self, t: _Tunnel, server: Any, pid: int, job_id: str) -> None:
         """Waits for lazy-pages in the background; records the verdict and cleans up."""
         t.last_activity = time.monotonic()
+        # Foreground work until the verdict: drains on this node step aside (memsnap.background).
+        background.gate().hold_while("lazy move", lambda: not t.settled.is_set())
 
         def give_up(why: str) -> None:
             log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], why,
