@@ -107,6 +107,84 @@ class Seal:
 
 TO_TARGET, TO_SOURCE = "to-target", "to-source"
 
+# CRIU's page-server messages (criu/page-xfer.c): struct page_server_iov {u32 cmd; u64 nr_pages; u64 vaddr;
+# u64 dst_id}, 32 bytes on the wire; lazy-pages sends PS_IOV_GET, the page server answers PS_IOV_ADD_F
+# (same vaddr) followed by nr_pages pages.
+_PS_IOV = struct.Struct("<I4xQQQ")
+_PS_IOV_ADD_F, _PS_IOV_GET, _PS_IOV_CLOSE, _PS_CMD_MASK = 6, 7, 0x1023, 0xFFFF
+_PAGE = 4096
+
+
+class FaultTimer:
+    """Times lazy-pages' page requests across the target's relay: from a PS_IOV_GET leaving for the source
+    until its reply's header comes back. One-page requests are faults (lazy-pages asks for the faulting page
+    alone; its background push asks for runs). It reads the byte streams, never changes them; anything it
+    does not understand turns it off."""
+
+    def __init__(self) -> None:
+        self._out = b""
+        self._in = b""
+        self._skip = 0  # page bytes of the current reply still to pass
+        self._pending: dict[int, tuple[float, int]] = {}  # vaddr -> (sent at, nr_pages)
+        self.fault_ms: list[float] = []
+        self.bulk_ms: list[float] = []
+        self.off = False
+        self._lock = threading.Lock()
+
+    def sent(self, data: bytes, now: float) -> None:
+        """lazy-pages -> source bytes."""
+        if self.off:
+            return
+        with self._lock:
+            buf = self._out + data
+            n = len(buf) - len(buf) % _PS_IOV.size
+            for off in range(0, n, _PS_IOV.size):
+                cmd, nr, vaddr, _ = _PS_IOV.unpack_from(buf, off)
+                if cmd & _PS_CMD_MASK == _PS_IOV_GET and 0 < nr < 1 << 24:
+                    self._pending[vaddr] = (now, nr)
+                elif cmd & _PS_CMD_MASK != _PS_IOV_CLOSE:
+                    self.off = True
+                    return
+            self._out = buf[n:]
+
+    def received(self, data: bytes, now: float) -> None:
+        """source -> lazy-pages bytes."""
+        if self.off:
+            return
+        with self._lock:
+            view = memoryview(data)
+            while view:
+                if self._skip:
+                    k = min(self._skip, len(view))
+                    self._skip -= k
+                    view = view[k:]
+                    continue
+                need = _PS_IOV.size - len(self._in)
+                self._in += bytes(view[:need])
+                view = view[need:]
+                if len(self._in) < _PS_IOV.size:
+                    return
+                cmd, nr, vaddr, _ = _PS_IOV.unpack(self._in)
+                self._in = b""
+                asked = self._pending.pop(vaddr, None)
+                if cmd & _PS_CMD_MASK != _PS_IOV_ADD_F or asked is None or nr > asked[1]:
+                    self.off = True
+                    return
+                (self.fault_ms if asked[1] == 1 else self.bulk_ms).append((now - asked[0]) * 1000)
+                self._skip = nr * _PAGE
+
+    def summary(self) -> str:
+        """'N faults, p50 X ms, p99 Y ms (M background requests, p50 Z ms)', or "" when nothing was timed."""
+        if self.off or not (self.fault_ms or self.bulk_ms):
+            return ""
+
+        def q(xs: list[float], p: float) -> float:
+            xs = sorted(xs)
+            return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
+
+        return (f"{len(self.fault_ms)} faults, p50 {q(self.fault_ms, 0.5):.1f} ms, p99 {q(self.fault_ms, 0.99):.1f} "
+                f"ms ({len(self.bulk_ms)} background requests, p50 {q(self.bulk_ms, 0.5):.1f} ms)")
+
 
 # -- source ---------------------------------------------------------------------------------------
 class SourceTunnel:
@@ -230,6 +308,7 @@ class _Tunnel:
     forwarded: int = 0
     broken: str = ""  # why the tunnel was cut on our side (a message failed its check)
     settled: threading.Event = field(default_factory=threading.Event)
+    timer: FaultTimer = field(default_factory=FaultTimer)
 
 
 class TunnelHost:
@@ -285,6 +364,7 @@ class TunnelHost:
                 if not data:
                     break  # lazy-pages exited (or never started and the source went away)
                 t.last_activity = time.monotonic()
+                t.timer.sent(data, t.last_activity)
                 yield t.seal_out.seal(pb.TunnelChunk(data=data), data)
             if t.restore_started:
                 t.settled.wait(VERDICT_S)
@@ -293,6 +373,8 @@ class TunnelHost:
         finally:
             shutdown(t.pump)
             feeder.join(5)
+            if timed := t.timer.summary():
+                log.info("page tunnel %s fault latency: %s", t.tunnel_id[:8], timed, extra={"checkpoint_id": t.ckpt_id})
             with self._lock:
                 self._tunnels.pop(t.tunnel_id, None)
                 self._verdicts[t.tunnel_id] = t.verdict or (False, "the page tunnel ended early")
@@ -314,6 +396,7 @@ class TunnelHost:
                     t.pump.sendall(data)
                     t.forwarded += len(data)
                     t.last_activity = time.monotonic()
+                    t.timer.received(data, t.last_activity)
             t.pump.shutdown(socket.SHUT_WR)  # the source's CRIU closed its end
         except IntegrityFailure as exc:
             # Not one more byte reaches lazy-pages: it fails, and its supervisor kills the half-restored job.
@@ -421,5 +504,5 @@ def forget_lazy_image(host: MoveHost, ckpt_id: str) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["Seal", "SourceTunnel", "TunnelHost", "ask_verdict", "forget_lazy_image", "shutdown", "stall_limit",
-           "watch_stall"]
+__all__ = ["FaultTimer", "Seal", "SourceTunnel", "TunnelHost", "ask_verdict", "forget_lazy_image", "shutdown",
+           "stall_limit", "watch_stall"]
