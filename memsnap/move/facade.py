@@ -300,16 +300,18 @@ class Mover:
         phases.mark("dump")
         # The job is frozen meanwhile: give up after a few failed drain attempts rather than retry for long.
         deadline = time.monotonic() + _VIA_STORE_WAIT_S
-        while True:
-            cur = self.engine.catalog.get_checkpoint(rec.id)
-            if cur is not None and cur.state == DURABLE:
-                rec = cur
-                break
-            if (cur is None or cur.state == FAILED or time.monotonic() > deadline
-                    or (cur.drain_attempts >= _VIA_STORE_ATTEMPTS and cur.last_error)):
-                why = (cur.last_error or "it took too long") if cur else "the checkpoint vanished"
-                rollback(self.engine, move, "drain", f"the checkpoint did not become durable: {why}", "UNAVAILABLE")
-            time.sleep(0.05)
+        with background.gate().urgent(rec.id):  # the frozen job waits for this drain: it never steps aside
+            while True:
+                cur = self.engine.catalog.get_checkpoint(rec.id)
+                if cur is not None and cur.state == DURABLE:
+                    rec = cur
+                    break
+                if (cur is None or cur.state == FAILED or time.monotonic() > deadline
+                        or (cur.drain_attempts >= _VIA_STORE_ATTEMPTS and cur.last_error)):
+                    why = (cur.last_error or "it took too long") if cur else "the checkpoint vanished"
+                    rollback(self.engine, move, "drain", f"the checkpoint did not become durable: {why}",
+                             "UNAVAILABLE")
+                time.sleep(0.05)
         phases.mark("drain")
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, 0,
                                        from_store=ckpt_pb(rec))

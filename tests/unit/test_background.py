@@ -198,3 +198,34 @@ def test_posix_writer_falls_back_to_fdatasync(tmp_path: Path, monkeypatch: pytes
         w.write(b"\0" * (1 << 20))
     assert len(syncs) >= 3
     w.commit()
+
+
+# -- the page tunnel's fault timer ----------------------------------------------------------------------
+def _iov(cmd: int, nr: int, vaddr: int) -> bytes:
+    import struct
+
+    return struct.pack("<IIQQ", cmd, nr, vaddr, 1)
+
+
+def test_fault_timer_matches_replies_to_requests_across_message_boundaries() -> None:
+    from memsnap.move.tunnel import FaultTimer
+
+    t = FaultTimer()
+    out = _iov(7, 1, 0x1000) + _iov(7, 4, 0x8000)
+    t.sent(out[:10], 1.0)  # a request split over two messages
+    t.sent(out[10:], 1.0)
+    back = _iov(6 | 1 << 16, 1, 0x1000) + b"p" * 4096 + _iov(6, 4, 0x8000) + b"q" * 4 * 4096
+    t.received(back[:100], 1.002)
+    t.received(back[100:5000], 1.003)
+    t.received(back[5000:], 1.010)
+    assert t.fault_ms == [pytest.approx(2.0)] and t.bulk_ms == [pytest.approx(3.0)]  # (its header came at 1.003)
+    assert t.summary().startswith("1 faults, p50 2.0 ms, p99 2.0 ms (1 background requests")
+
+
+def test_fault_timer_turns_itself_off_on_a_stream_it_does_not_understand() -> None:
+    from memsnap.move.tunnel import FaultTimer
+
+    t = FaultTimer()
+    t.sent(_iov(7, 1, 0x1000), 1.0)
+    t.received(_iov(6, 1, 0x2000) + b"x" * 4096, 1.1)  # a reply nobody asked for
+    assert t.off and t.summary() == ""
