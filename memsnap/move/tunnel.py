@@ -145,7 +145,8 @@ TO_TARGET, TO_SOURCE = "to-target", "to-source"
 # u64 vaddr; u64 dst_id}, 24 bytes on the wire; lazy-pages sends PS_IOV_GET, the page server answers
 # PS_IOV_ADD_F (same vaddr) followed by nr_pages pages. (A CRIU with another layout turns the timer off.)
 _PS_IOV = struct.Struct("<IIQQ")
-_PS_IOV_ADD_F, _PS_IOV_GET, _PS_IOV_CLOSE, _PS_CMD_MASK = 6, 7, 0x1023, 0xFFFF
+_PS_IOV_ADD_F, _PS_IOV_GET, _PS_CMD_MASK = 6, 7, 0xFFFF
+_PS_IOV_CLOSE = (0x1023, 0x1024)  # PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE
 _PAGE = 4096
 
 
@@ -176,8 +177,8 @@ class FaultTimer:
                 cmd, nr, vaddr, _ = _PS_IOV.unpack_from(buf, off)
                 if cmd & _PS_CMD_MASK == _PS_IOV_GET and 0 < nr < 1 << 24:
                     self._pending[vaddr] = (now, nr)
-                elif cmd & _PS_CMD_MASK != _PS_IOV_CLOSE:
-                    self.off = True
+                elif cmd & _PS_CMD_MASK not in _PS_IOV_CLOSE:
+                    self._turn_off(f"request {cmd:#x} ({nr} pages at {vaddr:#x})")
                     return
             self._out = buf[n:]
 
@@ -202,10 +203,14 @@ class FaultTimer:
                 self._in = b""
                 asked = self._pending.pop(vaddr, None)
                 if cmd & _PS_CMD_MASK != _PS_IOV_ADD_F or asked is None or nr > asked[1]:
-                    self.off = True
+                    self._turn_off(f"reply {cmd:#x} ({nr} pages at {vaddr:#x}, asked {asked})")
                     return
                 (self.fault_ms if asked[1] == 1 else self.bulk_ms).append((now - asked[0]) * 1000)
                 self._skip = nr * _PAGE
+
+    def _turn_off(self, why: str) -> None:
+        self.off = True
+        log.info("page tunnel fault timer off: unexpected %s", why)
 
     def summary(self) -> str:
         """'N faults, p50 X ms, p99 Y ms (M background requests, p50 Z ms)', or "" when nothing was timed."""
