@@ -393,6 +393,9 @@ class TunnelHost:
             criu_end, pump = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             t = self._tunnels[first.tunnel_id] = _Tunnel(first.tunnel_id, ckpt_id, criu_end, pump, seal_in,
                                                          seal_out)
+        # Foreground work from now until the verdict (the source dumps next, then the job restores here and
+        # pages in): drains on this node step aside (memsnap.background).
+        background.gate().hold_while("lazy move", lambda: t.tunnel_id in self._tunnels and not t.settled.is_set())
         feeder = threading.Thread(target=self._feed, args=(t, it), name=f"tunnel-in-{t.tunnel_id[:8]}",
                                   daemon=True)
         feeder.start()
@@ -483,8 +486,6 @@ class TunnelHost:
     def watch(self, t: _Tunnel, server: Any, pid: int, job_id: str) -> None:
         """Waits for lazy-pages in the background; records the verdict and cleans up."""
         t.last_activity = time.monotonic()
-        # Foreground work until the verdict: drains on this node step aside (memsnap.background).
-        background.gate().hold_while("lazy move", lambda: not t.settled.is_set())
 
         def give_up(why: str) -> None:
             log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], why,

@@ -4,7 +4,7 @@ draining (issue 21). The job (scripts/bench/workload_tick.py) holds --mib of ran
 10 ms touching one page per tick, and logs each tick's time. From its tick log:
 
   resumed after   lazy restore: from the restore command to the job's first tick;
-                  lazy move: the job's freeze (the gap across the move)
+                  lazy move: the job's freeze (the gap across the move); "other drain" = one on each node
   largest stall   the largest gap between ticks in the --window seconds after it resumed, less one tick
   total stall     the sum of (gap - tick) over the gaps longer than 50 ms in that window
 
@@ -78,7 +78,7 @@ def io_times(log: str) -> list[tuple[float, float]]:
 def stalls(ts: list[float], start: float, window: float) -> tuple[float, float]:
     """(largest stall, total stall) in seconds among ticks in [start, start + window]."""
     sel = [t for t in ts if start <= t <= start + window]
-    gaps = [b - a for a, b in zip(sel, sel[1:])]
+    gaps = [b - a for a, b in zip(sel, sel[1:], strict=False)]
     largest = max(gaps, default=0.0) - INTERVAL
     total = sum(g - INTERVAL for g in gaps if g > STALL_MIN)
     return max(0.0, largest), total
@@ -160,12 +160,15 @@ def lazy_restore(d: DaemonProc, mib: int, with_drain: bool, window: float) -> di
 
 def lazy_move(a: DaemonProc, b: DaemonProc, to: str, mib: int, with_drain: bool, window: float) -> dict[str, Any]:
     x = run_job(a, mib)
-    pids_a, pids_b, ckpts_b = [int(x.pid)], [], []
+    pids_a, pids_b, ckpts_a, ckpts_b = [int(x.pid)], [], [], []
     try:
-        if with_drain:  # the other checkpoint drains on the target, where the job runs after the move
+        if with_drain:  # as right after a plain move: another checkpoint drains on each node
             y, other = start_drain(b, mib)
             pids_b.append(int(y.pid))
             ckpts_b.append(other)
+            y2, other2 = start_drain(a, mib)
+            pids_a.append(int(y2.pid))
+            ckpts_a.append(other2)
         log_before = b.log.read_text()
         t0 = time.time()
         out = ctl_json(a, "migrate", x.id, "--to", to, "--lazy")
@@ -174,7 +177,7 @@ def lazy_move(a: DaemonProc, b: DaemonProc, to: str, mib: int, with_drain: bool,
         time.sleep(window + 1)
         moved = tick_times(job_log(b, out["target_job"]))
         ts = sorted([t for t in tick_times(x.log_path) if t > t0 - 0.5] + moved)
-        gaps = [(b2 - a2, b2) for a2, b2 in zip(ts, ts[1:])]
+        gaps = [(b2 - a2, b2) for a2, b2 in zip(ts, ts[1:], strict=False)]
         freeze, resumed_at = max(gaps)  # the move's own gap: the longest one (checked: >= its downtime)
         largest, total = stalls(ts, resumed_at, window)
         res: dict[str, Any] = {"resumed_after_ms": round(freeze * 1000), "downtime_ms": out["downtime_ms"],
@@ -184,10 +187,10 @@ def lazy_move(a: DaemonProc, b: DaemonProc, to: str, mib: int, with_drain: bool,
             n, p50, p99 = found[-1]
             res["faults"], res["fault_p50_ms"], res["fault_p99_ms"] = int(n), float(p50), float(p99)
         if with_drain:
-            res["other_drain"] = drain_state(b, ckpts_b[0])
+            res["other_drain"] = f"target {drain_state(b, ckpts_b[0])}; source {drain_state(a, ckpts_a[0])}"
         return res
     finally:
-        cleanup(a, pids_a, [])
+        cleanup(a, pids_a, ckpts_a)
         cleanup(b, pids_b, ckpts_b)
 
 
@@ -252,14 +255,15 @@ def markdown(data: dict[str, Any]) -> str:
     for case, by_drain in data["cases"].items():
         for drain, by_tree in by_drain.items():
             for tree, cell in by_tree.items():
-                def f(k: str) -> str:
+                def f(k: str, cell: dict[str, Any] = cell) -> str:
                     v = cell["median"].get(k)
                     return "–" if v is None else f"{v:g}"
                 lines.append(f"| {case} | {drain} | {tree} | {f('resumed_after_ms')} | {f('largest_stall_ms')} | "
                              f"{f('total_stall_ms')} | {f('fault_p50_ms')} | {f('fault_p99_ms')} |")
     if data.get("io"):
-        lines += ["", f"## The job's own I/O (4 KiB append + fsync per tick) while a {data['mib']} MiB checkpoint "
-                  "drains", "", "| tree | drain s | idle p50 ms | idle p99 ms | during drain p50 ms | p99 ms | max ms |",
+        lines += ["", f"## The job's own I/O (4 KiB append + fsync per tick) while a {data['mib']} MiB "
+                  "checkpoint drains", "",
+                  "| tree | drain s | idle p50 ms | idle p99 ms | during drain p50 ms | p99 ms | max ms |",
                   "|---|---|---|---|---|---|---|"]
         for tree, cell in data["io"].items():
             m = cell["median"]
