@@ -22,7 +22,7 @@ p.add_argument("--fsync", default="")
 a = p.parse_args()
 
 size = a.mib << 20
-mem = mmap.mmap(-1, size)
+mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: CRIU pages it lazily
 for off in range(0, size, 1 << 20):
     mem[off:off + (1 << 20)] = os.urandom(1 << 20)
 pages = size // 4096

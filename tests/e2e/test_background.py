@@ -8,7 +8,17 @@ import os
 import subprocess
 import sys
 
-from tests.helpers import REPO, DaemonProc, counter_argv, metrics_port, scrape_metrics, ticks, wait_for
+from tests.helpers import (
+    REPO,
+    DaemonProc,
+    counter_argv,
+    counter_job,
+    metrics_port,
+    migrate,
+    scrape_metrics,
+    ticks,
+    wait_for,
+)
 
 DURABLE, DRAINING = 4, 3
 
@@ -80,3 +90,21 @@ def test_drains_wait_and_pause_while_a_lazy_restore_serves_pages_then_resume(mak
     assert m[("memsnap_drain_paused_seconds_total", ())] > 0
     # C was --wait durable: urgent, it never waited for anything (nothing ran in the foreground then).
     assert after.drain_pause_overrides == 0
+
+
+def test_a_committed_moves_source_image_is_not_drained(pair, jobs_to_kill, no_copy_outlives_the_test):
+    # The target holds and drains the same image: the source drops its copy once the move is committed.
+    a, b = pair.a, pair.b
+    job = counter_job(a, jobs_to_kill, 32, "moved-not-drained")
+    r = migrate(a, job["id"], "--to", b.address)
+    assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:]
+    out = json.loads(r.stdout)
+    jobs_to_kill.append(out["target_pid"])
+    ck = out["checkpoint"]
+    with a.client() as c:
+        assert ck not in {k.id for k in c.list()}
+    assert not (a.tier / ck).exists()
+    with b.client() as c:
+        wait_for(lambda: c.show(ck).state == DURABLE, 120, what="the target to drain the moved image")
+    assert (b.store / ck / "manifest.json").exists()
+    assert not (a.store / ck / "manifest.json").exists()
