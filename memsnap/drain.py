@@ -277,6 +277,7 @@ class DrainService:
             if obj.size_bytes != res.stored_bytes:
                 raise StoreUnavailable(f"store reports {obj.size_bytes} bytes for {key}, wrote {res.stored_bytes}")
         self.catalog.update_checkpoint(rec.id, drained_bytes=done)
+        background.check_still_wanted(rec.id)  # (moved away meanwhile: no manifest, so no stored copy)
         body = dict(tier_manifest)
         body["storage"] = {"codec": self.codec.name, "files": stored_files}
         signed = manifest.sign(body, self.key)

@@ -30,6 +30,7 @@ import platform
 import re
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -285,6 +286,7 @@ def main() -> None:
     args = p.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root (CRIU needs it)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the daemons and jobs on the way out
     trees = {"before": (args.before, ""), "gate-off": (str(REPO), "\n[drain]\nmax_pause_s = 0\n"),
              "after": (str(REPO), "")}
     names = [t for t in args.trees.split(",") if t in trees]

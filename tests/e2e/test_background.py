@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from tests.helpers import (
     migrate,
     scrape_metrics,
     ticks,
+    token_daemon,
     wait_for,
 )
 
@@ -92,9 +94,21 @@ def test_drains_wait_and_pause_while_a_lazy_restore_serves_pages_then_resume(mak
     assert after.drain_pause_overrides == 0
 
 
-def test_a_committed_moves_source_image_is_not_drained(pair, jobs_to_kill, no_copy_outlives_the_test):
+def test_a_committed_moves_source_image_is_not_drained(tmp_path, jobs_to_kill, no_copy_outlives_the_test):
     # The target holds and drains the same image: the source drops its copy once the move is committed.
-    a, b = pair.a, pair.b
+    # (The source's drain is capped so that it cannot finish before the commit.)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    a = token_daemon(tmp_path / "a", token, extra=("--drain-bandwidth", "2M", "--compression-level", "0")).start()
+    b = token_daemon(tmp_path / "b", token).start()
+    try:
+        _move_and_check_the_source_lets_go(a, b, jobs_to_kill)
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+def _move_and_check_the_source_lets_go(a: DaemonProc, b: DaemonProc, jobs_to_kill: list[int]) -> None:
     job = counter_job(a, jobs_to_kill, 32, "moved-not-drained")
     r = migrate(a, job["id"], "--to", b.address)
     assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:]
@@ -108,3 +122,4 @@ def test_a_committed_moves_source_image_is_not_drained(pair, jobs_to_kill, no_co
         wait_for(lambda: c.show(ck).state == DURABLE, 120, what="the target to drain the moved image")
     assert (b.store / ck / "manifest.json").exists()
     assert not (a.store / ck / "manifest.json").exists()
+    wait_for(lambda: f"ckpt={ck} drain stopped" in a.log.read_text(), 30, what="the source's drain to stop")
