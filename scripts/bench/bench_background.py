@@ -287,6 +287,7 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("run as root (CRIU needs it)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the daemons and jobs on the way out
+    os.chdir("/")  # `python -m memsnap.daemon` puts the cwd first on sys.path: each daemon must get its own tree
     trees = {"before": (args.before, ""), "gate-off": (str(REPO), "\n[drain]\nmax_pause_s = 0\n"),
              "after": (str(REPO), "")}
     names = [t for t in args.trees.split(",") if t in trees]
