@@ -5,6 +5,7 @@ draining (issue 21). The job (scripts/bench/workload_tick.py) holds --mib of ran
 
   resumed after   lazy restore: from the restore command to the job's first tick;
                   lazy move: the job's freeze (the gap across the move); "other drain" = one on each node
+  lazy-restore-own: `checkpoint --stop`, then at once `restore --lazy` while that checkpoint drains
   largest stall   the largest gap between ticks in the --window seconds after it resumed, less one tick
   total stall     the sum of (gap - tick) over the gaps longer than 50 ms in that window
 
@@ -132,13 +133,14 @@ def cleanup(d: DaemonProc, pids: list[int], ckpts: list[str]) -> None:
         d.ctl("delete", ck)
 
 
-def lazy_restore(d: DaemonProc, mib: int, with_drain: bool, window: float) -> dict[str, Any]:
+def lazy_restore(d: DaemonProc, mib: int, with_drain: bool, window: float, own: bool = False) -> dict[str, Any]:
+    """own: restore --lazy right after checkpoint --stop, while that checkpoint's own drain runs."""
     x = run_job(d, mib)
-    ck = ctl_json(d, "checkpoint", x.id, "--stop", "--wait", "durable")
+    ck = ctl_json(d, "checkpoint", x.id, "--stop", *(() if own else ("--wait", "durable")))
     pids, ckpts = [int(x.pid)], [ck["id"]]
     try:
-        other = ""
-        if with_drain:
+        other = ck["id"] if own else ""
+        if with_drain and not own:
             y, other = start_drain(d, mib)
             pids.append(int(y.pid))
             ckpts.append(other)
@@ -316,12 +318,14 @@ def main() -> None:
         raw: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
         for i in range(args.runs):
             for case in cases:
-                for drain in ((False, True) if case != "io" else (True,)):
+                for drain in ((False, True) if case not in ("io", "lazy-restore-own") else (True,)):
                     for name in names:
                         a, b, to = nodes[name]
                         load = loadavg()
                         if case == "lazy-restore":
                             res = lazy_restore(a, args.mib, drain, args.window)
+                        elif case == "lazy-restore-own":
+                            res = lazy_restore(a, args.mib, True, args.window, own=True)
                         elif case == "lazy-move":
                             res = lazy_move(a, b, to, args.mib, drain, args.window)
                         else:
