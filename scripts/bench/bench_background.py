@@ -48,6 +48,7 @@ from tests.helpers import DaemonProc, kill_job, token_daemon, wait_for  # noqa: 
 
 WORKLOAD = REPO / "scripts" / "bench" / "workload_tick.py"
 INTERVAL = 0.01
+TREE_ORDER = ["before", "gate-off", "after"]
 STALL_MIN = 0.05
 FAULTS = re.compile(r"page tunnel \w+ fault latency: (\d+) faults, p50 ([\d.]+) ms, p99 ([\d.]+) ms")
 DURABLE = 4
@@ -257,10 +258,10 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     for case, by_drain in data["cases"].items():
         for drain, by_tree in by_drain.items():
-            for tree, cell in by_tree.items():
+            for tree, cell in sorted(by_tree.items(), key=lambda kv: TREE_ORDER.index(kv[0])):
                 def f(k: str, cell: dict[str, Any] = cell) -> str:
                     v = cell["median"].get(k)
-                    return "–" if v is None else f"{v:g}"
+                    return "–" if v is None else f"{round(v, 1):g}"
                 lines.append(f"| {case} | {drain} | {tree} | {f('resumed_after_ms')} | {f('largest_stall_ms')} | "
                              f"{f('total_stall_ms')} | {f('fault_p50_ms')} | {f('fault_p99_ms')} |")
     if data.get("io"):
@@ -268,8 +269,8 @@ def markdown(data: dict[str, Any]) -> str:
                   "checkpoint drains", "",
                   "| tree | drain s | idle p50 ms | idle p99 ms | during drain p50 ms | p99 ms | max ms |",
                   "|---|---|---|---|---|---|---|"]
-        for tree, cell in data["io"].items():
-            m = cell["median"]
+        for tree, cell in sorted(data["io"].items(), key=lambda kv: TREE_ORDER.index(kv[0])):
+            m = {k: round(v, 1) for k, v in cell["median"].items()}
             lines.append(f"| {tree} | {m['drain_s']} | {m['idle_p50_ms']} | {m['idle_p99_ms']} | {m['drain_p50_ms']} "
                          f"| {m['drain_p99_ms']} | {m['drain_max_ms']} |")
     lines += ["", "Raw runs: background.json.", ""]
