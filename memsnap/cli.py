@@ -302,6 +302,8 @@ def status_cmd(obj: Ctx) -> None:
         f"jobs     {s.jobs_running} running",
         f"ckpts    {s.checkpoints} ({by_state}); drain queue {s.drain_queue_depth} "
         f"({human_bytes(s.drain_queue_bytes)})",
+        *([f"drains   paused: yes, since {timestamp(s.drains_paused_since_unix_ms)} ({s.drains_paused_reason})"]
+          if s.drains_paused else []),
         *([f"moves    {len(s.moves_in_doubt)} in doubt (stopped here until the target answers): "
            + ", ".join(s.moves_in_doubt)] if s.moves_in_doubt else []),
     ])

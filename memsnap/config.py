@@ -336,6 +336,9 @@ class DrainConfig:
     compression_threads: int = _opt(0, _int_min(0, "a non-negative integer"), "zstd threads; 0 = auto")
     retry_initial_s: float = _opt(1.0, _POSITIVE_SECONDS, "first retry delay")
     retry_max_s: float = _opt(60.0, _POSITIVE_SECONDS, "longest retry delay")
+    max_pause_s: float = _opt(60.0, _float_min(0.0, False, "a non-negative number of seconds"),
+                              "a drain waits for foreground work (dump, restore, lazy paging) at most this "
+                              "long in all; 0 = never waits (docs/background.md)")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from memsnap import failpoints, manifest, safefs
+from memsnap import background, failpoints, manifest, safefs
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.malloc import idle_heap, release_memory
@@ -161,10 +161,13 @@ class DrainService:
         with self._cv:
             while not self._stop.is_set():
                 if self._heap:
-                    due, ckpt_id = self._heap[0]
-                    wait = due - time.monotonic()
+                    wait = self._heap[0][0] - time.monotonic()
                     if wait <= 0:
-                        heapq.heappop(self._heap)
+                        taken = background.take_due(self._heap)  # none while foreground work runs
+                        if taken is None:
+                            self._cv.wait(background.POLL_S)
+                            continue
+                        ckpt_id = taken
                         self._queued.discard(ckpt_id)
                         self._active.add(ckpt_id)
                         return ckpt_id
@@ -180,19 +183,23 @@ class DrainService:
             finally:
                 with self._cv:
                     self._active.discard(ckpt_id)
+                background.gate().forget(ckpt_id)
                 release_memory()
 
     # -- one drain ----------------------------------------------------------------------------
     def _drain_with_retry(self, ckpt_id: str) -> None:
         rec = self.catalog.get_checkpoint(ckpt_id)
-        if rec is None or rec.state not in (STAGED, DRAINING) or not rec.in_tier:
-            return
+        if rec is None or rec.state not in (STAGED, DRAINING) or not rec.in_tier or rec.meta.get("moved_to"):
+            return  # (a committed move's source image: the target drains it, docs/background.md)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
         attempts = rec.drain_attempts + 1
         self.catalog.update_checkpoint(ckpt_id, state=DRAINING, drain_attempts=attempts, drained_bytes=0)
         t0 = time.monotonic()
         try:
             stored = self._drain(rec)
+        except background.MovedAway as exc:  # the target drains it; its objects may share our keys
+            clog.info("drain stopped: %s", exc)
+            return
         except Exception as exc:  # any failure: keep the reason, back off, try again
             if self.catalog.get_checkpoint(ckpt_id) is None:
                 self._forget(ckpt_id)  # deleted while draining
@@ -223,6 +230,8 @@ class DrainService:
             self.metrics.storage_errors.labels(op=op).inc()
 
     def _forget(self, ckpt_id: str) -> None:
+        if background.moved_away(ckpt_id):
+            return  # a shared store may hold the target's objects under this id
         try:
             self.store.delete_prefix(ckpt_id + "/")
         except StoreError:
@@ -251,6 +260,8 @@ class DrainService:
             if time.monotonic() - last_report >= _PROGRESS_EVERY_S:
                 last_report = time.monotonic()
                 self.catalog.update_checkpoint(rec.id, drained_bytes=done)
+            background.check_still_wanted(rec.id)  # (a committed move's source image: the target drains it)
+            background.gate().pause_point(rec.id, self._stop.is_set)  # foreground work first
 
         if chunked_format:
             return self._drain_chunked(rec, sfd, tier_manifest, progress)
@@ -278,6 +289,7 @@ class DrainService:
             if obj.size_bytes != res.stored_bytes:
                 raise StoreUnavailable(f"store reports {obj.size_bytes} bytes for {key}, wrote {res.stored_bytes}")
         self.catalog.update_checkpoint(rec.id, drained_bytes=done)
+        background.check_still_wanted(rec.id)  # (moved away meanwhile: no manifest, so no stored copy)
         body = dict(tier_manifest)
         body["storage"] = {"codec": self.codec.name, "files": stored_files}
         signed = manifest.sign(body, self.key)
@@ -300,6 +312,7 @@ class DrainService:
         fresh = self.catalog.get_checkpoint(rec.id)
         trusted = (fresh or rec).meta.get("fingerprint")
         storage = job.run(rec.id, sfd, tier_manifest["files"], trusted, progress)
+        background.check_still_wanted(rec.id)  # (moved away meanwhile: no manifest, so no stored copy)
         body = {k: v for k, v in tier_manifest.items() if k not in ("format", "signature")}
         body["storage"] = storage
         data = json.dumps(manifest.sign(body, self.key, manifest.FORMAT_CHUNKED), indent=1, sort_keys=True).encode()
@@ -576,6 +589,7 @@ def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metric
     # the cap (0.95-0.97 synchronous). Without a cap, every core (the same speed at 1 Gbit/s).
     threads = cfg.drain.compression_threads or (0 if cfg.drain.bandwidth else -1)
     codec = Codec(level=cfg.drain.compression_level or None, threads=threads)
+    background.configure(cfg.drain.max_pause_s)
     throttle = Throttle(cfg.drain.bandwidth) if cfg.drain.bandwidth else None
     opts = ChunkOpts(format=cfg.store.format, avg=cfg.store.chunk_size, state_dir=cfg.state.dir,
                      cache_dir=cfg.store.chunk_cache_dir, cache_size=cfg.store.chunk_cache_size or 0)

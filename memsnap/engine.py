@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, failpoints, jobs, knobs, manifest, proc, progress
+from memsnap import __version__, background, failpoints, jobs, knobs, manifest, proc, progress
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -279,11 +279,12 @@ class Engine:
         """Waits until a checkpoint is durable or failed (or active() turns false); its latest record."""
         if self.drain is None:
             raise InvalidArgument("this daemon has no store configured, so nothing becomes durable")
-        while active():
-            rec = self.get(caller, ckpt_id)
-            if rec.state in (DURABLE, FAILED):
-                return rec
-            time.sleep(0.1)
+        with background.gate().urgent(ckpt_id):  # a waiter: its drain does not step aside (docs/background.md)
+            while active():
+                rec = self.get(caller, ckpt_id)
+                if rec.state in (DURABLE, FAILED):
+                    return rec
+                time.sleep(0.1)
         return self.get(caller, ckpt_id)
 
     def watch(self, caller: Caller, ckpt_id: str, active: Callable[[], bool]) -> Iterator[CheckpointRecord]:
@@ -362,7 +363,7 @@ class Engine:
             raise NotFound(str(exc)) from exc
         self._authorize_uid(caller, owner, f"pid {pid}")
         t_start = time.monotonic()
-        with self.exclusive(pid):
+        with self.exclusive(pid), background.gate().foreground("dump"):
             try:
                 estimate = int(proc.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
             except proc.ProcessNotFound as exc:
@@ -616,6 +617,13 @@ class Engine:
         if lazy and not self.criu.lazy_pages_supported():
             raise FailedPrecondition("CRIU cannot restore lazily on this node (no userfaultfd; see 'criu check "
                                      "--feature lazy_pages'); restore without --lazy")
+        with background.gate().foreground("restore"):
+            return self._restore(caller, key, lazy, gpu_map, tcp_established, notify, restore_opts,
+                                 lazy_ps_socket)
+
+    def _restore(self, caller: Caller, key: str, lazy: bool, gpu_map: dict[str, str] | None,
+                 tcp_established: bool, notify: NotifyCallback | None, restore_opts: dict[str, Any] | None,
+                 lazy_ps_socket: int) -> RestoreResult:
         rec = self.latest_restorable(caller, key)
         if rec.state not in RESTORABLE:
             why = f": {rec.last_error}" if rec.last_error else ""
@@ -759,6 +767,8 @@ class Engine:
         with self._lazy_lock:
             self._lazy.append((ckpt_id, server, work))
             self._restoring.add(work)
+        # Serving pages is foreground work until lazy-pages exits: drains step aside (memsnap.background).
+        background.gate().hold_while("lazy pages", lambda: server.poll() is None)
         return server
 
     def lazy_in_use(self, ckpt_id: str) -> bool:
@@ -905,7 +915,9 @@ class Engine:
                     counts[r.state] = counts.get(r.state, 0) + 1
         running = sum(1 for j in self.catalog.jobs() if (caller.is_root or j.owner_uid == caller.uid)
                       and not j.ended and proc.alive(j.pid, j.pid_start))
+        extra = background.gate().snapshot() if caller.is_root else {}  # drains paused, and why
         return {
+            **extra,
             "version": __version__, "criu_version": self.criu.version(), "hostname": self.hostname,
             "kernel": platform.release(), "tier_dir": str(self.tier.root),
             "tier_used_bytes": self.tier.used_bytes(), "tier_free_bytes": self.tier.free_bytes(),

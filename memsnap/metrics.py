@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 PHASES = ("freeze", "dump", "drain", "fetch", "restore", "page_in")  # page_in: lazy restore from the store
@@ -136,6 +138,7 @@ class Metrics:
             self.storage_errors.labels(op=op)
         for phase in PHASES:
             self.phase_seconds.labels(phase=phase)
+        r.register(_BackgroundCollector())
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record one phase duration; phase is one of PHASES."""
@@ -167,6 +170,29 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+
+class _BackgroundCollector:
+    """Drains held back by foreground work (memsnap.background), read from the gate at scrape time."""
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from memsnap.background import gate
+
+        snap = gate().snapshot()
+        yield GaugeMetricFamily("memsnap_drain_paused", "1 while some drain is paused or waits for foreground "
+                                "work (dump, restore, lazy paging, guard park).", value=float(snap["drains_paused"]))
+        yield CounterMetricFamily("memsnap_drain_paused_seconds", "Seconds during which some drain was held "
+                                  "back by foreground work.", value=float(snap["drains_paused_seconds"]))
+        c = CounterMetricFamily("memsnap_drain_holds", "Drains held back by foreground work: paused while "
+                                "running, waiting while queued, or overridden (urgent, or pause bound spent).",
+                                labels=["kind"])
+        c.add_metric(["paused"], float(snap["drain_pauses"]))
+        c.add_metric(["waiting"], float(snap["drain_waits"]))
+        c.add_metric(["overridden"], float(snap["drain_pause_overrides"]))
+        yield c
 
 
 class MetricsServer:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memsnap import jobs
+from memsnap import background, jobs
 from memsnap.catalog import DRAINING, DURABLE, FAILED, STAGED, now_ms
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound
 from memsnap.guard import psi
@@ -396,7 +396,11 @@ class Guard:
 
         A job waiting at its limit cannot be frozen (it sleeps in the kernel): it is sent SIGSTOP first,
         then given just enough headroom to leave the kernel, where it stops; CRIU dumps it stopped, and the
-        resume sends SIGCONT once it is restored."""
+        resume sends SIGCONT once it is restored. Foreground work: drains step aside (memsnap.background)."""
+        with background.gate().foreground("guard park"):
+            return self._park(job_id, reason, t_event)
+
+    def _park(self, job_id: str, reason: str, t_event: float | None) -> GuardedJob:
         t0 = t_event if t_event is not None else time.monotonic()
         g = self.get(job_id)
         job = self.engine.catalog.get_job(job_id)

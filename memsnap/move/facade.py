@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from memsnap import knobs, manifest, net, proc, progress
+from memsnap import background, knobs, manifest, net, proc, progress
 from memsnap.auth import RemoteConfigError, load_credentials, transfer_key
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
 from memsnap.client import ClientError, MemsnapClient, Target
@@ -304,16 +304,18 @@ class Mover:
         progress.phase("drain", rec.size_bytes, lambda: _drained(self.engine, rec.id))
         # The job is frozen meanwhile: give up after a few failed drain attempts rather than retry for long.
         deadline = time.monotonic() + _VIA_STORE_WAIT_S
-        while True:
-            cur = self.engine.catalog.get_checkpoint(rec.id)
-            if cur is not None and cur.state == DURABLE:
-                rec = cur
-                break
-            if (cur is None or cur.state == FAILED or time.monotonic() > deadline
-                    or (cur.drain_attempts >= _VIA_STORE_ATTEMPTS and cur.last_error)):
-                why = (cur.last_error or "it took too long") if cur else "the checkpoint vanished"
-                rollback(self.engine, move, "drain", f"the checkpoint did not become durable: {why}", "UNAVAILABLE")
-            time.sleep(0.05)
+        with background.gate().urgent(rec.id):  # the frozen job waits for this drain: it never steps aside
+            while True:
+                cur = self.engine.catalog.get_checkpoint(rec.id)
+                if cur is not None and cur.state == DURABLE:
+                    rec = cur
+                    break
+                if (cur is None or cur.state == FAILED or time.monotonic() > deadline
+                        or (cur.drain_attempts >= _VIA_STORE_ATTEMPTS and cur.last_error)):
+                    why = (cur.last_error or "it took too long") if cur else "the checkpoint vanished"
+                    rollback(self.engine, move, "drain", f"the checkpoint did not become durable: {why}",
+                             "UNAVAILABLE")
+                time.sleep(0.05)
         phases.mark("drain")
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, 0,
                                        from_store=ckpt_pb(rec))
@@ -362,8 +364,12 @@ class Mover:
         self.engine.end_held(move.pid, move.job_id, rec.id)
         if move.lock is not None:
             move.lock.release()
-        if self.engine.drain is None:
-            # Nothing would ever drain or evict it, and the target holds a verified copy.
+        cur = self.engine.catalog.get_checkpoint(rec.id)
+        if self.engine.drain is None or (cur is not None and cur.state != DURABLE):
+            # The target holds a verified copy of the same image and drains it itself: draining it here too
+            # only doubles the disk and CPU load on both nodes while the job pages in (docs/background.md).
+            # A running drain of it stops at its next block.
+            background.mark_moved_away(rec.id)
             try:
                 self.engine.delete(ROOT, rec.id)
             except MemsnapError as exc:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memsnap import failpoints, knobs, manifest, net, proc
+from memsnap import background, failpoints, knobs, manifest, net, proc
 from memsnap.auth import transfer_key
 from memsnap.catalog import DUMPING, FAILED, CheckpointRecord, now_ms
 from memsnap.client import ClientError
@@ -135,7 +135,14 @@ def end_lazy_dump(host: MoveHost, ckpt_id: str, error: str = "") -> None:
 
 def move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: MoveRequest,
                 client: PeerClient, token: str, move: Move, phases: Phases) -> MoveResult:
-    """The source side of `migrate --lazy` (preflight already done)."""
+    """The source side of `migrate --lazy` (preflight already done): foreground work until the verdict, so
+    drains step aside while this node serves the pages (memsnap.background)."""
+    with background.gate().foreground("lazy move"):
+        return _move_lazily(engine, commits, caller, req, client, token, move, phases)
+
+
+def _move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: MoveRequest,
+                 client: PeerClient, token: str, move: Move, phases: Phases) -> MoveResult:
     pid = move.pid
     job = engine.catalog.get_job(move.job_id) if move.job_id else None
     owner = proc.owner_uid(pid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
 import errno
 import io
 import os
@@ -12,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from memsnap import safefs
 from memsnap.store.base import (
@@ -319,8 +320,46 @@ class _MappedFile(io.FileIO):
             return super().readinto(buffer)
 
 
+# Writeback of an object is started every SYNC_RANGE bytes and waited for one range later, so the disk
+# sees a steady trickle instead of one fsync of the whole image at commit: that fsync stalled the job's own
+# small writes (and their fsyncs) behind gigabytes of dirty pages for seconds (issue 21, docs/background.md).
+SYNC_RANGE = 8 << 20
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _load_sync_file_range() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def sync_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+    """sync_file_range(2); False where the call is missing or refused (the caller then uses fdatasync)."""
+    if _SYNC_FILE_RANGE is None:
+        return False
+    if _SYNC_FILE_RANGE(fd, offset, nbytes, flags) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
+            return False
+        raise OSError(err, os.strerror(err))
+    return True
+
+
 class _PosixWriter(StoreWriter):
-    """Writes to a 0600 temp file (O_EXCL|O_NOFOLLOW) in the key's directory fd, renamed there on commit."""
+    """Writes to a 0600 temp file (O_EXCL|O_NOFOLLOW) in the key's directory fd, renamed there on commit.
+
+    Written in ranges synced as they go (SYNC_RANGE): writeback of each range starts once it is written,
+    and is waited for (then dropped from the page cache) when the next one starts; where sync_file_range
+    is missing, an fdatasync per range. The fsync at commit finds little left to do.
+    """
 
     def __init__(self, store: PosixStore, key: str, dirfd: int, name: str) -> None:
         self.key, self._store, self._dirfd, self._name = key, store, dirfd, name
@@ -329,6 +368,9 @@ class _PosixWriter(StoreWriter):
         self._file: BinaryIO | None = os.fdopen(fd, "wb")
         self._size = 0
         self._done = False
+        self._started = 0  # writeback started up to here
+        self._synced = 0  # on disk (waited for) up to here
+        self.range_syncs = 0  # ranges synced before commit (tests)
 
     def write(self, data: Bytes) -> int:
         """Appends data to the temp file."""
@@ -336,8 +378,28 @@ class _PosixWriter(StoreWriter):
             raise StoreError(f"write to {self.key} after commit/abort")
         with self._store._translate(f"write {self.key}"):
             self._file.write(data)
-        self._size += len(data)
+            self._size += len(data)
+            if self._size - self._started >= SYNC_RANGE:
+                self._sync_as_we_go(self._file)
         return len(data)
+
+    def _sync_as_we_go(self, f: BinaryIO) -> None:
+        f.flush()
+        fd = f.fileno()
+        if self._started > self._synced:  # the previous range: wait until it is on disk, then drop it
+            waited = sync_range(fd, self._synced, self._started - self._synced,
+                                _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+            if not waited:
+                os.fdatasync(fd)
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, self._synced, self._started - self._synced, os.POSIX_FADV_DONTNEED)
+            self._synced = self._started
+            self.range_syncs += 1
+        if not sync_range(fd, self._started, self._size - self._started, _SFR_WRITE):  # start this one
+            os.fdatasync(fd)
+            self._synced = self._size
+            self.range_syncs += 1
+        self._started = self._size
 
     def commit(self) -> StoredObject:
         """fsync, rename into place (renameat in the same dirfd), fsync the directory."""

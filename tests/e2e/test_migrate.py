@@ -75,10 +75,11 @@ def test_migrate_moves_the_job_and_the_source_lets_go(pair, jobs_to_kill):
     # Early resume (the default): it ran on the target while its memory was paged in from the copy there.
     assert {"preflight", "dump", "transfer", "restore", "paging", "confirm", "cleanup"} == set(out["phases"])
     assert 0 < out["downtime_ms"] < 30_000 and out["bytes_sent"] > BIG_MIB << 20
-    for d in (a, b):
-        m = manifest.verify_dir(d.tier / out["checkpoint"], (d.state / "hmac.key").read_bytes())
-        assert m["id"] == out["checkpoint"]
+    m = manifest.verify_dir(b.tier / out["checkpoint"], (b.state / "hmac.key").read_bytes())
+    assert m["id"] == out["checkpoint"]
     assert (a.state / "hmac.key").read_bytes() != (b.state / "hmac.key").read_bytes()
+    # The source dropped its copy: the target drains the same image (docs/background.md).
+    assert not (a.tier / out["checkpoint"]).exists()
 
 
 def test_wrong_token_is_refused_before_the_job_is_touched(pair, jobs_to_kill, tmp_path):
