@@ -46,7 +46,6 @@ from memsnap.store.chunks import (
     encode_chunk,
     is_bundled,
     is_chunk_id,
-    parallel_map,
     put_chunk,
 )
 from memsnap.store.errors import StoreError
@@ -395,6 +394,14 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
             cache.commit(staged) if ok else cache.discard(staged)
     return {"chunks": len(jobs), "from_tier": local.hits, "from_cache": from_cache,
             "from_store": reader.fetched_chunks, "fetched_bytes": reader.fetched_bytes}
+
+
+def parallel_map(fn: Any, items: list[Any], threads: int = 8) -> list[Any]:
+    """fn over items with a thread pool, results in order (the first exception is raised)."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunks") as pool:
+        return list(pool.map(fn, items))
 
 
 def open_cache(cache_dir: str, cap: int) -> ChunkCache | None:

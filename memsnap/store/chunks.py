@@ -24,7 +24,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -599,11 +598,3 @@ def load_stored_manifest(store: ChunkStore, ckpt_id: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ChunkError(f"stored manifest of {ckpt_id} is not an object")
     return data
-
-
-def parallel_map(fn: Any, items: list[Any], threads: int = 8) -> list[Any]:
-    """fn over items with a thread pool, results in order (the first exception is raised)."""
-    if len(items) <= 1:
-        return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunks") as pool:
-        return list(pool.map(fn, items))
