@@ -101,6 +101,10 @@ class Manifest:
                                                               "own_mntns", "log_path", "gpus", "freezing_ms")}
         if self.pages_remote:
             meta["pages_remote"] = True
+        st = self.extra.get("storage")
+        if isinstance(st, dict) and st.get("layout") == "chunked":  # a stored manifest of a chunked image
+            meta["store"] = {"format": "chunked", **{k: int(st.get(k, 0) or 0)
+                                                     for k in ("logical_bytes", "stored_bytes", "new_bytes")}}
         return meta
 
 

@@ -46,7 +46,6 @@ from memsnap.store.chunks import (
     encode_chunk,
     is_bundled,
     is_chunk_id,
-    parallel_map,
     put_chunk,
 )
 from memsnap.store.errors import StoreError
@@ -349,19 +348,19 @@ class TierChunks:
 def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: ChunkCache | None = None,
                   threads: int = 8) -> dict[str, int]:
     """Writes every file of a chunked image into dfd, each chunk verified, taking chunks from tier copies (local),
-    then the cache, then the store (reader). The chunks that came from the store go into the cache only once
-    every file was written and verified: a refused restore leaves nothing behind. Returns counts."""
+    then the cache, then the store (reader). The chunks that came from the store join the cache only once every
+    file was written and verified (staged under temp names until then): a refused restore leaves nothing
+    behind. Returns counts."""
     files = reader.manifest["files"]
     jobs: list[tuple[int, ChunkRef]] = []
     fds: list[int] = []
-    names: dict[int, str] = {}
-    from_store: list[tuple[int, ChunkRef]] = []
+    staged: list[tuple[str, Path, int]] = []
     from_cache = 0
+    ok = False
     try:
         for name, lay in reader.layouts.items():
             fd = safefs.create_file(dfd, name, 0o600)
             fds.append(fd)
-            names[fd] = name
             if lay.bundle is not None:
                 data = reader.read_at(name, 0, lay.size)
                 if len(data) != lay.size or blake3.blake3(data).hexdigest() != files[name]["blake3"]:
@@ -380,21 +379,29 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
                 from_cache += raw is not None
             if raw is None:
                 raw = reader.chunk(ref)
-                from_store.append(job)
+                got = cache.stage(ref.id, encode_chunk(raw, 0)) if cache is not None else None
+                if got is not None:
+                    staged.append(got)
             os.pwrite(fd, raw, ref.offset)
             return len(raw)
 
         parallel_map(one, jobs, threads)
-        for fd in {fd for fd, _ in from_store} if cache is not None else ():
-            with safefs.opened(safefs.open_file(dfd, names[fd])) as rfd:
-                for wfd, ref in from_store:
-                    if wfd == fd and cache is not None:
-                        cache.put(ref.id, encode_chunk(os.pread(rfd, ref.length, ref.offset), 0))
+        ok = True
     finally:
         for fd in fds:
             os.close(fd)
+        if cache is not None:
+            cache.commit(staged) if ok else cache.discard(staged)
     return {"chunks": len(jobs), "from_tier": local.hits, "from_cache": from_cache,
             "from_store": reader.fetched_chunks, "fetched_bytes": reader.fetched_bytes}
+
+
+def parallel_map(fn: Any, items: list[Any], threads: int = 8) -> list[Any]:
+    """fn over items with a thread pool, results in order (the first exception is raised)."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunks") as pool:
+        return list(pool.map(fn, items))
 
 
 def open_cache(cache_dir: str, cap: int) -> ChunkCache | None:

@@ -24,7 +24,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -311,26 +310,49 @@ class ChunkCache:
 
     def put(self, cid: str, stored: bytes) -> None:
         """Adds a (verified) stored chunk object."""
+        staged = self.stage(cid, stored)
+        if staged is not None:
+            self.commit([staged])
+
+    def stage(self, cid: str, stored: bytes) -> tuple[str, Path, int] | None:
+        """Writes a chunk object under a temp name; it joins the cache at commit() (or goes at discard())."""
         if self.cap <= 0 or len(stored) > self.cap:
-            return
+            return None
         with self._lock:
             if cid in self._lru:
-                return
+                return None
         tmp = self.root / f".tmp-{os.getpid()}-{threading.get_ident()}-{cid}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(stored)
-            os.rename(tmp, self.root / cid)
         except OSError as exc:
             log.warning("cannot cache chunk %s: %s", cid, exc)
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            return
-        with self._lock:
-            self._lru[cid] = len(stored)
-            self._bytes += len(stored)
+            return None
+        return cid, tmp, len(stored)
+
+    def commit(self, staged: list[tuple[str, Path, int]]) -> None:
+        """Moves staged chunks into the cache."""
+        for cid, tmp, n in staged:
+            try:
+                os.rename(tmp, self.root / cid)
+            except OSError as exc:
+                log.warning("cannot cache chunk %s: %s", cid, exc)
+                continue
+            with self._lock:
+                if cid not in self._lru:
+                    self._lru[cid] = n
+                    self._bytes += n
         self._trim()
+
+    @staticmethod
+    def discard(staged: list[tuple[str, Path, int]]) -> None:
+        """Removes staged chunks (the restore that fetched them failed)."""
+        for _cid, tmp, _n in staged:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def _drop(self, cid: str) -> None:
         with self._lock:
@@ -576,11 +598,3 @@ def load_stored_manifest(store: ChunkStore, ckpt_id: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ChunkError(f"stored manifest of {ckpt_id} is not an object")
     return data
-
-
-def parallel_map(fn: Any, items: list[Any], threads: int = 8) -> list[Any]:
-    """fn over items with a thread pool, results in order (the first exception is raised)."""
-    if len(items) <= 1:
-        return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunks") as pool:
-        return list(pool.map(fn, items))

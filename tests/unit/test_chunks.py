@@ -240,3 +240,33 @@ def test_sweep_on_s3_deletes_only_unreferenced_chunks_past_grace(tmp_path: Path,
     left = {k.rsplit("/", 1)[-1] for k, _, _ in s3.list_with_mtime("chunks/")}
     assert left == keep
     assert ChunkReader(s3, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
+
+
+_STORE_KEYS = [('chunk_size = "256K"', True), ('chunk_size = "8K"', False), ('chunk_size = 100001', False),
+               ('chunk_size = "64M"', False), ('format = "whole"', True), ('format = "packs"', False),
+               ('chunk_cache_size = ""', True)]
+
+
+@pytest.mark.parametrize(("text", "ok"), _STORE_KEYS)
+def test_store_chunk_keys_are_checked_when_the_config_loads(tmp_path: Path, text: str, ok: bool) -> None:
+    from memsnap.config import ConfigError, load_config
+
+    p = tmp_path / "memsnap.toml"
+    p.write_text(f"[store]\n{text}\n")
+    if ok:
+        load_config(str(p), {})
+    else:
+        with pytest.raises(ConfigError, match="store"):
+            load_config(str(p), {})
+
+
+def test_a_checkpoint_adopted_from_a_chunked_stored_manifest_keeps_its_sizes(tmp_path: Path, store: PosixStore) -> None:
+    from memsnap.manifest import Manifest
+
+    d, files = _tier(tmp_path, _pages(300, 17))
+    m, _ = _drain(store, d, files, "ck-1")
+    body = {"id": "ck-1", "pid": 1, "job": "job-1", "name": "n", "uid": 0, **m}
+    meta = Manifest.from_dict(body).catalog_meta()
+    assert meta["store"] == {"format": "chunked", "logical_bytes": m["storage"]["logical_bytes"],
+                             "stored_bytes": m["storage"]["stored_bytes"], "new_bytes": m["storage"]["new_bytes"]}
+    assert meta["store"]["logical_bytes"] == 300 * PAGE + 400
