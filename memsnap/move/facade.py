@@ -213,7 +213,8 @@ class Mover:
                 return move_lazily(self.engine, self.commits, caller, req, client, token, move, phases)
             if req.via_store:
                 return self._via_store(caller, req, client, move, phases)
-            return self._streamed(caller, req, client, token, move, estimate, phases)
+            with background.gate().foreground("move"):  # the job waits stopped until the verdict
+                return self._streamed(caller, req, client, token, move, estimate, phases)
 
     def _dump_held(self, caller: Caller, req: MoveRequest, move: Move,
                    hooks: DumpHooks) -> CheckpointRecord:
