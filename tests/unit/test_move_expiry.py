@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from fakes import Procs, add_ckpt, add_job, make_engine, procs_fixture, state_of  # noqa: F401
+from fakes import NO_PID, Procs, add_ckpt, add_job, make_engine, procs_fixture, state_of  # noqa: F401
 
 from memsnap.catalog import STAGED
 from memsnap.config import Config, DaemonConfig, load_config
@@ -33,7 +33,7 @@ def _pending_move(e: Engine, procs: Procs) -> int:
     """A job restored here for a move of ck-a that the source has not committed yet; its pid."""
     pid, start = procs.start()
     add_job(e, "job-t", pid, start, restored_from="ck-a")
-    add_ckpt(e, "ck-a", STAGED, 1, meta={"move_pending": "job-t"})
+    add_ckpt(e, "ck-a", STAGED, NO_PID, meta={"move_pending": "job-t"})
     return pid
 
 
