@@ -24,7 +24,7 @@ for f in memsnap/remote.py memsnap/auth.py; do [[ -f $f ]] && targets+=("$f"); d
 tests=(tests/unit/test_manifest.py tests/unit/test_safefs.py tests/unit/test_remote_auth.py
        tests/unit/test_validate.py tests/unit/test_engine_guards.py tests/unit/test_auth_interceptor.py
        tests/unit/test_engine_recover.py tests/unit/test_posix_store.py tests/unit/test_safefs_decisions.py
-       tests/unit/test_auth_setup.py tests/unit/test_auth_tls.py)
+       tests/unit/test_auth_setup.py tests/unit/test_auth_tls.py tests/unit/test_manifest_format.py)
 existing=(); for t in "${tests[@]}"; do [[ -f $t ]] && existing+=("$t"); done
 # test_store.py's POSIX tests (its S3 ones need a moto server and test nothing mutated here).
 for t in $(grep -o '^def test_posix_[a-z_0-9]*' tests/unit/test_store.py | cut -c5-); do
