@@ -87,6 +87,7 @@ def test_cleanup_removes_only_temps_older_than_asked(posix: PosixStore) -> None:
         os.utime(p, (1, 1))
     assert posix.cleanup_temps(older_than_s=3600) == 2
     assert fresh.exists() and not any(p.exists() for p in old) and posix.exists("ck1/x.img")
+    assert posix.cleanup_temps(older_than_s=1) == 0 and fresh.exists()
     assert posix.cleanup_temps() == 1 and not fresh.exists()
 
 
@@ -151,3 +152,11 @@ def test_check_gives_up_on_a_root_that_does_not_answer(tmp_path: Path, monkeypat
             store.check()
     finally:
         hung.set()
+
+
+def test_a_root_that_appears_after_start_passes_the_check(tmp_path: Path) -> None:
+    store = PosixStore(tmp_path / "store")  # (not there yet: a mount that comes later)
+    with pytest.raises(StoreUnavailable):
+        store.check()
+    (tmp_path / "store").mkdir(mode=0o700)
+    store.check()

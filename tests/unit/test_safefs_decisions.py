@@ -126,6 +126,16 @@ def test_open_dir_sets_the_mode_of_what_it_creates_and_leaves_existing_dirs_alon
     assert _mode(tmp_path / "new") == 0o711 and _mode(existing) == 0o755
 
 
+def test_open_dir_creates_private_dirs_by_default(tmp_path: Path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with umask(0):
+            os.close(safefs.open_dir(fd, "new", create=True))
+    finally:
+        os.close(fd)
+    assert _mode(tmp_path / "new") == 0o700
+
+
 def test_open_path_creates_only_when_asked_and_with_the_mode_asked(tmp_path: Path) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -151,6 +161,8 @@ def test_write_new_gives_the_file_the_mode_asked(tmp_path: Path) -> None:
 # -- walking, removing and counting a tree -----------------------------------------------------------------
 def _tree(root: Path) -> None:
     (root / "d" / "e").mkdir(parents=True)
+    (root / "d" / "f").mkdir()
+    (root / "d" / "f" / "other").write_bytes(b"x" * 10000)
     (root / "top").write_bytes(b"x" * 10)
     (root / "d" / "mid").write_bytes(b"x" * 100)
     (root / "d" / "e" / "low").write_bytes(b"x" * 1000)
@@ -164,7 +176,8 @@ def test_walk_names_each_file_with_its_dir_relative_to_the_root(tmp_path: Path) 
         got = sorted((rel, name, s.st_size) for rel, _, name, s in safefs.walk(fd))
     finally:
         os.close(fd)
-    assert got == [("", "outside", 7), ("", "top", 10), ("d/", "mid", 100), ("d/e/", "low", 1000)]
+    assert got == [("", "outside", 7), ("", "top", 10), ("d/", "mid", 100), ("d/e/", "low", 1000),
+                   ("d/f/", "other", 10000)]
 
 
 def test_tree_sizes_and_rmtree_count_every_file_below(tmp_path: Path) -> None:
@@ -172,14 +185,14 @@ def test_tree_sizes_and_rmtree_count_every_file_below(tmp_path: Path) -> None:
     (tmp_path / "d" / "link").symlink_to(tmp_path / "outside")  # never followed, never counted
     d_fd = os.open(tmp_path / "d", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert safefs.tree_bytes(d_fd) == 1100
+        assert safefs.tree_bytes(d_fd) == 11100  # (two subdirs: whatever the order, each one adds)
         assert safefs.tree_blocks_bytes(d_fd) == sum(
             p.stat().st_blocks * 512 for p in (tmp_path / "d").rglob("*") if p.is_file() and not p.is_symlink())
     finally:
         os.close(d_fd)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert safefs.rmtree(fd, "d") == 1100
+        assert safefs.rmtree(fd, "d") == 11100
         assert safefs.rmtree(fd, "gone") == 0
         with pytest.raises(FileNotFoundError):
             safefs.rmtree(fd, "gone", missing_ok=False)
