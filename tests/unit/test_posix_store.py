@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,8 @@ def test_cleanup_removes_only_temps_older_than_asked(posix: PosixStore) -> None:
         p.write_bytes(b"t")
     for p in old:
         os.utime(p, (1, 1))
+    soon = time.time() + 3600  # ("fresh" whatever the time a loaded machine takes from here)
+    os.utime(fresh, (soon, soon))
     assert posix.cleanup_temps(older_than_s=3600) == 2
     assert fresh.exists() and not any(p.exists() for p in old) and posix.exists("ck1/x.img")
     assert posix.cleanup_temps(older_than_s=1) == 0 and fresh.exists()
