@@ -294,6 +294,11 @@ class DaemonConfig:
         600.0, _float_min(0.0, False, "a number of seconds >= 0"),
         "how long a job whose outgoing move is in doubt stays stopped here; 0 = until the target answers",
     )
+    move_commit_timeout_s: float = _opt(
+        120.0, _POSITIVE_SECONDS,
+        "how long a job restored here for an incoming move waits for the source's commit before it is killed "
+        "(the source runs it on)",
+    )
 
 
 @dataclass(frozen=True)

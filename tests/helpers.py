@@ -318,10 +318,39 @@ def file_names(*roots: Path) -> set[str]:
 
 # -- the loopback test cluster: daemons that listen on TCP and know each other as peers ------------------
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port below the ephemeral range (no outgoing connection takes it) that nothing listens on
+    right now. It is not reserved: start a daemon that listens on it with start_on_free_ports, which
+    draws new ports when one was taken before the daemon bound it. (A daemon that refuses to start before
+    it binds needs nothing more.)"""
+    return _fresh_ports(1)[0]
+
+
+def _fresh_ports(n: int) -> list[int]:
+    """n free loopback ports, none of the test cluster's."""
+    return [p for p in _port_pool(n + len(CLUSTER_PORTS)) if p not in CLUSTER_PORTS][:n]
+
+
+def start_on_free_ports(n: int, make: Callable[[list[int]], list[DaemonProc]],
+                        attempts: int = 5) -> list[DaemonProc]:
+    """Starts the daemons make(ports) builds on n free loopback ports (they must listen on them). A port
+    taken between the draw and the bind ("the address is in use") stops them all, and they start again
+    on newly drawn ports."""
+    for attempt in range(attempts):
+        daemons = make(_fresh_ports(n))
+        seen = {id(d): d.log.stat().st_size if d.log.exists() else 0 for d in daemons}
+        try:
+            for d in daemons:
+                d.start()
+            return daemons
+        except AssertionError:
+            for d in daemons:
+                if d.proc is not None and d.proc.poll() is None:
+                    d.stop(signal.SIGKILL)
+            taken = any(d.log.exists() and b"the address is in use" in d.log.read_bytes()[seen[id(d)]:]
+                        for d in daemons)
+            if not taken or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _port_pool(n: int = 48) -> list[int]:

@@ -81,7 +81,7 @@ class Mover:
         except RemoteConfigError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
         self.commits = Commitments(engine, cfg)
-        self.target = MoveTarget(engine)
+        self.target = MoveTarget(engine, commit_timeout_s=cfg.daemon.move_commit_timeout_s)
         self.tunnels = self.target.tunnels
         self._in_doubt: list[str] = []  # found by recovery, settled by recover()
 

@@ -270,6 +270,7 @@ class Commitments:
     def commit_on(self, client: PeerClient, move: Move, ckpt_id: str, to: str) -> None:
         """Tells the target to keep the job. Refused: the job runs on here (and dies there). Unanswered:
         the move is in doubt (see ask); past daemon.move_in_doubt_s it runs on here too."""
+        failpoints.hit("before-commit-sent")  # (tests: the target's copy then expires)
         # A crash from here until moved_to is journaled leaves the question to the target (recovery).
         set_mark(self.host.catalog, ckpt_id, committing_to=to)
         kept, why, code = self.ask(client, ckpt_id, to, move.label)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -32,15 +33,30 @@ from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
 
-# A restored job whose move the source does not commit within this time is killed on the target.
+# A restored job whose move the source does not commit within this time is killed on the target
+# (daemon.move_commit_timeout_s).
 COMMIT_TIMEOUT_S = 120.0
+
+# Starts fn after so many seconds, in the background (tests pass a fake one to fire it themselves).
+Timer = Callable[[float, Callable[[], None]], Any]
+
+
+def start_timer(seconds: float, fn: Callable[[], None]) -> threading.Timer:
+    """A daemon threading.Timer that calls fn after seconds."""
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 class MoveTarget:
     """ReceiveImage, PageTunnel, RestoreReceived and the commit, on the node a job moves to."""
 
-    def __init__(self, host: MoveHost) -> None:
+    def __init__(self, host: MoveHost, commit_timeout_s: float = COMMIT_TIMEOUT_S,
+                 timer: Timer = start_timer) -> None:
         self.engine = host
+        self.commit_timeout_s = commit_timeout_s
+        self._timer = timer
         self.tunnels = TunnelHost(host)
         self._commit_lock = threading.Lock()
         self._committed: dict[str, str] = {}
@@ -123,11 +139,9 @@ class MoveTarget:
             self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
 
     def _arm_expiry(self, ckpt_id: str, job_id: str) -> None:
-        """The move dies here unless the source commits within COMMIT_TIMEOUT_S of the reply (or of the
+        """The move dies here unless the source commits within commit_timeout_s of the reply (or of the
         last lazy page)."""
-        timer = threading.Timer(COMMIT_TIMEOUT_S, self._expire, args=(ckpt_id, job_id))
-        timer.daemon = True
-        timer.start()
+        self._timer(self.commit_timeout_s, lambda: self._expire(ckpt_id, job_id))
 
     def commit_move(self, caller: Caller, ckpt_id: str) -> pb.RestoreResponse:
         """Peer.CommitMove: the source confirmed and let go of its copy (see commit)."""

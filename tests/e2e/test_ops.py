@@ -14,14 +14,6 @@ from memsnap.client import ClientError
 from tests.helpers import counter_argv, metrics_port, sample, scrape_metrics, start_digest, ticks, wait_for
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return int(port)
-
-
 def test_sd_notify_ready_only_when_serving_then_watchdog_and_stopping(make_daemon, tmp_path):
     ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ns_path = tmp_path / "notify.sock"

@@ -24,6 +24,7 @@ from tests.helpers import (
     make_cert,
     peer_token_for,
     secret_file,
+    start_on_free_ports,
     token_daemon,
 )
 
@@ -128,15 +129,19 @@ def test_mutual_tls_without_token(tmp_path):
     cli_key, cli_crt = make_cert(pki, "client", ca)
     rogue = make_ca(pki, "rogue-ca")
     rogue_key, rogue_crt = make_cert(pki, "rogue", rogue)
-    port = free_port()
     cfg = tmp_path / "tls.toml"
     cfg.write_text('[daemon]\nadmin_identities = ["client"]\n')
-    d = DaemonProc(tmp_path / "tls", extra=["--config", str(cfg), "--listen", f"127.0.0.1:{port}",
-                                           "--tls-cert", str(node_crt), "--tls-key", str(node_key),
-                                           "--tls-ca", str(ca[1])])
+    made: list[DaemonProc] = []
+
+    def make(ports: list[int]) -> list[DaemonProc]:
+        made.append(DaemonProc(tmp_path / "tls", extra=["--config", str(cfg), "--listen", f"127.0.0.1:{ports[0]}",
+                                                        "--tls-cert", str(node_crt), "--tls-key", str(node_key),
+                                                        "--tls-ca", str(ca[1])]))
+        return made[-1:]
+
     try:
-        d.start()
-        addr = f"127.0.0.1:{port}"
+        (d,) = start_on_free_ports(1, make)
+        addr = d.extra[d.extra.index("--listen") + 1]
         ok = Target(address=addr, tls_ca=str(ca[1]), tls_cert=str(cli_crt), tls_key=str(cli_key))
         assert _status_code(ok) == "OK"
         # No client certificate, one from another CA, or no TLS at all: the handshake fails.
@@ -147,4 +152,5 @@ def test_mutual_tls_without_token(tmp_path):
         with MemsnapClient(ok) as c:
             assert isinstance(c.jobs(), list)
     finally:
-        d.cleanup()
+        for m in made:
+            m.cleanup()

@@ -33,6 +33,7 @@ from tests.helpers import (
     make_cert,
     peer_token_for,
     secret_file,
+    start_on_free_ports,
     token_daemon,
 )
 
@@ -118,11 +119,14 @@ def guarded(make_daemon, tmp_path) -> Iterator[tuple[DaemonProc, str]]:
     cfg.write_text('[daemon]\nsocket_mode = "0666"\n')
     sockdir = Path(tempfile.mkdtemp(prefix="memsnap-open-"))
     os.chmod(sockdir, 0o755)
-    port = free_port()
-    d = make_daemon("guarded", extra=["--config", str(cfg), "--listen", f"127.0.0.1:{port}",
-                                      "--auth-token-file", str(token)], socket_path=str(sockdir / "d.sock"))
-    d.address = f"127.0.0.1:{port}"
-    d.start()
+
+    def make(ports: list[int]) -> list[DaemonProc]:
+        d = make_daemon("guarded", extra=["--config", str(cfg), "--listen", f"127.0.0.1:{ports[0]}",
+                                          "--auth-token-file", str(token)], socket_path=str(sockdir / "d.sock"))
+        d.address = f"127.0.0.1:{ports[0]}"
+        return [d]
+
+    (d,) = start_on_free_ports(1, make)
     yield d, token.read_text().strip()
     d.cleanup()
     shutil.rmtree(sockdir, ignore_errors=True)
@@ -252,19 +256,25 @@ def test_certificates_authorize_by_name_not_by_ca(tmp_path):
     peer = make_cert(pki, "node2", ca)
     admin = make_cert(pki, "ops", ca)
     stranger = make_cert(pki, "stranger", ca)
-    port = free_port()
     cfg = tmp_path / "tls.toml"
-    cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:{port}"\ntls_cert = "{server[1]}"\ntls_key = "{server[0]}"\n'
-                   f'tls_ca = "{ca[1]}"\nadmin_identities = ["ops"]\n'
-                   '[[peers]]\nname = "node2"\naddress = "127.0.0.1:1"\n')
-    d = DaemonProc(tmp_path / "tls", extra=["--config", str(cfg)])
+    made: list[DaemonProc] = []
+    port = 0
+
+    def make(ports: list[int]) -> list[DaemonProc]:
+        nonlocal port
+        port = ports[0]
+        cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:{port}"\ntls_cert = "{server[1]}"\n'
+                       f'tls_key = "{server[0]}"\ntls_ca = "{ca[1]}"\nadmin_identities = ["ops"]\n'
+                       '[[peers]]\nname = "node2"\naddress = "127.0.0.1:1"\n')
+        made.append(DaemonProc(tmp_path / "tls", extra=["--config", str(cfg)]))
+        return made[-1:]
 
     def client(cert: tuple[Path, Path]) -> MemsnapClient:
         return MemsnapClient(Target(address=f"127.0.0.1:{port}", tls_ca=str(ca[1]), tls_cert=str(cert[1]),
                                     tls_key=str(cert[0])))
 
     try:
-        d.start()
+        start_on_free_ports(1, make)
         # Signed by the CA but not listed, or the server's own certificate: nothing at all.
         for cert in (stranger, server):
             with client(cert) as c:
@@ -284,7 +294,8 @@ def test_certificates_authorize_by_name_not_by_ca(tmp_path):
             job = c.run(["sleep", "600"], name="tls-admin")
             kill_job(int(job.pid))
     finally:
-        d.cleanup()
+        for m in made:
+            m.cleanup()
 
 
 @pytest.mark.parametrize("listen", ["unix-abstract:x", "unix-abstract:7", "unix:9", "vsock:5"])
@@ -420,20 +431,23 @@ def test_a_move_between_peers_under_mutual_tls(tmp_path, jobs_to_kill):
     ca = make_ca(pki, "cluster-ca")
     certs = {name: make_cert(pki, name, ca) for name in ("node-a", "node-b")}
     token = secret_file(tmp_path / "node.token")
-    ports = {"node-a": free_port(), "node-b": free_port()}
-    nodes = {}
-    for name, (key, crt) in certs.items():
-        other = "node-b" if name == "node-a" else "node-a"
-        cfg = tmp_path / f"{name}.toml"
-        cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:{ports[name]}"\nnode_name = "{name}"\n'
-                       f'auth_token_file = "{token}"\ntls_cert = "{crt}"\ntls_key = "{key}"\ntls_ca = "{ca[1]}"\n'
-                       f'[[peers]]\nname = "{other}"\naddress = "127.0.0.1:{ports[other]}"\n'
-                       f'identity = "{other}"\n')
-        nodes[name] = DaemonProc(tmp_path / name, extra=["--config", str(cfg)])
-    a, b = nodes["node-a"], nodes["node-b"]
+    ports: dict[str, int] = {}
+    made: list[DaemonProc] = []
+
+    def make(drawn: list[int]) -> list[DaemonProc]:
+        ports.update(zip(certs, drawn, strict=True))
+        for name, (key, crt) in certs.items():
+            other = "node-b" if name == "node-a" else "node-a"
+            cfg = tmp_path / f"{name}.toml"
+            cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:{ports[name]}"\nnode_name = "{name}"\n'
+                           f'auth_token_file = "{token}"\ntls_cert = "{crt}"\ntls_key = "{key}"\n'
+                           f'tls_ca = "{ca[1]}"\n[[peers]]\nname = "{other}"\n'
+                           f'address = "127.0.0.1:{ports[other]}"\nidentity = "{other}"\n')
+            made.append(DaemonProc(tmp_path / name, extra=["--config", str(cfg)]))
+        return made[-2:]
+
     try:
-        a.start()
-        b.start()
+        a, b = start_on_free_ports(2, make)
         job = _counter(a, jobs_to_kill, 16, "tls-mover")
         r = a.ctl("--json", "migrate", job["id"], "--to", "node-b", timeout=180)
         assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
@@ -445,5 +459,5 @@ def test_a_move_between_peers_under_mutual_tls(tmp_path, jobs_to_kill):
                                   tls_cert=str(certs["node-a"][1]), tls_key=str(certs["node-a"][0]))) as c:
             assert _code(lambda: c.run(["id", "-u"])) == "PERMISSION_DENIED"
     finally:
-        a.cleanup()
-        b.cleanup()
+        for m in made:
+            m.cleanup()

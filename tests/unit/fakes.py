@@ -21,6 +21,9 @@ from memsnap.engine import Engine, EngineConfig
 from memsnap.tier import MemoryTier
 
 KEY = b"k" * 32
+# A pid no process can have (above the kernel's highest pid_max, 2**22), for rows whose process does not
+# matter. Never pid 1: a mutant that signals a row's tree would then signal every process of the machine.
+NO_PID = 4_194_305
 
 
 class FakeCriu:
