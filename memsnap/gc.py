@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from memsnap import background
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.engine import ROOT, Caller
 from memsnap.errors import FailedPrecondition, MemsnapError
@@ -198,6 +199,7 @@ class Collector:
 
         def loop() -> None:
             while not self._stop.wait(interval_s):
+                background.gate().wait_idle("gc", self._stop.is_set)  # background work: after foreground work
                 try:
                     self.run(ROOT)
                 except Exception:  # logged; the next interval tries again

@@ -300,3 +300,24 @@ def test_collector_sweeps_through_the_sweeper_as_root_with_a_dry_runs_deletions_
     assert calls == [(True, NOW / 1000, {"c0", "c1"})]
     gc.run(ROOT)
     assert calls[-1] == (False, NOW / 1000, set())
+
+
+def test_periodic_gc_waits_while_foreground_work_runs_then_runs(tmp_path, monkeypatch) -> None:
+    import threading
+
+    from memsnap import background
+
+    g = background.Gate(max_pause_s=60.0, poll_s=0.005)
+    monkeypatch.setattr(background, "_GATE", g)
+    gc = _collector(tmp_path, Policy(keep_last=1))
+    ran = threading.Event()
+    monkeypatch.setattr(gc, "run", lambda caller, dry_run=False: ran.set())
+    token = g.hold("restore")  # foreground work in flight
+    gc.start(0.01)
+    try:
+        assert not ran.wait(0.5), "the periodic gc ran while foreground work was in flight"
+        assert any(k.startswith("gc:") for k in g.snapshot()["drains_held"]), g.snapshot()
+        g.release(token)
+        assert ran.wait(10), "the periodic gc never ran once the foreground work ended"
+    finally:
+        gc.stop()
