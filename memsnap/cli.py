@@ -478,6 +478,8 @@ def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_esta
                                         op_id=op), obj.json)
     chosen = r.job.restored_from or checkpoint_id
     fetched = f", fetched from the store in {human_ms(r.fetch_ms)}" if r.from_store else ""
+    if lazy:  # (from the store: only the small files came first, docs/lazy-store.md)
+        fetched += "; its memory pages in lazily"
     obj.emit({"pid": int(r.pid), "job": r.job.id, "checkpoint": chosen, "requested": checkpoint_id,
               "restore_ms": int(r.restore_ms), "verify_ms": int(r.verify_ms), "fetch_ms": int(r.fetch_ms),
               "from_store": r.from_store},
