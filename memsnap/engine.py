@@ -688,6 +688,7 @@ class Engine:
         work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
         failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
+        failpoints.delay("slow-restore-10s", 10.0)  # (tests: several calls meet a restore in flight)
         t2 = time.monotonic()
         server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket) if lazy else None
         new_pid = 0

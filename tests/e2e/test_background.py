@@ -34,11 +34,11 @@ def _job(d: DaemonProc, jobs_to_kill: list[int], mib: int) -> tuple[str, str]:
 
 
 def test_drains_wait_and_pause_while_a_lazy_restore_serves_pages_then_resume(make_daemon, jobs_to_kill):
-    # A 4 MB/s drain cap keeps a drain in flight for seconds; slow-restore holds the lazy restore 3 s
-    # (foreground work) before CRIU runs, so both drains surely meet it.
+    # A 4 MB/s drain cap keeps a drain in flight for seconds; slow-restore-10s holds the lazy restore 10 s
+    # (foreground work) before CRIU runs, so both drains surely meet it, even on a loaded machine.
     d = make_daemon("bg", extra=["--drain-bandwidth", "4M", "--compression-level", "0",
                                  "--metrics-listen", "127.0.0.1:0"],
-                    env={"MEMSNAP_FAILPOINTS": "slow-restore"}).start()
+                    env={"MEMSNAP_FAILPOINTS": "slow-restore-10s"}).start()
     port = metrics_port(d)
     c_id, c_log = _job(d, jobs_to_kill, 8)
     ck_c = json.loads(d.ctl("--json", "checkpoint", c_id, "--stop", "--wait", "durable", check=True).stdout)
@@ -56,9 +56,11 @@ def test_drains_wait_and_pause_while_a_lazy_restore_serves_pages_then_resume(mak
     restore = subprocess.Popen([sys.executable, "-m", "memsnap.cli", "--json", "restore", "--lazy", ck_c["id"]],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # B is dumped while the lazy restore is in flight: it is queued, and waits.
-        ck_b = json.loads(d.ctl("--json", "checkpoint", b_id, check=True).stdout)
+        # B is dumped once the lazy restore is in flight (A paused): it is queued, and waits.
         with d.client() as c:
+            wait_for(lambda: f"drain:{ck_a['id']} (paused)" in c.status().drains_held, 30,
+                     what="drain A paused by the restore")
+            ck_b = {"id": c.checkpoint(b_id).id}
             held = wait_for(lambda: (s := c.status()).drains_paused and {
                 f"drain:{ck_a['id']} (paused)", f"drain:{ck_b['id']} (waiting)"} <= set(s.drains_held) and s,
                 30, what="drain A paused and drain B waiting")
