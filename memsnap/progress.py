@@ -42,7 +42,7 @@ class Op:
 
 
 _lock = threading.Lock()
-_ops: dict[str, Op] = {}
+_ops: dict[tuple[int, str], Op] = {}  # (owner uid, op id): one user can never take or see another's
 _local = threading.local()
 
 
@@ -53,16 +53,16 @@ def valid_op_id(op_id: str) -> bool:
 
 @contextmanager
 def begin(op_id: str, kind: str, owner_uid: int) -> Iterator[Op | None]:
-    """Makes op_id the current operation of this thread (nothing when op_id is empty or taken)."""
+    """Makes op_id the current operation of this thread (nothing when op_id is empty or this owner's is taken)."""
     if not op_id or not valid_op_id(op_id):
         yield None
         return
     op = Op(op_id, kind, owner_uid)
     with _lock:
-        if op_id in _ops:
+        if (owner_uid, op_id) in _ops:
             op = None  # type: ignore[assignment]
         else:
-            _ops[op_id] = op
+            _ops[(owner_uid, op_id)] = op
     prev = getattr(_local, "op", None)
     _local.op = op
     try:
@@ -71,7 +71,7 @@ def begin(op_id: str, kind: str, owner_uid: int) -> Iterator[Op | None]:
         _local.op = prev
         if op is not None:
             with _lock:
-                _ops.pop(op_id, None)
+                _ops.pop((owner_uid, op_id), None)
 
 
 def current() -> Op | None:
@@ -89,9 +89,9 @@ def phase(name: str, total_bytes: int = 0, done: Callable[[], int] | None = None
 def get(op_id: str, uid: int, is_root: bool) -> Op | None:
     """The operation op_id, if it runs and belongs to uid (root sees all)."""
     with _lock:
-        op = _ops.get(op_id)
-    if op is None or not (is_root or op.owner_uid == uid):
-        return None
+        op = _ops.get((uid, op_id))
+        if op is None and is_root:
+            op = next((o for (_, i), o in _ops.items() if i == op_id), None)
     return op
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -374,3 +375,29 @@ def test_owner_uid_out_of_range_never_breaks_listing(daemon):
         db.close()
 
 
+
+
+def test_nobody_can_neither_see_nor_take_the_op_id_of_roots_restore(open_daemons, jobs_to_kill):
+    # Progress (Status(op_id)) belongs to the caller that started the operation; op ids are per owner, so
+    # nobody reusing root's op id sees nothing of root's restore and takes nothing from it.
+    d = open_daemons("progress")
+    d.env = {"MEMSNAP_FAILPOINTS": "slow-restore-10s"}  # root's restore stays in flight for 10 s
+    d.start()
+    op = "op-root-restore"
+    with d.client() as c:
+        job = c.run(counter_argv(8))
+        jobs_to_kill.append(int(job.pid))
+        wait_for(lambda: len(ticks(job.log_path)) >= 2, 20, what="the job to tick")
+        ck = c.checkpoint(job.id, stop=True)
+        done: list[object] = []
+        t = threading.Thread(target=lambda: done.append(c.restore(ck.id, op_id=op, timeout=120)), daemon=True)
+        t.start()
+        wait_for(lambda: c.status(op_id=op).progress.kind == "restore", 20, what="root's restore to report progress")
+        seen = call_as(NOBODY, d, "status", op_id=op)
+        assert seen[0] == "OK" and "progress" not in seen[1], seen
+        taken = call_as(NOBODY, d, "restore", ck.id, op_id=op)
+        assert taken[0] in ("PERMISSION_DENIED", "NOT_FOUND"), taken
+        assert c.status(op_id=op).progress.kind == "restore"  # root still follows its own restore
+        t.join(120)
+    assert done, "root's restore did not finish"
+    jobs_to_kill.append(int(done[0].pid))  # type: ignore[attr-defined]
