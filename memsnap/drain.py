@@ -351,10 +351,6 @@ class DrainService:
         """Copies a durable checkpoint into dest, verifying the signature and every hash on the way."""
         t0 = time.monotonic()
         stored = self.stored_manifest(rec)
-        files = stored["files"]
-        storage = stored.get("storage", {}).get("files", {})
-        if set(storage) != set(files):
-            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
         with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
             if chunks.is_chunked(stored):
                 self._fetch_chunked(rec, stored, dfd)
@@ -367,7 +363,8 @@ class DrainService:
         release_memory()
 
     def stored_manifest(self, rec: CheckpointRecord) -> dict[str, Any]:
-        """The stored manifest of a durable checkpoint, its signature verified and bound to rec."""
+        """The stored manifest of a durable checkpoint, its signature verified and bound to rec, and its storage
+        section listing the same files (fetch and the lazy restore from the store both start here)."""
         try:
             with self.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
                 stored = json.loads(f.read())
@@ -384,6 +381,10 @@ class DrainService:
             manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
         except manifest.IntegrityError as exc:
             raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
+        storage = stored.get("storage")
+        if not isinstance(stored.get("files"), dict) or not isinstance(storage, dict) or \
+                not isinstance(storage.get("files"), dict) or set(storage["files"]) != set(stored["files"]):
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
         return dict(stored)
 
     def chunk_reader(self, rec: CheckpointRecord) -> chunks.ChunkReader:
