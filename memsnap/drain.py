@@ -363,8 +363,7 @@ class DrainService:
         release_memory()
 
     def stored_manifest(self, rec: CheckpointRecord) -> dict[str, Any]:
-        """The stored manifest of a durable checkpoint, its signature verified and bound to rec, and its storage
-        section listing the same files (fetch and the lazy restore from the store both start here)."""
+        """The stored manifest of a durable checkpoint: signed, bound to rec, its storage listing the same files."""
         try:
             with self.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
                 stored = json.loads(f.read())
