@@ -234,6 +234,9 @@ class StoreSweeper:
         self.drain = drain
         self.grace_s = grace_s
         self.chunks = chunks
+        from memsnap.store import chunkgc
+
+        self.chunkgc = chunkgc
 
     def mark(self, gone: set[str]) -> set[str]:
         """The chunk ids to keep."""
@@ -264,7 +267,7 @@ class StoreSweeper:
         pending = [r.created_ms / 1000 for r in self.drain.catalog.checkpoints(states=(DUMPING, STAGED, DRAINING))]
         since = min([now, *pending])  # before the mark: a drain that starts later touches after `now`
         keep = self.mark(gone)
-        r = self.chunks.sweep(self.drain.store, keep, self.grace_s, dry_run=dry_run, now=since)
+        r = self.chunkgc.sweep(self.drain.store, keep, self.grace_s, dry_run=dry_run, now=since)
         return SweepResult(int(r.deleted), int(r.bytes_freed), int(r.kept_in_grace))
 
 

@@ -30,13 +30,13 @@ import zstandard
 
 from memsnap import failpoints, manifest, safefs
 from memsnap.errors import IntegrityFailure
+from memsnap.store.chunkgc import ChunkIndex
 from memsnap.store.chunks import (
     BUNDLE_NAME,
     DEFAULT_AVG,
     LAYOUT,
     ChunkCache,
     ChunkError,
-    ChunkIndex,
     Chunking,
     ChunkReader,
     ChunkRef,

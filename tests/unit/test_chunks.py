@@ -15,16 +15,15 @@ import pytest
 
 from memsnap import safefs
 from memsnap.store.chunked import ChunkedDrain, TierChunks, fetch_chunked
+from memsnap.store.chunkgc import ChunkIndex, sweep
 from memsnap.store.chunks import (
     PAGE,
     ChunkCache,
     ChunkError,
-    ChunkIndex,
     Chunking,
     ChunkReader,
     chunk_key,
     referenced_chunks,
-    sweep,
 )
 from memsnap.store.posix import PosixStore
 
@@ -203,7 +202,7 @@ def test_sweep_deletes_unreferenced_chunks_past_grace_and_keeps_young_ones(tmp_p
 
 _SWEEP_CHILD = """
 import sys, time
-from memsnap.store.chunks import sweep
+from memsnap.store.chunkgc import sweep
 from memsnap.store.posix import PosixStore
 keep = set(sys.argv[2].split(","))
 sweep(PosixStore(sys.argv[1]), keep, grace_s=60, dry_run=False, now=time.time())
