@@ -307,28 +307,26 @@ class DrainService:
     # -- chunked format (memsnap.store.chunked) -----------------------------------------------------------
     def _drain_chunked(self, rec: CheckpointRecord, sfd: int, tier_manifest: dict[str, Any], progress: Any) -> int:
         cstore: chunks.ChunkStore = self.store  # type: ignore[assignment]
-        job = chunked.ChunkedDrain(cstore, self.codec.level or 0, self.node_chunks.index(),
-                                   chunks.Chunking(self.chunk_opts.avg), self.throttle, self.chunk_opts.threads)
-        fresh = self.catalog.get_checkpoint(rec.id)
-        trusted = (fresh or rec).meta.get("fingerprint")
-        storage = job.run(rec.id, sfd, tier_manifest["files"], trusted, progress)
-        background.check_still_wanted(rec.id)  # (moved away meanwhile: no manifest, so no stored copy)
-        body = {k: v for k, v in tier_manifest.items() if k not in ("format", "signature")}
-        body["storage"] = storage
-        data = json.dumps(manifest.sign(body, self.key, manifest.FORMAT_CHUNKED), indent=1, sort_keys=True).encode()
-        with self.store.open_writer(f"{rec.id}/{MANIFEST_NAME}") as w:
-            w.write(data)
-            failpoints.hit("chunked-manifest-written")  # (written, not yet published)
-            w.commit()
+        trusted = (self.catalog.get_checkpoint(rec.id) or rec).meta.get("fingerprint")
+        # From the first chunk to the manifest, a store lock keeps sweeps out (memsnap.store.chunkgc).
+        with self.node_chunks.store_gc(cstore).draining() as grant:
+            job = chunked.ChunkedDrain(cstore, self.codec.level or 0, self.node_chunks.index(),
+                                       chunks.Chunking(self.chunk_opts.avg), self.throttle, self.chunk_opts.threads,
+                                       trust_index=grant.trust_index)
+            storage = job.run(rec.id, sfd, tier_manifest["files"], trusted, progress)
+            background.check_still_wanted(rec.id)  # (moved away meanwhile: no manifest, so no stored copy)
+            body = {**{k: v for k, v in tier_manifest.items() if k not in ("format", "signature")}, "storage": storage}
+            data = json.dumps(manifest.sign(body, self.key, manifest.FORMAT_CHUNKED), indent=1, sort_keys=True)
+            with self.store.open_writer(f"{rec.id}/{MANIFEST_NAME}") as w:
+                w.write(data.encode())
+                failpoints.hit("chunked-manifest-written")  # (written, not yet published)
+                w.commit()
         stats = job.stats.summary()
-        stats["round_trips"] += 1
+        stats["round_trips"] += 1 + grant.ops + 1  # the manifest, the protocol, the lock's removal
         stats["stored_bytes"] += len(data)
         self.node_chunks.save_map(rec.id, storage)
-        cur = self.catalog.get_checkpoint(rec.id)
-        if cur is not None:
-            meta = dict(cur.meta)
-            meta["store"] = {"format": "chunked", **stats}
-            self.catalog.update_checkpoint(rec.id, meta=meta)
+        if (cur := self.catalog.get_checkpoint(rec.id)) is not None:
+            self.catalog.update_checkpoint(rec.id, meta={**cur.meta, "store": {"format": "chunked", **stats}})
         logging.LoggerAdapter(log, {"checkpoint_id": rec.id}).info(
             "chunked: %d chunks, %d new (%d bytes), %d reused, %d stored bytes, %d round trips", stats["chunks"],
             stats["new_chunks"], stats["new_bytes"], stats["reused_chunks"], stats["stored_bytes"],

@@ -223,11 +223,11 @@ class StoreSweeper:
     """Mark and sweep over the chunked store behind a drain (memsnap.store.chunks).
 
     Mark: the chunks every stored manifest in the store references (every node's), minus those of `gone`
-    (a dry run's deletions), plus those drains in flight here report. Sweep: chunks outside the mark whose
-    last upload or reuse (mtime: a drain touches a chunk it reuses) is older than the grace period, counted
-    from the moment the oldest checkpoint still dumping or draining here was taken: every chunk such a
-    drain relies on was uploaded or touched after that. A manifest that cannot be read stops the run before
-    anything is swept (its chunks are unknown).
+    (a dry run's deletions), plus those drains in flight here report. Sweep: chunks outside the mark
+    uploaded longer ago than the grace period (counted from the moment the oldest checkpoint still dumping or
+    draining here was taken), inside the store-wide sweep lock: no drain of any node runs from the mark to
+    the last deletion, and each drain forgets what the sweep's record lists (memsnap.store.chunkgc). A
+    manifest that cannot be read stops the run before anything is swept (its chunks are unknown).
     """
 
     def __init__(self, drain: Any, grace_s: float, chunks: Any) -> None:
@@ -265,9 +265,13 @@ class StoreSweeper:
         from memsnap.catalog import DRAINING, DUMPING, STAGED
 
         pending = [r.created_ms / 1000 for r in self.drain.catalog.checkpoints(states=(DUMPING, STAGED, DRAINING))]
-        since = min([now, *pending])  # before the mark: a drain that starts later touches after `now`
-        keep = self.mark(gone)
-        r = self.chunkgc.sweep(self.drain.store, keep, self.grace_s, dry_run=dry_run, now=since)
+        since = min([now, *pending])
+        if dry_run:
+            r = self.chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, dry_run=True, now=since)
+        else:  # no drain (any node's) runs from the mark to the last deletion (memsnap.store.chunkgc)
+            with self.drain.node_chunks.store_gc(self.drain.store).sweeping():
+                r = self.chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, now=since,
+                                       index=self.drain.node_chunks.index())
         return SweepResult(int(r.deleted), int(r.bytes_freed), int(r.kept_in_grace))
 
 

@@ -30,7 +30,7 @@ import zstandard
 
 from memsnap import failpoints, manifest, safefs
 from memsnap.errors import IntegrityFailure
-from memsnap.store.chunkgc import ChunkIndex
+from memsnap.store.chunkgc import ChunkIndex, StoreGc
 from memsnap.store.chunks import (
     BUNDLE_NAME,
     DEFAULT_AVG,
@@ -79,6 +79,7 @@ class NodeChunks:
         self._index_path = base / f"index-{chunk_id(store_desc.encode())[:16]}" if base else None
         self._index: ChunkIndex | None = None
         self._cache: ChunkCache | None = None
+        self._gcs: dict[str, StoreGc] = {}
         self._lock = threading.Lock()
 
     def prepare(self, keep_ids: set[str]) -> None:
@@ -97,9 +98,12 @@ class NodeChunks:
 
     def index(self) -> ChunkIndex:
         with self._lock:
-            if self._index is None:
-                self._index = ChunkIndex(self._index_path)
-            return self._index
+            return self._index_unlocked()
+
+    def _index_unlocked(self) -> ChunkIndex:
+        if self._index is None:
+            self._index = ChunkIndex(self._index_path)
+        return self._index
 
     def cache(self) -> ChunkCache | None:
         with self._lock:
@@ -118,6 +122,15 @@ class NodeChunks:
             fd = os.open(self.maps_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "a") as f:
                 f.write(line)
+
+    def store_gc(self, store: ChunkStore) -> StoreGc:
+        """The drain/sweep protocol for store (memsnap.store.chunkgc), one per store for this daemon."""
+        with self._lock:
+            gc = self._gcs.get(store.describe())
+            if gc is None or gc.store is not store:
+                gc = self._gcs[store.describe()] = StoreGc(store, self._index_unlocked(),
+                                                           StoreGc.owner_of(self.opts.state_dir))
+            return gc
 
     def tier_chunks(self, tier_paths: dict[str, Path]) -> TierChunks:
         """Where the tier copies in tier_paths (id -> dir) hold which chunks."""
@@ -171,8 +184,11 @@ class ChunkedDrain:
     """Uploads one tier copy as chunks + bundle; run() returns the manifest's "storage" section."""
 
     def __init__(self, store: ChunkStore, level: int, index: ChunkIndex, chunking: Chunking,
-                 throttle: Throttle | None = None, threads: int = 4) -> None:
+                 throttle: Throttle | None = None, threads: int = 4, trust_index: bool = False) -> None:
+        """trust_index: the index is right about presence (inside StoreGc.draining(), when no sweep ran
+        meanwhile); else each chunk it lists is checked (and touched) in the store."""
         self.store, self.level, self.index, self.chunking = store, level, index, chunking
+        self.trust_index = trust_index
         self.throttle, self.threads = throttle, max(1, threads)
         self.stats = DrainStats()
         self._claimed: set[str] = set()
@@ -275,9 +291,12 @@ class ChunkedDrain:
         if dup:
             return cid, "dup"
         if cid in self.index:
+            if self.trust_index:
+                self.stats.add(reused_chunks=1)
+                return cid, "indexed"
             return cid, "trusted"
         self.stats.add(round_trips=1)
-        if self.store.touch(chunk_key(cid)):
+        if self.store.exists(chunk_key(cid)) if self.trust_index else self.store.touch(chunk_key(cid)):
             self.stats.add(reused_chunks=1)
             self.index.add([cid])
             return cid, "present"

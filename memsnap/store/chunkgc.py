@@ -1,32 +1,83 @@
 """What a node knows of one chunk store's contents, and the mark and sweep that frees unreferenced chunks.
 
-See docs/chunkstore.md ("Garbage collection").
+Drains and sweeps share a store (every node's), and a drain trusts this node's index of present chunks
+without asking the store about each one. That is safe because of a protocol between them, through small
+objects in the store itself (docs/chunkstore.md, "Garbage collection"):
+
+- A drain writes a lock object (_locks/drain-...), then lists the locks. If a sweep holds one, it waits for
+  that sweep to end (or, after SWEEP_WAIT_S, checks every reused chunk in the store, as without an index).
+  Then it reads the sweep records (_gc/...) it has not seen and forgets the chunks they deleted, and trusts
+  the rest of its index until its manifest is written and its lock removed.
+- A sweep writes a lock object (_locks/sweep-...), then lists the locks and waits for the drains it saw to
+  end (or, after DRAIN_WAIT_S, deletes nothing and says so). Then it marks, writes the record of what it
+  will delete, and deletes.
+
+Each side writes its lock before it lists the other's, so of a drain and a sweep at least one sees the
+other: either the sweep waits for the drain (and then marks its manifest), or the drain waits for the
+sweep (and then reads its record). Locks are rewritten every LOCK_REFRESH_S; one older than LOCK_STALE_S
+belongs to a daemon that died, and one of this node's earlier daemons is removed when seen.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import socket
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from memsnap import failpoints
-from memsnap.store.chunks import CHUNK_PREFIX, ChunkStore, chunk_key, is_chunk_id
+from memsnap.store.chunks import CHUNK_PREFIX, ChunkStore, chunk_id, chunk_key, is_chunk_id
+from memsnap.store.errors import StoreError, StoreNotFound
+
+log = logging.getLogger("memsnap.chunks")
+
+LOCKS = "_locks/"
+RECORDS = "_gc/"
+LOCK_REFRESH_S = 60.0
+LOCK_STALE_S = 300.0  # a lock not rewritten for this long belongs to a daemon that died
+SWEEP_WAIT_S = 120.0  # a drain waits this long for a running sweep, then checks each reused chunk
+DRAIN_WAIT_S = 10.0  # a sweep waits this long for running drains, then deletes nothing (the next gc sweeps)
+RECORD_KEEP_S = 7 * 86400.0  # sweep records older than this are deleted; an index not synced for half of it
+POLL_S = 0.25  # is dropped (it may have missed a record)
+RECORD_MAX = 64 << 20
+
+
+class SweepDeferred(StoreError):
+    """Drains into the store kept running past DRAIN_WAIT_S: the sweep deleted nothing."""
 
 
 class ChunkIndex:
-    """Ids of the chunks this node knows to be in one store (a hint that spares an existence check before
-    an upload; every drain still checks each reused chunk is in the store, see memsnap.store.chunked)."""
+    """Ids of the chunks this node knows to be in one store, and the sweep records it has applied (the
+    <index>.gc file). Trusted for presence only inside StoreGc.draining(); never for contents (every chunk
+    read back is verified against its id)."""
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = Path(path) if path else None
         self._ids: set[str] = set()
+        self._applied: set[str] = set()
+        self._synced = 0.0
         self._lock = threading.Lock()
+        side = self._side()
         if self.path is not None and self.path.is_file():
             for line in self.path.read_text().split():
                 if is_chunk_id(line):
                     self._ids.add(line)
+        try:
+            state = json.loads(side.read_text()) if side is not None and side.is_file() else {}
+            self._applied = {n for n in state.get("applied", []) if isinstance(n, str)}
+            self._synced = float(state.get("synced", 0.0))
+        except (ValueError, TypeError, AttributeError, OSError):
+            self._applied, self._synced = set(), 0.0
+
+    def _side(self) -> Path | None:
+        return self.path.with_name(self.path.name + ".gc") if self.path is not None else None
 
     def __contains__(self, cid: object) -> bool:
         with self._lock:
@@ -34,6 +85,10 @@ class ChunkIndex:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+    def ids(self) -> set[str]:
+        with self._lock:
+            return set(self._ids)
 
     def add(self, cids: list[str]) -> None:
         """Records ids as present (appended to the index file)."""
@@ -52,12 +107,186 @@ class ChunkIndex:
             if not self._ids & set(cids):
                 return
             self._ids -= set(cids)
-            if self.path is not None:
-                tmp = self.path.with_name(f".tmp-{self.path.name}")
-                tmp.write_text("".join(c + "\n" for c in sorted(self._ids)))
-                os.chmod(tmp, 0o600)
-                os.replace(tmp, self.path)
+            self._rewrite(self.path, "".join(c + "\n" for c in sorted(self._ids)))
 
+    def sync(self, store: ChunkStore) -> int:
+        """Forgets the chunks of every sweep record it has not applied yet (all of them, when it was last
+        synced longer ago than records are kept); returns the store operations it took."""
+        names = [k for k in store.list(RECORDS) if _is_record(k)]
+        ops, now = 1, time.time()
+        with self._lock:
+            new = [n for n in names if n not in self._applied]
+            lost = self._synced < now - RECORD_KEEP_S / 2 and bool(self._ids)
+        if lost:
+            log.info("chunk index of %s not synced since %.0f: checking each chunk in the store again",
+                     store.describe(), self._synced)
+            self.discard(self.ids())
+        elif new and len(self):
+            gone: set[str] = set()
+            for name in new:
+                gone |= read_record(store, name)
+                ops += 1
+            self.discard(gone)
+        self.mark_applied(names, now, replace=True)
+        return ops
+
+    def mark_applied(self, names: list[str], now: float, replace: bool = False) -> None:
+        with self._lock:
+            self._applied = set(names) if replace else self._applied | set(names)
+            self._synced = max(self._synced, now)
+            self._rewrite(self._side(), json.dumps({"applied": sorted(self._applied), "synced": self._synced}))
+
+    @staticmethod
+    def _rewrite(path: Path | None, text: str) -> None:
+        if path is None:
+            return
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
+# -- the store-wide protocol between drains and sweeps -----------------------------------------------------
+def _is_record(key: str) -> bool:
+    name = key[len(RECORDS):] if key.startswith(RECORDS) else ""
+    return bool(name) and "/" not in name and name.endswith(".json")
+
+
+def read_record(store: ChunkStore, key: str) -> set[str]:
+    """The chunk ids a sweep record lists (anything else in it is ignored; a record gone is empty)."""
+    try:
+        with store.open_reader(key) as f:
+            data = json.loads(f.read(RECORD_MAX))
+    except StoreNotFound:
+        return set()
+    except ValueError as exc:
+        raise StoreError(f"sweep record {key} in {store.describe()} is unreadable ({exc}); delete it") from exc
+    ids = data.get("chunks", []) if isinstance(data, dict) else []
+    return {c for c in ids if is_chunk_id(c)} if isinstance(ids, list) else set()
+
+
+class StoreLock:
+    """One lock object, _locks/<kind>-<owner>-<process>-<n>, rewritten every LOCK_REFRESH_S while held."""
+
+    _seq = 0
+    _seq_lock = threading.Lock()
+
+    def __init__(self, store: ChunkStore, kind: str, owner: str, process: str) -> None:
+        with StoreLock._seq_lock:
+            StoreLock._seq += 1
+            n = StoreLock._seq
+        self.store, self.key = store, f"{LOCKS}{kind}-{owner}-{process}-{n}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self) -> None:
+        with self.store.open_writer(self.key) as w:
+            w.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}).encode())
+            w.commit()
+
+    def __enter__(self) -> StoreLock:
+        self._write()
+
+        def refresh() -> None:
+            while not self._stop.wait(LOCK_REFRESH_S):
+                try:
+                    self._write()
+                except (StoreError, OSError) as exc:
+                    log.warning("could not refresh %s in %s: %s", self.key, self.store.describe(), exc)
+
+        self._thread = threading.Thread(target=refresh, name="store-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.store.delete_keys([self.key])
+        except (StoreError, OSError) as e:  # it goes stale after LOCK_STALE_S
+            log.warning("could not remove %s from %s: %s", self.key, self.store.describe(), e)
+
+
+@dataclass
+class DrainGrant:
+    """What a drain may trust: trust_index, and the store operations the protocol took."""
+
+    trust_index: bool
+    ops: int = 0
+    waited_s: float = 0.0
+
+
+@dataclass
+class StoreGc:
+    """The protocol (module docstring) for one store, as one daemon (owner: its host and state dir)."""
+
+    store: ChunkStore
+    index: ChunkIndex
+    owner: str
+    process: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    sweep_wait_s: float = SWEEP_WAIT_S
+    drain_wait_s: float = DRAIN_WAIT_S
+
+    @staticmethod
+    def owner_of(state_dir: str) -> str:
+        return chunk_id(f"{socket.gethostname()}:{os.path.realpath(state_dir or '/')}".encode())[:12]
+
+    def fresh_locks(self, kind: str) -> set[str]:
+        """The live locks of kind; stale ones of this owner's earlier daemons are removed on the way."""
+        now, live, dead = time.time(), set(), []
+        for key, _, mtime in self.store.list_with_mtime(LOCKS):
+            name = key[len(LOCKS):]
+            parts = name.split("-")
+            if len(parts) != 4:
+                continue
+            if parts[1] == self.owner and parts[2] != self.process:
+                dead.append(key)
+            elif parts[0] == kind and now - mtime < LOCK_STALE_S:
+                live.add(key)
+        if dead:
+            with contextlib.suppress(StoreError, OSError):
+                self.store.delete_keys(dead)
+        return live
+
+    def _wait_gone(self, kind: str, seen: set[str], timeout_s: float) -> tuple[bool, int]:
+        ops, deadline = 0, time.monotonic() + timeout_s
+        while seen:
+            if time.monotonic() >= deadline:
+                return False, ops
+            time.sleep(POLL_S)
+            seen &= self.fresh_locks(kind)
+            ops += 1
+        return True, ops
+
+    @contextlib.contextmanager
+    def draining(self) -> Iterator[DrainGrant]:
+        """Held by a drain from its first chunk to its manifest (its lock in the store)."""
+        t0 = time.monotonic()
+        with StoreLock(self.store, "drain", self.owner, self.process):
+            sweeps = self.fresh_locks("sweep")
+            ok, ops = self._wait_gone("sweep", sweeps, self.sweep_wait_s)
+            grant = DrainGrant(trust_index=ok, ops=3 + ops)
+            if ok:
+                grant.ops += self.index.sync(self.store)
+            else:
+                log.warning("a sweep of %s still runs after %.0f s: this drain checks each reused chunk in the "
+                            "store", self.store.describe(), self.sweep_wait_s)
+            grant.waited_s = time.monotonic() - t0
+            yield grant
+
+    @contextlib.contextmanager
+    def sweeping(self) -> Iterator[None]:
+        """Held by a sweep from before its mark to its last deletion; SweepDeferred if drains keep running."""
+        with StoreLock(self.store, "sweep", self.owner, self.process):
+            drains = self.fresh_locks("drain")
+            ok, _ = self._wait_gone("drain", drains, self.drain_wait_s)
+            if not ok:
+                raise SweepDeferred(f"{len(drains)} drain(s) into {self.store.describe()} still ran after "
+                                    f"{self.drain_wait_s:.0f} s: the sweep deleted nothing; the next gc sweeps")
+            yield
 
 
 # -- mark and sweep ----------------------------------------------------------------------------------------
@@ -72,30 +301,54 @@ class SweepResult:
 
 
 def sweep(store: ChunkStore, keep: set[str], grace_s: float, dry_run: bool = False,
-          now: float | None = None) -> SweepResult:
-    """Deletes every chunk object not in keep whose last upload or reuse (mtime) is older than grace_s.
+          now: float | None = None, index: ChunkIndex | None = None) -> SweepResult:
+    """Deletes every chunk object not in keep whose upload (mtime) is older than grace_s.
 
-    keep must be the union of referenced_chunks() over every stored manifest, listed BEFORE this call: a
-    drain that reuses a chunk refreshes its mtime first (touch), and a new chunk is young, so neither is
-    deleted while its manifest is being written. On POSIX the mtime is checked again right before each
-    unlink. Crash-safe at any point: a chunk is either kept or gone, and only unreferenced ones go.
+    Run inside StoreGc.sweeping() (no drain runs meanwhile), with keep the union of referenced_chunks() over
+    every stored manifest listed after the drains seen ended. Before deleting anything it writes the record
+    of what it deletes (_gc/<ms>-<hex>.json), which every node's next drain reads to forget those chunks.
+    On POSIX the mtime is checked again right before each unlink (a chunk uploaded again meanwhile stays).
+    Crash-safe at any point: a chunk is either kept or gone, only unreferenced ones go, and the record was
+    written first. index: this node's, which forgets the deleted chunks and any the store does not have.
     """
     now = time.time() if now is None else now
     cutoff = now - grace_s
-    deleted = freed = in_grace = 0
+    in_grace, doomed, listed = 0, [], set()
     for key, size, mtime in store.list_with_mtime(CHUNK_PREFIX):
         cid = key.rsplit("/", 1)[-1]
-        if not is_chunk_id(cid) or key != chunk_key(cid) or cid in keep:
+        if not is_chunk_id(cid) or key != chunk_key(cid):
+            continue
+        listed.add(cid)
+        if cid in keep:
             continue
         if mtime > cutoff:
             in_grace += 1
             continue
-        if dry_run:
-            deleted, freed = deleted + 1, freed + size
-            continue
+        doomed.append((cid, key, size))
+    if dry_run:
+        return SweepResult(len(doomed), sum(d[2] for d in doomed), in_grace)
+    if index is not None:
+        index.discard(index.ids() - listed)
+    if not doomed:
+        _prune_records(store, time.time())
+        return SweepResult(0, 0, in_grace)
+    record = f"{RECORDS}{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:16]}.json"
+    with store.open_writer(record) as w:
+        w.write(json.dumps({"at": time.time(), "chunks": sorted(d[0] for d in doomed)}).encode())
+        w.commit()
+    if index is not None:
+        index.discard({d[0] for d in doomed})
+        index.mark_applied([record], time.time())
+    deleted = freed = 0
+    for _, key, size in doomed:
         if store.delete_keys([key], not_after=cutoff):
             deleted, freed = deleted + 1, freed + size
             failpoints.hit("sweep-deleted-one")
+    _prune_records(store, time.time())
     return SweepResult(deleted, freed, in_grace)
 
 
+def _prune_records(store: ChunkStore, now: float) -> None:
+    old = [k for k, _, m in store.list_with_mtime(RECORDS) if _is_record(k) and m < now - RECORD_KEEP_S]
+    if old:
+        store.delete_keys(old)

@@ -1,0 +1,170 @@
+"""The protocol between drains and sweeps sharing one chunk store (memsnap.store.chunkgc), on a real POSIX
+store, with two "nodes" (two StoreGc owners, each with its own index) in one process."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+from memsnap import safefs
+from memsnap.store import chunkgc
+from memsnap.store.chunked import ChunkedDrain
+from memsnap.store.chunkgc import ChunkIndex, StoreGc, SweepDeferred, sweep
+from memsnap.store.chunks import PAGE, Chunking, ChunkReader, chunk_key, referenced_chunks
+from memsnap.store.posix import PosixStore
+
+AVG = 64 << 10
+
+
+class Counting:
+    """A real store whose method calls are counted."""
+
+    def __init__(self, store: PosixStore) -> None:
+        self.store, self.calls = store, collections.Counter[str]()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: Any, **kw: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*a, **kw)
+
+        return call
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Counting:
+    return Counting(PosixStore(tmp_path / "store", create=True))
+
+
+def _tier(tmp: Path, seed: int, pages: int = 300) -> tuple[Path, dict[str, Any]]:
+    d = tmp / f"tier-{seed}"
+    d.mkdir()
+    (d / "pages-1.img").write_bytes(random.Random(seed).randbytes(pages * PAGE))
+    (d / "core-1.img").write_bytes(b"core" * 100)
+    return d, {n: {"size": (d / n).stat().st_size, "blake3": blake3.blake3((d / n).read_bytes()).hexdigest()}
+               for n in ("pages-1.img", "core-1.img")}
+
+
+def _drain(gc: StoreGc, d: Path, files: dict[str, Any], ckpt: str) -> tuple[dict[str, Any], ChunkedDrain]:
+    with gc.draining() as grant:
+        job = ChunkedDrain(gc.store, 0, gc.index, Chunking(AVG), threads=2, trust_index=grant.trust_index)
+        with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
+            storage = job.run(ckpt, sfd, files, None, lambda n: None)
+    return {"id": ckpt, "files": files, "storage": storage}, job
+
+
+def _node(store: Any, tmp: Path, name: str, **kw: float) -> StoreGc:
+    return StoreGc(store, ChunkIndex(tmp / f"index-{name}"), StoreGc.owner_of(str(tmp / name)), **kw)
+
+
+def _present(store: Counting, m: dict[str, Any]) -> bool:
+    return all((store.store.root / chunk_key(c)).is_file() for c in referenced_chunks(m))
+
+
+def test_a_drain_of_unchanged_pages_asks_the_store_about_no_chunk(tmp_path: Path, store: Counting) -> None:
+    a = _node(store, tmp_path, "a")
+    d, files = _tier(tmp_path, 1)
+    _drain(a, d, files, "ck-1")
+    store.calls.clear()
+    _, job = _drain(a, d, files, "ck-2")
+    assert job.stats.new_chunks == 0 and job.stats.reused_chunks == job.stats.chunks > 10
+    assert store.calls["touch"] == store.calls["exists"] == 0
+    # Writes: the lock, the bundle; lists: the locks and the sweep records; then the lock's removal.
+    assert sum(store.calls.values()) <= 6, store.calls
+
+
+def test_a_chunk_another_node_swept_is_uploaded_again_by_a_node_whose_index_lists_it(tmp_path: Path,
+                                                                                    store: Counting) -> None:
+    a, b = _node(store, tmp_path, "a"), _node(store, tmp_path, "b")
+    d, files = _tier(tmp_path, 2)
+    m1, _ = _drain(a, d, files, "ck-1")
+    assert referenced_chunks(m1) <= a.index.ids()
+    with b.sweeping():  # ck-1 was deleted: nothing references its chunks
+        res = sweep(b.store, set(), grace_s=0, now=time.time() + 1, index=b.index)
+    assert res.deleted == len(referenced_chunks(m1)) and not _present(store, m1)
+    m2, job = _drain(a, d, files, "ck-2")
+    assert job.stats.new_chunks == job.stats.chunks and _present(store, m2)
+    assert ChunkReader(store.store, m2).read_at("pages-1.img", 0, 300 * PAGE) == (d / "pages-1.img").read_bytes()
+
+
+def test_a_sweep_deletes_nothing_while_another_nodes_drain_holds_its_lock(tmp_path: Path, store: Counting) -> None:
+    a, b = _node(store, tmp_path, "a"), _node(store, tmp_path, "b", drain_wait_s=0.3)
+    d, files = _tier(tmp_path, 3)
+    m1, _ = _drain(a, d, files, "ck-1")
+    with a.draining(), pytest.raises(SweepDeferred, match="deleted nothing"), b.sweeping():
+        sweep(b.store, set(), grace_s=0, now=time.time() + 1)
+    assert _present(store, m1)
+    with b.sweeping():  # the drain ended: the sweep runs
+        assert sweep(b.store, set(), grace_s=0, now=time.time() + 1).deleted == len(referenced_chunks(m1))
+
+
+def test_a_drain_that_meets_a_sweep_starts_after_it_ends_and_trusts_its_index(tmp_path: Path,
+                                                                              store: Counting) -> None:
+    a, b = _node(store, tmp_path, "a"), _node(store, tmp_path, "b")
+    inside, ended = threading.Event(), threading.Event()
+
+    def sweeper() -> None:
+        with b.sweeping():
+            inside.set()
+            time.sleep(0.5)
+            ended.set()
+
+    t = threading.Thread(target=sweeper)
+    t.start()
+    inside.wait(10)
+    with a.draining() as grant:
+        assert ended.is_set() and grant.trust_index
+    t.join()
+
+
+def test_a_drain_that_outwaits_a_sweep_checks_each_chunk_its_index_lists(tmp_path: Path, store: Counting) -> None:
+    a = _node(store, tmp_path, "a", sweep_wait_s=0.2)
+    d, files = _tier(tmp_path, 4)
+    _drain(a, d, files, "ck-1")
+    other = _node(store, tmp_path, "b")
+    with other.sweeping():
+        store.calls.clear()
+        _, job = _drain(a, d, files, "ck-2")
+    assert store.calls["touch"] == job.stats.chunks and job.stats.reused_chunks == job.stats.chunks
+
+
+def test_a_lock_of_this_nodes_dead_daemon_is_removed_and_another_nodes_stale_one_ignored(tmp_path: Path,
+                                                                                        store: Counting) -> None:
+    a = _node(store, tmp_path, "a")
+    root = store.store.root
+    (root / "_locks").mkdir()
+    dead = root / "_locks" / f"sweep-{a.owner}-0123456789ab-1"
+    stale = root / "_locks" / "sweep-ffffffffffff-0123456789ab-1"
+    live = root / "_locks" / "sweep-eeeeeeeeeeee-0123456789ab-1"
+    for p in (dead, stale, live):
+        p.write_text("{}")
+    old = time.time() - chunkgc.LOCK_STALE_S - 10
+    os.utime(stale, (old, old))
+    assert a.fresh_locks("sweep") == {"_locks/" + live.name}
+    assert not dead.exists() and stale.exists()
+
+
+def test_an_index_not_synced_for_longer_than_sweep_records_are_kept_is_dropped(tmp_path: Path,
+                                                                               store: Counting) -> None:
+    index = ChunkIndex(tmp_path / "index")
+    index.add(["a" * 64, "b" * 64])
+    index.mark_applied([], time.time() - chunkgc.RECORD_KEEP_S)
+    ChunkIndex(tmp_path / "index").sync(store)  # (a fresh object: what a restarted daemon reads)
+    assert len(ChunkIndex(tmp_path / "index")) == 0
+    index2 = ChunkIndex(tmp_path / "index")
+    index2.add(["c" * 64])
+    index2.sync(store)  # synced just now: kept
+    assert "c" * 64 in ChunkIndex(tmp_path / "index")
+    assert json.loads((tmp_path / "index.gc").read_text())["synced"] > time.time() - 60
