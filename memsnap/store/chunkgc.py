@@ -268,7 +268,7 @@ class StoreGc:
         with StoreLock(self.store, "drain", self.owner, self.process):
             sweeps = self.fresh_locks("sweep")
             ok, ops = self._wait_gone("sweep", sweeps, self.sweep_wait_s)
-            grant = DrainGrant(trust_index=ok, ops=3 + ops)
+            grant = DrainGrant(trust_index=ok, ops=2 + ops)  # its lock, the list of locks
             if ok:
                 grant.ops += self.index.sync(self.store)
             else:

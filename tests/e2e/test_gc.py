@@ -216,6 +216,36 @@ def test_kill9_in_the_chunk_sweep_loses_no_chunk_of_a_durable_checkpoint(make_da
     _restores_where_it_stopped(d, kept, job, jobs_to_kill)
 
 
+def test_a_sweep_on_another_node_makes_this_nodes_next_drain_upload_the_swept_chunks_again(make_daemon, tmp_path,
+                                                                                           jobs_to_kill):
+    a = _daemon(make_daemon, tmp_path, "na", "chunk_grace = 0")
+    b = _daemon(make_daemon, tmp_path, "nb", "chunk_grace = 0", "--store-dir", str(a.store), "--hmac-key-file",
+                str(a.state / "hmac.key"))
+    job = start_counter(a, jobs_to_kill, 8)
+    first = _durable(a, job.id)
+    swept = _referenced_chunks_present(a, first)
+    _ctl_json(a, "delete", first)  # a's chunk index still lists every chunk `first` had
+    r = _ctl_json(b, "gc")
+    assert r["swept"] and r["chunks_swept"] >= swept
+    second = _durable(a, job.id, "--stop")  # the same memory: the same chunks, gone from the store
+    _referenced_chunks_present(a, second)
+    _restores_where_it_stopped(a, second, job, jobs_to_kill)
+
+
+def test_a_second_checkpoint_costs_no_store_operation_per_reused_chunk(make_daemon, tmp_path, jobs_to_kill):
+    d = _daemon(make_daemon, tmp_path, "ops", "")
+    job = start_counter(d, jobs_to_kill, 64)
+    _durable(d, job.id)
+    second = _durable(d, job.id, "--stop")
+    line = next(s for s in d.log.read_text().splitlines() if second in s and "round trips" in s)
+    words = line.split("chunked: ")[1].replace(",", "").split()  # N chunks, N new (..) N reused, .. N round trips
+    reused, trips = int(words[words.index("reused") - 1]), int(words[words.index("round") - 1])
+    new = int(words[words.index("new") - 1])
+    # Each new chunk: an existence check and an upload. Besides: the bundle, the manifest, the store lock
+    # (written, removed) and two lists (locks, sweep records).
+    assert reused >= 40 and trips <= 2 * new + 6, line
+
+
 def test_the_daemon_runs_gc_every_gc_interval(make_daemon, tmp_path, jobs_to_kill):
     d = _daemon(make_daemon, tmp_path, "periodic", "keep_last = 1")
     (tmp_path / "periodic.toml").write_text("[retention]\nkeep_last = 1\ngc_interval = \"1s\"\n")
