@@ -123,9 +123,9 @@ def workloads(weights_mib: int) -> dict[str, list[str]]:
 
 
 class Bench:
-    def __init__(self, base: Path, args: argparse.Namespace) -> None:
+    def __init__(self, base: Path, args: argparse.Namespace, stores: Path | None = None) -> None:
         self.base, self.args = base, args
-        self.stores = base
+        self.stores = stores or base  # (--netstore: the sshfs mount)
         self.d = DaemonProc(base / "daemon", extra=["--drain-bandwidth", "1K", "--store-format", "whole"])
         self.key = b""
         self.cat = Catalog(base / "bench-state")
@@ -360,6 +360,8 @@ def main() -> None:
     p.add_argument("--link-mbit", type=int, default=0, help="object bytes to and from the stores cross a "
                    "token bucket of this many Mbit/s each way (see Linked)")
     p.add_argument("--threads", type=int, default=ChunkOpts().threads, help="chunk drain worker threads")
+    p.add_argument("--netstore", type=int, default=0, metavar="MBIT", help="stores on an sshfs mount over a "
+                   "veth limited to MBIT (scripts/bench/netstore.py) instead of the token bucket")
     p.add_argument("--throughput-only", action="store_true", help="only the drain vs plain write comparison")
     p.add_argument("--render", nargs="*", help="TITLE=results.json ...: print a markdown report and exit")
     args = p.parse_args()
@@ -369,9 +371,20 @@ def main() -> None:
     base = Path(args.base)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    b = Bench(base, args)
+    net = None
+    if args.netstore:  # a real network mount instead of the token bucket: per-request latency counts too
+        sys.path.insert(0, str(REPO / "scripts/bench"))
+        import netstore
+
+        netstore.NS, netstore.VETH_HOST, netstore.VETH_NS = "mschunk", "mschunk-h", "mschunk-n"
+        netstore.HOST_IP, netstore.NS_IP, netstore.PORT = "10.213.79.1", "10.213.79.2", 2224
+        net = netstore.NetStore(Path("/var/tmp/memsnap-bench-chunks-net"), args.netstore).setup()
+        args.link_mbit = 0
+    b = Bench(base, args, net.mount if net else None)
     b.start()
     results: dict[str, Any] = {"params": {k: v for k, v in vars(args).items()}, "workloads": {}}
+    if net is not None:
+        results["link_check"] = net.check()
     try:
         wl = workloads(args.weights_mib)
         if args.throughput_only:
@@ -400,6 +413,8 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(results, indent=1))
     finally:
         b.d.cleanup()
+        if net is not None:
+            net.teardown()
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
 
