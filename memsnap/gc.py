@@ -58,6 +58,7 @@ class GcReport:
     sweep_note: str = ""
     sweep: SweepResult = field(default_factory=SweepResult)
     sweep_failed: bool = False
+    sweep_deferred: bool = False  # drains into the store kept running: the next run sweeps
     duration_ms: int = 0
 
 
@@ -140,7 +141,7 @@ class Collector:
                 self._count("error")
                 raise
         rep.duration_ms = int((time.monotonic() - t0) * 1000)
-        self._count("error" if rep.sweep_failed else "ok", rep)
+        self._count("error" if rep.sweep_failed else "deferred" if rep.sweep_deferred else "ok", rep)
         log.info("gc%s: %d checkpoints %sdeleted (%d bytes), %s", " (dry run)" if dry_run else "",
                  len(rep.deleted), "would be " if dry_run else "", rep.checkpoint_bytes,
                  f"{rep.sweep.deleted} chunks swept ({rep.sweep.bytes_freed} bytes), "
@@ -172,11 +173,15 @@ class Collector:
                               "the store holds no chunks (whole-file checkpoints only)")
         else:
             from memsnap.store import StoreError
+            from memsnap.store.chunkgc import SweepDeferred
 
             try:
                 rep.sweep = self.sweeper.sweep(dry_run, self.clock(),
                                                {r.id for r in rep.deleted} if dry_run else set())
                 rep.swept = True
+            except SweepDeferred as exc:  # drains kept running: nothing deleted, not a failure
+                rep.sweep_note = str(exc)
+                rep.sweep_deferred = True
             except (MemsnapError, StoreError) as exc:  # the deletions above stand; the next run sweeps
                 rep.sweep_note = f"the sweep failed: {exc}"
                 rep.sweep_failed = True

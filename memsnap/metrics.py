@@ -105,8 +105,8 @@ class Metrics:
             "last park.", registry=r
         )
         # memsnap.gc: retention and the chunk sweep; the store's size as this node's catalog sees it
-        self.gc_runs = Counter("memsnap_gc_runs_total", "gc runs (memsnapctl gc and the periodic one), by "
-                               "result.", ["result"], registry=r)
+        self.gc_runs = Counter("memsnap_gc_runs_total", "gc runs (memsnapctl gc and the periodic one), by result "
+                               "(deferred: drains kept running, the sweep deleted nothing).", ["result"], registry=r)
         self.gc_checkpoints_deleted = Counter(
             "memsnap_gc_checkpoints_deleted_total", "Checkpoints gc deleted under the retention policy.", registry=r)
         self.gc_chunks_swept = Counter(
@@ -123,7 +123,7 @@ class Metrics:
         self.store_dedup_ratio = Gauge(
             "memsnap_store_dedup_ratio", "memsnap_store_logical_bytes / memsnap_store_bytes (compression and "
             "deduplication together; 0 when the store holds nothing).", registry=r)
-        for result in RESULTS:
+        for result in (*RESULTS, "deferred"):
             self.gc_runs.labels(result=result)
         for kind in ("limit", "node"):
             self.guard_events.labels(kind=kind)

@@ -302,6 +302,20 @@ def test_collector_sweeps_through_the_sweeper_as_root_with_a_dry_runs_deletions_
     assert calls[-1] == (False, NOW / 1000, set())
 
 
+def test_a_deferred_sweep_is_reported_as_deferred_not_failed(tmp_path):
+    from memsnap.engine import ROOT
+    from memsnap.gc import SweepResult
+    from memsnap.store.chunkgc import SweepDeferred
+
+    class Sweeper:
+        def sweep(self, dry_run: bool, now: float, gone: set[str]) -> SweepResult:
+            raise SweepDeferred("1 drain(s) into /s still ran after 10 s: the sweep deleted nothing")
+
+    rep = _collector(tmp_path, Policy(keep_last=1), sweeper=Sweeper()).run(ROOT)
+    assert rep.sweep_deferred and not rep.sweep_failed and not rep.swept
+    assert "deleted nothing" in rep.sweep_note
+
+
 def test_periodic_gc_waits_while_foreground_work_runs_then_runs(tmp_path, monkeypatch) -> None:
     import threading
 
