@@ -182,6 +182,7 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
                 # A whole-file (format 1) copy can be verified only whole: served before its hash is known,
                 # a forged one would run until the end. It is fetched and verified first, as before.
                 return None
+            t_man = time.monotonic()
             prep = prepare(drain, rec, stored, root)
         except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
             shutil.rmtree(root, ignore_errors=True)
@@ -192,6 +193,8 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
             engine.observe("restore", "error", time.monotonic() - t0)
             raise
         engine._mark_reading(rec.id, +1)  # (delete waits: from lazy-pages' start on, lazy_in_use says so)
+    log.info("lazy restore of %s from the store: manifest %.0f ms, small files and eager pages %.0f ms",
+             rec.id, (t_man - t0) * 1000, prep.fetch_ms, extra={"checkpoint_id": rec.id})
     watch = _Watch(engine, rec, prep)
     ours, theirs = socket.socketpair()
     server = PageServer(ours, prep.index, prep.source, on_fail=watch.failed, name=rec.id,
@@ -325,9 +328,11 @@ class _Watch:
             mib = st["lazy_bytes"] / (1 << 20)
             log.info("lazy restore of %s from the store: every page resident %.2f s after the job resumed "
                      "(%.0f MiB, %.0f MiB/s; %d requests; chunks read from memory %d times, waited for %d times, "
-                     "fetched at once %d times; prefetch done %.2f s after the server started)", self.rec.id, secs, mib,
+                     "fetched at once %d times; %d faults waited on the store, %.0f ms in all; prefetch done %.2f s "
+                     "after the server started)", self.rec.id, secs, mib,
                      mib / secs if secs > 0 else 0.0, st["requests"], st["cache_hits"] - st["cache_waits"],
-                     st["cache_waits"], st["cache_misses"], st["prefetch_done_s"],
+                     st["cache_waits"], st["cache_misses"], st["fault_waits"], st["fault_wait_s"] * 1000,
+                     st["prefetch_done_s"],
                      extra={"checkpoint_id": self.rec.id, "job": self.job_id})
             self.engine.observe("phase:page_in", "ok", secs)
 

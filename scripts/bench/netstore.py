@@ -42,6 +42,8 @@ class NetStore:
 
     base: Path
     rate_mbit: int = 1000
+    cipher: str = CIPHER
+    sshfs_opts: tuple[str, ...] = ()  # extra sshfs -o options (e.g. "max_conns=4")
     mount: Path = field(init=False)
     backing: Path = field(init=False)
     sshd_pid: int = 0
@@ -75,7 +77,7 @@ class NetStore:
             f"ListenAddress {NS_IP}:{PORT}\nHostKey {self.keys}/hostkey\n"
             f"AuthorizedKeysFile {self.keys}/authorized_keys\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
-            f"Subsystem sftp internal-sftp\nPidFile {self.keys}/sshd.pid\nCiphers {CIPHER}\n"
+            f"Subsystem sftp internal-sftp\nPidFile {self.keys}/sshd.pid\nCiphers {self.cipher}\n"
         )
         sh("/usr/sbin/sshd", "-f", str(self.keys / "sshd_config"), "-E", str(self.keys / "sshd.log"), ns=True)
         for _ in range(100):
@@ -85,8 +87,9 @@ class NetStore:
         self.sshd_pid = int((self.keys / "sshd.pid").read_text())
         opts = (
             f"IdentityFile={self.keys}/clientkey,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,"
-            f"Port={PORT},Ciphers={CIPHER},Compression=no,LogLevel=ERROR"
+            f"Port={PORT},Ciphers={self.cipher},Compression=no,LogLevel=ERROR"
         )
+        opts = ",".join((opts, *self.sshfs_opts))
         sh("sshfs", "-o", opts, f"root@{NS_IP}:{self.backing}", str(self.mount))
         return self
 

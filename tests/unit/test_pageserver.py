@@ -26,7 +26,7 @@ from memsnap.pageserver.images import (
     parse_pagemap,
 )
 from memsnap.pageserver.server import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
-from memsnap.pageserver.sources import DirPageSource, SourceFailed
+from memsnap.pageserver.sources import DirPageSource, SourceFailed, fixed_blocks
 
 CRIU = "/usr/local/sbin/criu"
 
@@ -250,6 +250,39 @@ def test_prefetch_fills_the_cache_so_requests_hit_it(tmp_path):
     assert server.ok.wait(5)
     server.close()
 
+
+class _PageBlocks(DirPageSource):
+    """Fetched a page at a time, each read recorded (page number)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads: list[int] = []
+
+    def read_at(self, name: str, offset: int, length: int) -> bytes:
+        self.reads.append(offset // PAGE)
+        return super().read_at(name, offset, length)
+
+    def blocks(self, name: str) -> list[tuple[int, int]]:
+        return fixed_blocks(os.fstat(self._fd(name)).st_size, PAGE)
+
+
+def test_the_prefetch_waits_while_the_jobs_faults_wait_on_the_store_then_streams_the_rest(tmp_path):
+    # A fault's block shares the link with every prefetch in flight: the prefetch holds off while the job
+    # faults (here: the quiet time never passes; the hold ends after hold_s), then fetches the rest in order.
+    (tmp_path / "pages-3.img").write_bytes(_pages(6))
+    src = _PageBlocks(tmp_path)
+    server, sk, failures = _serve(tmp_path, _pages(6), source=src, quiet_s=600, hold_s=2)
+    _get(sk, BASE + 10 * PAGE, 1)  # (the job faults on pages-3.img's page 4)
+    _reply(sk)
+    assert src.reads == [4]  # the prefetch did not start meanwhile
+    deadline = time.monotonic() + 30
+    while server.cache.prefetched_bytes < 4 * PAGE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert src.reads == [4, 1, 2, 3, 5]  # then it streamed the other lazy pages, in file order
+    assert server.cache.fault_waits == 1
+    sk.sendall(IOV.pack(PS_IOV_FORCE_CLOSE, 0, 0, 0))
+    assert server.ok.wait(5) and not failures
+    server.close()
 
 
 def test_recovery_removes_the_dirs_of_lazy_restores_from_the_store(tmp_path):
