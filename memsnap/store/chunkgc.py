@@ -124,8 +124,14 @@ class ChunkIndex:
         elif new and len(self):
             gone: set[str] = set()
             for name in new:
-                gone |= read_record(store, name)
+                got = read_record(store, name)
                 ops += 1
+                if got is None:  # what that sweep deleted is unknown: trust nothing this index lists
+                    log.warning("sweep record %s in %s is unreadable: checking each chunk in the store again",
+                                name, store.describe())
+                    gone = self.ids()
+                    break
+                gone |= got
             self.discard(gone)
         self.mark_applied(names, now, replace=True)
         return ops
@@ -154,17 +160,17 @@ def _is_record(key: str) -> bool:
     return bool(name) and "/" not in name and name.endswith(".json")
 
 
-def read_record(store: ChunkStore, key: str) -> set[str]:
-    """The chunk ids a sweep record lists (anything else in it is ignored; a record gone is empty)."""
+def read_record(store: ChunkStore, key: str) -> set[str] | None:
+    """The chunk ids a sweep record lists (a record gone lists none); None if it is not a record's JSON."""
     try:
         with store.open_reader(key) as f:
             data = json.loads(f.read(RECORD_MAX))
     except StoreNotFound:
         return set()
-    except ValueError as exc:
-        raise StoreError(f"sweep record {key} in {store.describe()} is unreadable ({exc}); delete it") from exc
-    ids = data.get("chunks", []) if isinstance(data, dict) else []
-    return {c for c in ids if is_chunk_id(c)} if isinstance(ids, list) else set()
+    except ValueError:
+        return None
+    ids = data.get("chunks") if isinstance(data, dict) else None
+    return {c for c in ids if is_chunk_id(c)} if isinstance(ids, list) else None
 
 
 class StoreLock:

@@ -168,3 +168,15 @@ def test_an_index_not_synced_for_longer_than_sweep_records_are_kept_is_dropped(t
     index2.sync(store)  # synced just now: kept
     assert "c" * 64 in ChunkIndex(tmp_path / "index")
     assert json.loads((tmp_path / "index.gc").read_text())["synced"] > time.time() - 60
+
+
+def test_an_unreadable_sweep_record_makes_the_next_drain_check_every_chunk_its_index_lists(tmp_path: Path,
+                                                                                         store: Counting) -> None:
+    a = _node(store, tmp_path, "a")
+    d, files = _tier(tmp_path, 5)
+    _drain(a, d, files, "ck-1")
+    (store.store.root / "_gc").mkdir(exist_ok=True)
+    (store.store.root / "_gc" / "0000000000001-ffff.json").write_text("{not json")
+    store.calls.clear()
+    _, job = _drain(a, d, files, "ck-2")
+    assert store.calls["exists"] == job.stats.chunks and job.stats.new_chunks == 0
