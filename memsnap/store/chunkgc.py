@@ -7,7 +7,8 @@ objects in the store itself (docs/chunkstore.md, "Garbage collection"):
 - A drain writes a lock object (_locks/drain-...), then lists the locks. If a sweep holds one, it waits for
   that sweep to end (or, after SWEEP_WAIT_S, checks every reused chunk in the store, as without an index).
   Then it reads the sweep records (_gc/...) it has not seen and forgets the chunks they deleted, and trusts
-  the rest of its index until its manifest is written and its lock removed.
+  the rest of its index until its manifest is written and its lock removed. An empty index (a new node) is
+  filled from one listing of the chunks: the batched existence check.
 - A sweep writes a lock object (_locks/sweep-...), then lists the locks and waits for the drains it saw to
   end (or, after DRAIN_WAIT_S, deletes nothing and says so). Then it marks, writes the record of what it
   will delete, and deletes.
@@ -277,6 +278,10 @@ class StoreGc:
             grant = DrainGrant(trust_index=ok, ops=2 + ops)  # its lock, the list of locks
             if ok:
                 grant.ops += self.index.sync(self.store)
+                if not len(self.index):  # cold (a new node, or dropped): one listing instead of a check a chunk
+                    listed = [k.rsplit("/", 1)[-1] for k in self.store.list(CHUNK_PREFIX)]
+                    self.index.add([c for c in listed if is_chunk_id(c)])
+                    grant.ops += 1 + len(listed) // 1000  # (S3: a request per 1000 keys)
             else:
                 log.warning("a sweep of %s still runs after %.0f s: this drain checks each reused chunk in the "
                             "store", self.store.describe(), self.sweep_wait_s)

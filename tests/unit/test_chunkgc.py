@@ -170,13 +170,26 @@ def test_an_index_not_synced_for_longer_than_sweep_records_are_kept_is_dropped(t
     assert json.loads((tmp_path / "index.gc").read_text())["synced"] > time.time() - 60
 
 
-def test_an_unreadable_sweep_record_makes_the_next_drain_check_every_chunk_its_index_lists(tmp_path: Path,
-                                                                                         store: Counting) -> None:
-    a = _node(store, tmp_path, "a")
+def test_after_an_unreadable_sweep_record_a_drain_uploads_the_chunks_that_sweep_deleted(tmp_path: Path,
+                                                                                       store: Counting) -> None:
+    a, b = _node(store, tmp_path, "a"), _node(store, tmp_path, "b")
     d, files = _tier(tmp_path, 5)
     _drain(a, d, files, "ck-1")
-    (store.store.root / "_gc").mkdir(exist_ok=True)
-    (store.store.root / "_gc" / "0000000000001-ffff.json").write_text("{not json")
+    with b.sweeping():
+        assert sweep(b.store, set(), grace_s=0, now=time.time() + 1).deleted > 0
+    (record,) = (store.store.root / "_gc").iterdir()
+    record.write_text("{not json")
+    m, job = _drain(a, d, files, "ck-2")
+    assert job.stats.new_chunks == job.stats.chunks and _present(store, m)
+
+
+def test_a_new_node_learns_the_stores_chunks_from_one_listing_not_a_check_per_chunk(tmp_path: Path,
+                                                                                   store: Counting) -> None:
+    a, b = _node(store, tmp_path, "a"), _node(store, tmp_path, "b")
+    d, files = _tier(tmp_path, 6)
+    _drain(a, d, files, "ck-1")
     store.calls.clear()
-    _, job = _drain(a, d, files, "ck-2")
-    assert store.calls["exists"] == job.stats.chunks and job.stats.new_chunks == 0
+    m, job = _drain(b, d, files, "ck-2")
+    assert job.stats.new_chunks == 0 and job.stats.reused_chunks == job.stats.chunks > 10
+    assert store.calls["exists"] == store.calls["touch"] == 0 and store.calls["list"] == 2  # sweep records, chunks
+    assert _present(store, m)
