@@ -277,6 +277,7 @@ class Bench:
             dest = Path(self.args.fetch_dir or self.tier.root) / f".bench-fetch-{label}"
             shutil.rmtree(dest, ignore_errors=True)
             dest.mkdir(mode=0o700)
+            os.sync()  # (the writeback of the previous fetch's files and cache entries is not this one's cost)
             t0 = time.monotonic()
             svc.fetch(rec, dest)
             runs.setdefault(label, []).append(round(time.monotonic() - t0, 3))

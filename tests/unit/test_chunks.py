@@ -278,13 +278,19 @@ def _fetch(store: PosixStore, m: dict, out: Path, cache: ChunkCache | None, tier
         return fetch_chunked(ChunkReader(store, m), dfd, tier or TierChunks(), cache)
 
 
+def _warmed(tmp: Path, store: PosixStore, pages: bytes, level: int = 3) -> tuple[dict, ChunkCache]:
+    """A drained checkpoint of pages, and a cache that a first fetch of it filled."""
+    d, files = _tier(tmp, pages)
+    m, _ = _drain(store, d, files, "ck-1", level=level)
+    cache = ChunkCache(tmp / "cache", 1 << 30)
+    _fetch(store, m, tmp / "out1", cache)
+    return m, cache
+
+
 def test_a_cache_entry_changed_in_place_is_dropped_and_its_chunk_fetched_from_the_store(
         tmp_path: Path, store: PosixStore) -> None:
     pages = _pages(600, 20)
-    d, files = _tier(tmp_path, pages)
-    m, _ = _drain(store, d, files, "ck-1")
-    cache = ChunkCache(tmp_path / "cache", 1 << 30)
-    _fetch(store, m, tmp_path / "out1", cache)
+    m, cache = _warmed(tmp_path, store, pages)
     entry = tmp_path / "cache" / m["storage"]["files"]["pages-1.img"]["chunks"][1][0]
     data = bytearray(entry.read_bytes())
     data[5] ^= 1  # same size: only the hash can tell
@@ -310,11 +316,7 @@ def test_a_tier_chunk_changed_in_place_is_fetched_from_the_store(tmp_path: Path,
 
 def test_a_refused_fetch_with_cached_and_stored_chunks_adds_nothing_to_the_cache(
         tmp_path: Path, store: PosixStore) -> None:
-    pages = _pages(600, 22)
-    d, files = _tier(tmp_path, pages)
-    m, _ = _drain(store, d, files, "ck-1")
-    cache = ChunkCache(tmp_path / "cache", 1 << 30)
-    _fetch(store, m, tmp_path / "out1", cache)
+    m, _ = _warmed(tmp_path, store, _pages(600, 22))
     refs = m["storage"]["files"]["pages-1.img"]["chunks"]
     for cid, _o, _n in refs[len(refs) // 2:]:  # half the chunks leave the cache: they come from the store
         (tmp_path / "cache" / cid).unlink()
@@ -329,10 +331,7 @@ def test_a_refused_fetch_with_cached_and_stored_chunks_adds_nothing_to_the_cache
 def test_a_raw_chunk_that_starts_with_the_zstd_magic_comes_back_from_the_cache(
         tmp_path: Path, store: PosixStore) -> None:
     pages = b"\x28\xb5\x2f\xfd" + _pages(300, 23)[4:]
-    d, files = _tier(tmp_path, pages)
-    m, _ = _drain(store, d, files, "ck-1", level=0)
-    cache = ChunkCache(tmp_path / "cache", 1 << 30)
-    _fetch(store, m, tmp_path / "out1", cache)
+    m, cache = _warmed(tmp_path, store, pages, level=0)
     first, _o, n = m["storage"]["files"]["pages-1.img"]["chunks"][0]
     entry = tmp_path / "cache" / first
     assert entry.read_bytes()[:4] == pages[:4] and entry.stat().st_size != n  # stored as a zstd frame
