@@ -348,20 +348,29 @@ class TierChunks:
                     if is_chunk_id(cid):
                         self._where.setdefault(cid, (path / name, int(off), int(n)))
 
-    def get(self, ref: ChunkRef) -> bytes | None:
+    def has(self, ref: ChunkRef) -> bool:
         hit = self._where.get(ref.id)
-        if hit is None or hit[2] != ref.length:
-            return None
+        return hit is not None and hit[2] == ref.length
+
+    def get(self, ref: ChunkRef) -> bytes | None:
+        buf = bytearray(ref.length)
+        return bytes(buf) if self.read_into(ref, memoryview(buf)) else None
+
+    def read_into(self, ref: ChunkRef, buf: memoryview) -> bool:
+        """Reads the chunk from a tier copy into buf (len: ref.length), verified against its id; False if none."""
+        if not self.has(ref):
+            return False
+        path, off, n = self._where[ref.id]
         try:
-            fd = os.open(hit[0], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with safefs.opened(fd):
-                raw = os.pread(fd, hit[2], hit[1])
+                got = os.preadv(fd, [buf], off)
         except OSError:
-            return None
-        if chunk_id(raw) != ref.id:
-            return None
+            return False
+        if got != n or chunk_id(buf) != ref.id:
+            return False
         self.hits += 1
-        return raw
+        return True
 
 
 def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: ChunkCache | None = None,
@@ -369,13 +378,39 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
     """Writes every file of a chunked image into dfd, each chunk verified, taking chunks from tier copies (local),
     then the cache, then the store (reader). The chunks that came from the store join the cache only once every
     file was written and verified (staged under temp names until then): a refused restore leaves nothing
-    behind. Returns counts."""
+    behind. Returns counts.
+
+    Node-local chunks are copied by as many threads as there are CPUs (bounded by memory bandwidth: each reads
+    into a reused buffer, hashes it, and writes it; more threads only contend for the destination file's lock),
+    while `threads` others fetch the rest from the store (bounded by round trips)."""
     files = reader.manifest["files"]
-    jobs: list[tuple[int, ChunkRef]] = []
+    near: list[tuple[int, ChunkRef]] = []  # in a tier copy or the cache (per the maps and the cache's index)
+    far: list[tuple[int, ChunkRef]] = []
     fds: list[int] = []
     staged: list[tuple[str, Path, int]] = []
-    from_cache = 0
+    bufs = threading.local()
     ok = False
+
+    def from_store(fd: int, ref: ChunkRef) -> str:
+        raw = reader.chunk(ref)
+        got = cache.stage(ref.id, encode_chunk(raw, 0)) if cache is not None else None
+        if got is not None:
+            staged.append(got)
+        _pwrite_all(fd, raw, ref.offset)
+        return "store"
+
+    def from_near(fd: int, ref: ChunkRef) -> str:
+        buf = getattr(bufs, "buf", None)
+        if buf is None or len(buf) < ref.length:
+            buf = bufs.buf = bytearray(ref.length)
+        mv = memoryview(buf)[: ref.length]
+        where = "tier" if local.read_into(ref, mv) else \
+            "cache" if cache is not None and cache.read_into(ref.id, mv) else ""
+        if not where:  # (a bad or vanished local copy: dropped, fetched from the store instead)
+            return from_store(fd, ref)
+        _pwrite_all(fd, mv, ref.offset)
+        return where
+
     try:
         for name, lay in reader.layouts.items():
             fd = safefs.create_file(dfd, name, 0o600)
@@ -387,32 +422,42 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
                 os.write(fd, data)
                 continue
             os.ftruncate(fd, lay.size)
-            jobs.extend((fd, ref) for ref in lay.chunks)
-
-        def one(job: tuple[int, ChunkRef]) -> int:
-            nonlocal from_cache
-            fd, ref = job
-            raw = local.get(ref)  # (verified against its id there, as in the cache and the reader)
-            if raw is None and cache is not None:
-                raw = cache.get(ref.id, ref.length)
-                from_cache += raw is not None
-            if raw is None:
-                raw = reader.chunk(ref)
-                got = cache.stage(ref.id, encode_chunk(raw, 0)) if cache is not None else None
-                if got is not None:
-                    staged.append(got)
-            os.pwrite(fd, raw, ref.offset)
-            return len(raw)
-
-        parallel_map(one, jobs, threads)
+            for ref in lay.chunks:
+                (near if local.has(ref) or (cache is not None and ref.id in cache) else far).append((fd, ref))
+        got = _run_both([(from_store, far, threads), (from_near, near, max(1, min(threads, os.cpu_count() or 1)))])
         ok = True
     finally:
         for fd in fds:
             os.close(fd)
         if cache is not None:
             cache.commit(staged) if ok else cache.discard(staged)
-    return {"chunks": len(jobs), "from_tier": local.hits, "from_cache": from_cache,
+    return {"chunks": len(near) + len(far), "from_tier": got.count("tier"), "from_cache": got.count("cache"),
             "from_store": reader.fetched_chunks, "fetched_bytes": reader.fetched_bytes}
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _run_both(groups: list[tuple[Callable[[int, ChunkRef], str], list[tuple[int, ChunkRef]], int]]) -> list[str]:
+    """Each group's jobs on its own thread pool, all at once; results in order. The first exception is raised
+    once every job that started has finished (the callers' file descriptors stay open until then)."""
+    live = [(fn, jobs, ThreadPoolExecutor(max_workers=n, thread_name_prefix="chunks")) for fn, jobs, n in groups
+            if jobs]
+    try:
+        futs = [pool.submit(fn, *job) for fn, jobs, pool in live for job in jobs]
+        try:
+            return [f.result() for f in futs]
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
+    finally:
+        for _fn, _jobs, pool in live:
+            pool.shutdown(wait=True)
 
 
 def parallel_map(fn: Any, items: list[Any], threads: int = 8) -> list[Any]:

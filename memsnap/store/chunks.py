@@ -277,39 +277,56 @@ class ChunkCache:
             return
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         found = []
-        for p in self.root.iterdir():
-            if is_chunk_id(p.name) and p.is_file() and not p.is_symlink():
-                s = p.stat()
-                found.append((s.st_mtime, p.name, s.st_size))
-            elif p.name.startswith(".tmp-"):
-                p.unlink(missing_ok=True)
+        with os.scandir(self.root) as entries:  # (one lstat a file)
+            for e in entries:
+                if is_chunk_id(e.name) and e.is_file(follow_symlinks=False):
+                    s = e.stat(follow_symlinks=False)
+                    found.append((s.st_mtime, e.name, s.st_size))
+                elif e.name.startswith(".tmp-"):
+                    (self.root / e.name).unlink(missing_ok=True)
         for _m, cid, n in sorted(found):
             self._lru[cid] = n
             self._bytes += n
         self._trim()
 
+    def __contains__(self, cid: str) -> bool:
+        with self._lock:
+            return cid in self._lru
+
     def get(self, cid: str, raw_len: int) -> bytes | None:
         """The raw bytes of a cached chunk, verified; None when absent (or bad: then dropped)."""
+        buf = bytearray(raw_len)
+        return bytes(buf) if self.read_into(cid, memoryview(buf)) else None
+
+    def read_into(self, cid: str, buf: memoryview) -> bool:
+        """Reads a cached chunk's raw bytes (len(buf) of them) into buf, verified against its id; False when
+        absent (or bad: then dropped). A raw entry is read straight into buf: no allocation, one copy."""
         if self.cap <= 0:
-            return None
+            return False
         with self._lock:
             known = cid in self._lru
             if known:
                 self._lru.move_to_end(cid)
         if not known:
             self.misses += 1
-            return None
+            return False
         try:
             fd = os.open(self.root / cid, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                raw = decode_chunk(f.read(), cid, raw_len)
-        except (OSError, ChunkError) as exc:
+            try:
+                size = os.fstat(fd).st_size
+                if size != len(buf) or os.preadv(fd, [buf], 0) != size or buf[:4] == ZSTD_MAGIC:
+                    buf[:] = decode_chunk(os.pread(fd, size + 1, 0), cid, len(buf))  # (a zstd entry: see encode)
+                elif chunk_id(buf) != cid:
+                    raise ChunkError(f"integrity check failed: chunk {cid} does not match its id")
+            finally:
+                os.close(fd)
+        except (OSError, ValueError, ChunkError) as exc:
             log.warning("chunk cache entry %s dropped: %s", cid, exc)
             self._drop(cid)
             self.misses += 1
-            return None
+            return False
         self.hits += 1
-        return raw
+        return True
 
     def put(self, cid: str, stored: bytes) -> None:
         """Adds a (verified) stored chunk object."""

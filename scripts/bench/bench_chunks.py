@@ -16,11 +16,15 @@ write of the same bytes through the same mount.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,8 @@ from memsnap import manifest  # noqa: E402
 from memsnap.catalog import Catalog, CheckpointRecord  # noqa: E402
 from memsnap.drain import ChunkOpts, DrainService  # noqa: E402
 from memsnap.store import Codec, PosixStore, Throttle  # noqa: E402
+from memsnap.store import chunked as chunked_mod  # noqa: E402
+from memsnap.store import chunks as chunks_mod  # noqa: E402
 from memsnap.store.chunks import Chunking, chunk_id, is_bundled  # noqa: E402
 from memsnap.tier import MemoryTier  # noqa: E402
 from tests.helpers import DaemonProc  # noqa: E402
@@ -110,6 +116,37 @@ class Linked:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class _OldFetchPath:
+    """--compare REV: while entered, the daemon code's chunked fetch (fetch_chunked, the chunk cache it opens, the
+    ChunkReader it builds) is REV's, loaded from git (memsnap/store/chunks.py and chunked.py at REV)."""
+
+    def __init__(self, rev: str) -> None:
+        def load(path: str, name: str, subst: tuple[str, str] = ("", "")) -> types.ModuleType:
+            src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                                 text=True).stdout.replace(*subst)
+            mod = types.ModuleType(name)
+            mod.__file__ = f"{rev}:{path}"
+            sys.modules[name] = mod
+            exec(compile(src, mod.__file__, "exec"), mod.__dict__)
+            return mod
+        self.chunks = load("memsnap/store/chunks.py", "_old_chunks")
+        self.chunked = load("memsnap/store/chunked.py", "_old_chunked",
+                            ("memsnap.store.chunks import", "_old_chunks import"))
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> _OldFetchPath:
+        for mod, attr, val in ((chunked_mod, "fetch_chunked", self.chunked.fetch_chunked),
+                               (chunked_mod, "open_cache", self.chunked.open_cache),
+                               (chunks_mod, "ChunkReader", self.chunks.ChunkReader)):
+            self._saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, val)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._saved:
+            setattr(*self._saved.pop())
 
 
 def workloads(weights_mib: int) -> dict[str, list[str]]:
@@ -228,34 +265,71 @@ class Bench:
         return res
 
     def restore(self, recs: list[CheckpointRecord]) -> dict[str, Any]:
-        """Fetch of the last checkpoint: whole; chunked with no local chunks; with a warm cache; with tier chunks."""
+        """Fetch of the last checkpoint, --repeat times (medians): whole; chunked with no local chunks (cold: an
+        empty cache, filled by that fetch); with that warm cache; with the other checkpoints' tier copies. With
+        --compare REV, also REV's chunked fetch path (fetch_chunked, ChunkCache, ChunkReader) cold and warm, each
+        with its own cache, in the same rounds (alternating order)."""
         rec = recs[-1]
-        out: dict[str, Any] = {}
-        cold_state = str(self.base / "fetch-state")
+        runs: dict[str, list[float]] = {}
+        paths = {"new": None, "old": _OldFetchPath(self.args.compare) if self.args.compare else None}
 
         def fetch(label: str, svc: DrainService) -> None:
-            dest = self.tier.root / f".bench-fetch-{label}"
+            dest = Path(self.args.fetch_dir or self.tier.root) / f".bench-fetch-{label}"
             shutil.rmtree(dest, ignore_errors=True)
             dest.mkdir(mode=0o700)
+            os.sync()  # (the writeback of the previous fetch's files and cache entries is not this one's cost)
             t0 = time.monotonic()
             svc.fetch(rec, dest)
-            out[label] = round(time.monotonic() - t0, 3)
-            if label != "whole":
-                for name, meta in manifest.read(dest)["files"].items():
-                    assert (dest / name).stat().st_size == meta["size"]
+            runs.setdefault(label, []).append(round(time.monotonic() - t0, 3))
+            for name, meta in manifest.read(dest)["files"].items():
+                assert (dest / name).stat().st_size == meta["size"]
             shutil.rmtree(dest, ignore_errors=True)
 
-        fetch("whole", self.service("whole", self.whole_store))
-        # Cold: no chunk maps of tier copies, an empty cache (filled by this fetch).
-        cold = self.service("chunked", self.chunk_store, cold_state, cache=8 << 30)
-        self._tier_only(rec, False)
-        fetch("chunked_cold", cold)
-        fetch("chunked_warm_cache", self.service("chunked", self.chunk_store, cold_state, cache=8 << 30))
-        self._tier_only(rec, True)
-        fetch("chunked_tier_chunks", self.service("chunked", self.chunk_store, str(self.base / "bench-state")))
-        shutil.rmtree(cold_state, ignore_errors=True)
-        out["speedup_warm_cache"] = round(out["whole"] / out["chunked_warm_cache"], 2)
-        out["speedup_cold"] = round(out["whole"] / out["chunked_cold"], 2)
+        for i in range(self.args.repeat):
+            fetch("whole", self.service("whole", self.whole_store))
+            for which in (("new", "old") if i % 2 == 0 else ("old", "new")):
+                path = paths[which]
+                if which == "old" and path is None:
+                    continue
+                sfx = "" if which == "new" else "_old"
+                state = str(self.base / f"fetch-state{sfx}")
+                shutil.rmtree(state, ignore_errors=True)
+                with path or contextlib.nullcontext():
+                    self._tier_only(rec, False)  # no chunk maps of tier copies; an empty cache
+                    fetch(f"chunked_cold{sfx}", self.service("chunked", self.chunk_store, state, cache=8 << 30))
+                    fetch(f"chunked_warm_cache{sfx}", self.service("chunked", self.chunk_store, state,
+                                                                   cache=8 << 30))
+                    self._tier_only(rec, True)
+                    fetch(f"chunked_tier_chunks{sfx}", self.service("chunked", self.chunk_store,
+                                                                    str(self.base / "bench-state")))
+                shutil.rmtree(state, ignore_errors=True)
+        out: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
+        out["runs"] = runs
+        for sfx in ("", "_old") if self.args.compare else ("",):
+            out[f"speedup_warm_cache{sfx}"] = round(out["whole"] / out[f"chunked_warm_cache{sfx}"], 2)
+            out[f"speedup_cold{sfx}"] = round(out["whole"] / out[f"chunked_cold{sfx}"], 2)
+        return out
+
+    def restore_only(self, name: str, argv: list[str]) -> dict[str, Any]:
+        """--restore-only: --count checkpoints of a workload, each drained chunked (the last also whole), then
+        restore()."""
+        with self.d.client() as c:
+            job = c.run(argv)
+        time.sleep(self.args.warmup)
+        recs = []
+        for i in range(self.args.count):
+            if i:
+                time.sleep(self.args.interval)
+            recs.append(self.checkpoint(job.id))
+            chunked = self.drain("chunked", recs[-1])
+        whole = self.drain("whole", recs[-1])
+        with self.d.client() as c:
+            c.stop_job(job.id, kill=True)
+        load = os.getloadavg()
+        out = {"job": job.id, "logical_bytes": recs[-1].size_bytes, "whole_drain": whole, "chunked_drain": chunked,
+               "restore": self.restore(recs),
+               "loadavg_before": load, "loadavg_after": os.getloadavg()}
+        print(name, json.dumps(out), flush=True)
         return out
 
     def _tier_only(self, rec: CheckpointRecord, others: bool) -> None:
@@ -363,6 +437,11 @@ def main() -> None:
     p.add_argument("--netstore", type=int, default=0, metavar="MBIT", help="stores on an sshfs mount over a "
                    "veth limited to MBIT (scripts/bench/netstore.py) instead of the token bucket")
     p.add_argument("--throughput-only", action="store_true", help="only the drain vs plain write comparison")
+    p.add_argument("--restore-only", action="store_true", help="only the restore comparison: --count checkpoints "
+                   "of each workload, drained chunked (the last also whole), then --repeat rounds of fetches")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of restore fetches (medians reported)")
+    p.add_argument("--fetch-dir", default="", help="restore fetches write here (default: the memory tier)")
+    p.add_argument("--compare", default="", metavar="REV", help="also time REV's chunked fetch path (git rev)")
     p.add_argument("--render", nargs="*", help="TITLE=results.json ...: print a markdown report and exit")
     args = p.parse_args()
     if args.render:
@@ -394,6 +473,13 @@ def main() -> None:
             results["throughput"] = [b.plain_write(b.checkpoint(job.id)) for _ in range(args.count)]
             print(results["throughput"], flush=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
+            return
+        if args.restore_only:
+            for name in (args.only.split(",") if args.only else list(wl)):
+                results["workloads"][name] = b.restore_only(name, wl[name])
+                for rec in b.cat.checkpoints():
+                    b.d.ctl("delete", rec.id)
+                Path(args.out).write_text(json.dumps(results, indent=1))
             return
         for name in (args.only.split(",") if args.only else list(wl)):
             r = b.periodic(name, wl[name])

@@ -269,3 +269,71 @@ def test_a_checkpoint_adopted_from_a_chunked_stored_manifest_keeps_its_sizes(tmp
     assert meta["store"] == {"format": "chunked", "logical_bytes": m["storage"]["logical_bytes"],
                              "stored_bytes": m["storage"]["stored_bytes"], "new_bytes": m["storage"]["new_bytes"]}
     assert meta["store"]["logical_bytes"] == 300 * PAGE + 400
+
+
+# -- restore from the node's chunk cache (fetch_chunked's local copies) ------------------------------------
+def _fetch(store: PosixStore, m: dict, out: Path, cache: ChunkCache | None, tier: TierChunks | None = None) -> dict:
+    out.mkdir()
+    with safefs.opened(os.open(out, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        return fetch_chunked(ChunkReader(store, m), dfd, tier or TierChunks(), cache)
+
+
+def _warmed(tmp: Path, store: PosixStore, pages: bytes, level: int = 3) -> tuple[dict, ChunkCache]:
+    """A drained checkpoint of pages, and a cache that a first fetch of it filled."""
+    d, files = _tier(tmp, pages)
+    m, _ = _drain(store, d, files, "ck-1", level=level)
+    cache = ChunkCache(tmp / "cache", 1 << 30)
+    _fetch(store, m, tmp / "out1", cache)
+    return m, cache
+
+
+def test_a_cache_entry_changed_in_place_is_dropped_and_its_chunk_fetched_from_the_store(
+        tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(600, 20)
+    m, cache = _warmed(tmp_path, store, pages)
+    entry = tmp_path / "cache" / m["storage"]["files"]["pages-1.img"]["chunks"][1][0]
+    data = bytearray(entry.read_bytes())
+    data[5] ^= 1  # same size: only the hash can tell
+    entry.write_bytes(bytes(data))
+    got = _fetch(store, m, tmp_path / "out2", cache)
+    assert (tmp_path / "out2" / "pages-1.img").read_bytes() == pages
+    assert got["from_store"] == 1 and got["from_cache"] == got["chunks"] - 1
+    assert blake3.blake3(entry.read_bytes()).hexdigest() == entry.name  # cached again, from the store
+
+
+def test_a_tier_chunk_changed_in_place_is_fetched_from_the_store(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(300, 21)
+    d, files = _tier(tmp_path, pages)
+    m, _ = _drain(store, d, files, "ck-1")
+    refs = m["storage"]["files"]["pages-1.img"]["chunks"]
+    with open(d / "pages-1.img", "r+b") as f:
+        f.seek(refs[2][1] + 7)
+        f.write(b"\xff")
+    got = _fetch(store, m, tmp_path / "out", None, TierChunks({d: {"pages-1.img": refs}}))
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == pages
+    assert got["from_store"] == 1 and got["from_tier"] == got["chunks"] - 1
+
+
+def test_a_refused_fetch_with_cached_and_stored_chunks_adds_nothing_to_the_cache(
+        tmp_path: Path, store: PosixStore) -> None:
+    m, _ = _warmed(tmp_path, store, _pages(600, 22))
+    refs = m["storage"]["files"]["pages-1.img"]["chunks"]
+    for cid, _o, _n in refs[len(refs) // 2:]:  # half the chunks leave the cache: they come from the store
+        (tmp_path / "cache" / cid).unlink()
+    (store.root / chunk_key(refs[-1][0])).write_bytes(b"tampered")
+    kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    with pytest.raises(ChunkError):
+        _fetch(store, m, tmp_path / "out2", cache)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == kept  # nothing staged is left
+
+
+def test_a_raw_chunk_that_starts_with_the_zstd_magic_comes_back_from_the_cache(
+        tmp_path: Path, store: PosixStore) -> None:
+    pages = b"\x28\xb5\x2f\xfd" + _pages(300, 23)[4:]
+    m, cache = _warmed(tmp_path, store, pages, level=0)
+    first, _o, n = m["storage"]["files"]["pages-1.img"]["chunks"][0]
+    entry = tmp_path / "cache" / first
+    assert entry.read_bytes()[:4] == pages[:4] and entry.stat().st_size != n  # stored as a zstd frame
+    got = _fetch(store, m, tmp_path / "out2", cache)
+    assert (tmp_path / "out2" / "pages-1.img").read_bytes() == pages and got["from_cache"] == got["chunks"]
