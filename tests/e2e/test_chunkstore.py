@@ -174,3 +174,24 @@ def test_kill9_at_a_chunk_failpoint_then_restart_drains_and_both_checkpoints_res
         d.ctl("evict", ck["id"], check=True)
     _restore_and_check(d, ck2["id"], log, digest, last, jobs_to_kill)
     d.stop(signal.SIGKILL)
+
+
+def test_a_tier_on_a_huge_page_tmpfs_dumps_fetches_from_the_store_and_restores(make_daemon, jobs_to_kill, tmp_path):
+    import subprocess
+
+    mnt = tmp_path / "hugetier"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1G,huge=within_size,mode=0755", "tmpfs", str(mnt)],
+                   check=True)
+    try:
+        d = make_daemon("huge", tier=mnt / "tier").start()
+        jid, pid, log = _infer(d, jobs_to_kill, mib=16)
+        digest = start_digest(log)
+        ck = _ckpt(d, jid, "--stop", "--wait", "durable")
+        last = ticks(log, pid)[-1].n
+        d.ctl("evict", ck["id"], check=True)
+        r = _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
+        assert r["from_store"] is True
+        d.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
