@@ -5,9 +5,9 @@ each goes through the engine's delete path (store copy, tier copy, catalog) unde
 only if, at that moment, nothing uses it (a restore, a move, a park, a drain). (2) For root only, the
 chunk sweep of the whole store: mark = the chunks every stored manifest references (every node's, since
 nodes share a store) plus those of drains in flight here; sweep = unreferenced chunks older than the
-grace period (so uploads of drains in flight on other nodes stay). A crash anywhere leaves every chunk a
-durable checkpoint references: a manifest is deleted before any chunk it alone referenced, and a chunk
-is deleted only once no manifest references it.
+grace period, with no drain of any node running (the store locks of memsnap.store.chunkgc). A crash
+anywhere leaves every chunk a durable checkpoint references: a manifest is deleted before any chunk it
+alone referenced, and a chunk is deleted only once no manifest references it.
 """
 
 from __future__ import annotations
@@ -24,17 +24,10 @@ from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.engine import ROOT, Caller
 from memsnap.errors import FailedPrecondition, MemsnapError
 from memsnap.retention import Ckpt, Plan, Policy, chunked, plan, sizes
+from memsnap.store import chunkgc
+from memsnap.store.chunkgc import SweepResult
 
 log = logging.getLogger("memsnap.gc")
-
-
-@dataclass
-class SweepResult:
-    """What a chunk sweep did (or would do, dry run)."""
-
-    deleted: int = 0
-    bytes_freed: int = 0
-    kept_in_grace: int = 0
 
 
 class ChunkSweeper(Protocol):
@@ -173,13 +166,12 @@ class Collector:
                               "the store holds no chunks (whole-file checkpoints only)")
         else:
             from memsnap.store import StoreError
-            from memsnap.store.chunkgc import SweepDeferred
 
             try:
                 rep.sweep = self.sweeper.sweep(dry_run, self.clock(),
                                                {r.id for r in rep.deleted} if dry_run else set())
                 rep.swept = True
-            except SweepDeferred as exc:  # drains kept running: nothing deleted, not a failure
+            except chunkgc.SweepDeferred as exc:  # drains kept running: nothing deleted, not a failure
                 rep.sweep_note = str(exc)
                 rep.sweep_deferred = True
             except (MemsnapError, StoreError) as exc:  # the deletions above stand; the next run sweeps
@@ -239,9 +231,6 @@ class StoreSweeper:
         self.drain = drain
         self.grace_s = grace_s
         self.chunks = chunks
-        from memsnap.store import chunkgc
-
-        self.chunkgc = chunkgc
 
     def mark(self, gone: set[str]) -> set[str]:
         """The chunk ids to keep."""
@@ -272,12 +261,12 @@ class StoreSweeper:
         pending = [r.created_ms / 1000 for r in self.drain.catalog.checkpoints(states=(DUMPING, STAGED, DRAINING))]
         since = min([now, *pending])
         if dry_run:
-            r = self.chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, dry_run=True, now=since)
+            r = chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, dry_run=True, now=since)
         else:  # no drain (any node's) runs from the mark to the last deletion (memsnap.store.chunkgc)
             with self.drain.node_chunks.store_gc(self.drain.store).sweeping():
-                r = self.chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, now=since,
+                r = chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, now=since,
                                        index=self.drain.node_chunks.index())
-        return SweepResult(int(r.deleted), int(r.bytes_freed), int(r.kept_in_grace))
+        return r
 
 
 def chunk_sweeper(drain: Any, grace_s: float) -> ChunkSweeper | None:

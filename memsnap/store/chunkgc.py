@@ -306,9 +306,9 @@ class SweepResult:
     """What a sweep deleted (or would delete, dry run), the bytes freed, and the unreferenced chunks it kept
     because they are younger than the grace period (a drain running now may reference them next)."""
 
-    deleted: int
-    bytes_freed: int
-    kept_in_grace: int
+    deleted: int = 0
+    bytes_freed: int = 0
+    kept_in_grace: int = 0
 
 
 def sweep(store: ChunkStore, keep: set[str], grace_s: float, dry_run: bool = False,
