@@ -352,10 +352,6 @@ class TierChunks:
         hit = self._where.get(ref.id)
         return hit is not None and hit[2] == ref.length
 
-    def get(self, ref: ChunkRef) -> bytes | None:
-        buf = bytearray(ref.length)
-        return bytes(buf) if self.read_into(ref, memoryview(buf)) else None
-
     def read_into(self, ref: ChunkRef, buf: memoryview) -> bool:
         """Reads the chunk from a tier copy into buf (len: ref.length), verified against its id; False if none."""
         if not self.has(ref):
