@@ -329,6 +329,8 @@ class StoreConfig:
     chunk_size: int = _opt(1 << 20, _chunk_size, "average chunk size (K/M suffix; a multiple of 4K, 16K-16M)")
     chunk_cache_dir: str = _opt("", _string, "node-local chunk cache; empty = <state dir>/chunk-cache")
     chunk_cache_size: int | None = _opt(2 << 30, _size, "chunk cache cap (K/M/G suffix); empty = no cache")
+    pack_size: int | None = _opt(32 << 20, _size, "a drain's new chunks go into packs of about this size (K/M "
+                                 "suffix); empty = an object per chunk")
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,7 @@ class DrainService:
         with self.node_chunks.store_gc(cstore).draining() as grant:
             job = chunked.ChunkedDrain(cstore, self.codec.level or 0, self.node_chunks.index(),
                                        chunks.Chunking(self.chunk_opts.avg), self.throttle, self.chunk_opts.threads,
-                                       trust_index=grant.trust_index)
+                                       trust_index=grant.trust_index, pack_size=self.chunk_opts.pack_size)
             storage = job.run(rec.id, sfd, tier_manifest["files"], trusted, progress)
             background.check_still_wanted(rec.id)  # (moved away meanwhile: no manifest, so no stored copy)
             body = {**{k: v for k, v in tier_manifest.items() if k not in ("format", "signature")}, "storage": storage}
@@ -590,7 +590,8 @@ def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metric
     background.configure(cfg.drain.max_pause_s)
     throttle = Throttle(cfg.drain.bandwidth) if cfg.drain.bandwidth else None
     opts = ChunkOpts(format=cfg.store.format, avg=cfg.store.chunk_size, state_dir=cfg.state.dir,
-                     cache_dir=cfg.store.chunk_cache_dir, cache_size=cfg.store.chunk_cache_size or 0)
+                     cache_dir=cfg.store.chunk_cache_dir, cache_size=cfg.store.chunk_cache_size or 0,
+                     pack_size=cfg.store.pack_size or 0)
     return DrainService(store, catalog, tier, key, codec, throttle, cfg.drain.concurrency,
                         cfg.drain.retry_initial_s, cfg.drain.retry_max_s, metrics, opts)
 

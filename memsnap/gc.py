@@ -219,7 +219,7 @@ class SweepRefused(FailedPrecondition):
 class StoreSweeper:
     """Mark and sweep over the chunked store behind a drain (memsnap.store.chunks).
 
-    Mark: the chunks every stored manifest in the store references (every node's), minus those of `gone`
+    Mark: the chunks and packs every stored manifest in the store references (every node's), minus those of `gone`
     (a dry run's deletions), plus those drains in flight here report. Sweep: chunks outside the mark
     uploaded longer ago than the grace period (counted from the moment the oldest checkpoint still dumping or
     draining here was taken), inside the store-wide sweep lock: no drain of any node runs from the mark to
@@ -233,7 +233,7 @@ class StoreSweeper:
         self.chunks = chunks
 
     def mark(self, gone: set[str]) -> set[str]:
-        """The chunk ids to keep."""
+        """The ids of the chunks and packs to keep."""
         from memsnap.store import MANIFEST_NAME, StoreError, StoreNotFound
 
         store = self.drain.store
@@ -243,7 +243,8 @@ class StoreSweeper:
             if rest != MANIFEST_NAME or ckpt_id in gone:
                 continue
             try:
-                keep |= self.chunks.referenced_chunks(self.chunks.load_stored_manifest(store, ckpt_id))
+                stored = self.chunks.load_stored_manifest(store, ckpt_id)
+                keep |= self.chunks.referenced_chunks(stored) | self.chunks.referenced_packs(stored)
             except StoreNotFound:
                 continue  # deleted meanwhile: its chunks may go
             except (StoreError, ValueError, TypeError, KeyError) as exc:

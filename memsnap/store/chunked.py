@@ -46,9 +46,11 @@ from memsnap.store.chunks import (
     encode_chunk,
     is_bundled,
     is_chunk_id,
+    pack_key,
     put_chunk,
 )
 from memsnap.store.errors import StoreError
+from memsnap.store.packs import DEFAULT_PACK, Entry, Loc, Packer, pack_id_of
 from memsnap.store.throttle import Throttle
 
 log = logging.getLogger("memsnap.drain")
@@ -65,6 +67,7 @@ class ChunkOpts:
     cache_dir: str = ""  # "" = <state_dir>/chunk-cache
     cache_size: int = 0  # bytes; 0 = no chunk cache
     threads: int = 8  # chunks hashed, compressed and uploaded at once (uploads wait on fsyncs, not CPU)
+    pack_size: int = DEFAULT_PACK  # new chunks go into packs of about this size; 0 = an object per chunk
 
 
 class NodeChunks:
@@ -184,28 +187,53 @@ class ChunkedDrain:
     """Uploads one tier copy as chunks + bundle; run() returns the manifest's "storage" section."""
 
     def __init__(self, store: ChunkStore, level: int, index: ChunkIndex, chunking: Chunking,
-                 throttle: Throttle | None = None, threads: int = 4, trust_index: bool = False) -> None:
+                 throttle: Throttle | None = None, threads: int = 4, trust_index: bool = False,
+                 pack_size: int = 0) -> None:
         """trust_index: the index is right about presence (inside StoreGc.draining(), when no sweep ran
-        meanwhile); else each chunk it lists is checked (and touched) in the store."""
+        meanwhile); else each chunk it lists is checked (and touched) in the store. pack_size: new chunks go
+        into packs of about this size (memsnap.store.packs); 0 = each into its own object."""
         self.store, self.level, self.index, self.chunking = store, level, index, chunking
         self.trust_index = trust_index
         self.throttle, self.threads = throttle, max(1, threads)
         self.stats = DrainStats()
         self._claimed: set[str] = set()
         self._lock = threading.Lock()
+        self._loc: dict[str, Loc] = {}  # where this drain put the chunks it packed
+        self._packer = Packer(store, pack_size, self._pack_committed, max_open=min(4, self.threads)) \
+            if pack_size > 0 else None
 
     def run(self, ckpt_id: str, sfd: int, files: dict[str, dict[str, Any]], trusted: dict[str, list[int]] | None,
             progress: Progress) -> dict[str, Any]:
         stored_files: dict[str, Any] = {}
         small = sorted(n for n, m in files.items() if is_bundled(n, int(m["size"])))
         bundle = self._bundle(ckpt_id, sfd, small, files, stored_files, progress)
-        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="drain-chunk") as pool:
-            for name in sorted((n for n in files if n not in small), key=lambda n: (files[n]["size"], n)):
-                refs = self._file(pool, sfd, name, files[name], (trusted or {}).get(name), progress)
-                stored_files[name] = {"chunks": refs}
+        try:
+            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="drain-chunk") as pool:
+                for name in sorted((n for n in files if n not in small), key=lambda n: (files[n]["size"], n)):
+                    refs = self._file(pool, sfd, name, files[name], (trusted or {}).get(name), progress)
+                    stored_files[name] = {"chunks": refs}
+            if self._packer is not None:
+                self._packer.close()
+        except BaseException:
+            if self._packer is not None:
+                self._packer.abort()
+            raise
+        packs = self._locate(stored_files)
         return {"layout": LAYOUT, "codec": "zstd" if self.level else "raw", "chunk_avg": self.chunking.avg,
-                "bundle": bundle, "files": stored_files, **{k: v for k, v in self.stats.summary().items()
-                                                            if k in ("logical_bytes", "stored_bytes", "new_bytes")}}
+                "bundle": bundle, "files": stored_files, **({"packs": packs} if packs else {}),
+                **{k: v for k, v in self.stats.summary().items() if k in ("logical_bytes", "stored_bytes",
+                                                                          "new_bytes")}}
+
+    def _locate(self, stored_files: dict[str, Any]) -> list[str]:
+        """Adds where each chunk is stored to its entry ([id, offset, length] -> [..., pack number, offset in
+        the pack, stored length]; loose chunks keep 3 items); returns the pack list the numbers index."""
+        packs: dict[str, int] = {}
+        for s in stored_files.values():
+            for item in s.get("chunks", ()):
+                loc = self._loc.get(item[0]) or self.index.where(item[0])
+                if loc is not None:
+                    item += [packs.setdefault(loc[0], len(packs)), loc[1], loc[2]]
+        return list(packs)
 
     # -- the bundle of small files ------------------------------------------------------------------------
     def _bundle(self, ckpt_id: str, sfd: int, names: list[str], files: dict[str, dict[str, Any]],
@@ -295,6 +323,9 @@ class ChunkedDrain:
                 self.stats.add(reused_chunks=1)
                 return cid, "indexed"
             return cid, "trusted"
+        if self._packer is not None:  # (the index lists every pack's chunks: memsnap.store.chunkgc.learn_packs)
+            self._upload(cid, raw)
+            return cid, "new"
         self.stats.add(round_trips=1)
         if self.store.exists(chunk_key(cid)) if self.trust_index else self.store.touch(chunk_key(cid)):
             self.stats.add(reused_chunks=1)
@@ -307,23 +338,35 @@ class ChunkedDrain:
         stored = encode_chunk(raw, self.level)
         if self.throttle is not None:
             self.throttle.consume(len(stored))
+        self.stats.add(stored_bytes=len(stored), new_bytes=len(raw), new_chunks=1)
+        if self._packer is not None:
+            loc = self._packer.add(cid, stored, len(raw))
+            with self._lock:
+                self._loc[cid] = loc
+            return
         put_chunk(self.store, cid, stored)
-        self.stats.add(stored_bytes=len(stored), new_bytes=len(raw), new_chunks=1, round_trips=1)
+        self.stats.add(round_trips=1)
         self.index.add([cid])
+        failpoints.hit("chunk-uploaded")
+
+    def _pack_committed(self, pid: str, entries: list[Entry], trailer: int) -> None:
+        self.stats.add(stored_bytes=trailer, round_trips=1)
+        self.index.add_pack(pid, entries)
         failpoints.hit("chunk-uploaded")
 
     def _verify_trusted(self, fd: int, trusted: dict[str, tuple[int, int]]) -> None:
         """The index is a hint: every chunk it vouched for must be in the store now (touched, so a sweep
         running meanwhile keeps it); one that is gone is uploaded again."""
-        ids = list(trusted)
-        present = parallel_map(lambda c: self.store.touch(chunk_key(c)), ids, max(self.threads, 8))
-        self.stats.add(round_trips=len(ids), reused_chunks=sum(1 for p in present if p))
-        missing = [c for c, p in zip(ids, present, strict=True) if not p]
+        keys = {c: chunk_key(c) if (loc := self.index.where(c)) is None else pack_key(loc[0]) for c in trusted}
+        objs = sorted(set(keys.values()))  # (a pack is touched once for all of its chunks)
+        there = dict(zip(objs, parallel_map(self.store.touch, objs, max(self.threads, 8)), strict=True))
+        self.stats.add(round_trips=len(objs), reused_chunks=sum(1 for c in trusted if there[keys[c]]))
+        missing = [c for c in trusted if not there[keys[c]]]
         if not missing:
             return
         log.warning("%d chunks the local index listed are missing from %s: uploading them again",
                     len(missing), self.store.describe())
-        self.index.discard(missing)
+        self.index.discard(missing, {pid for k, ok in there.items() if not ok and (pid := pack_id_of(k))})
         for cid in missing:
             off, n = trusted[cid]
             raw = os.pread(fd, n, off)
@@ -344,7 +387,8 @@ class TierChunks:
             for name, refs in body.items():
                 if "/" in name or name.startswith("."):
                     continue
-                for cid, off, n in refs:
+                for item in refs:
+                    cid, off, n = item[:3]
                     if is_chunk_id(cid):
                         self._where.setdefault(cid, (path / name, int(off), int(n)))
 

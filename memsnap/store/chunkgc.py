@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memsnap import failpoints
-from memsnap.store.chunks import CHUNK_PREFIX, ChunkStore, chunk_id, chunk_key, is_chunk_id
+from memsnap.store.chunks import CHUNK_PREFIX, PACK_PREFIX, ChunkStore, chunk_id, chunk_key, is_chunk_id
 from memsnap.store.errors import StoreError, StoreNotFound
+from memsnap.store.packs import Loc, pack_id_of, read_pack_index
 
 log = logging.getLogger("memsnap.chunks")
 
@@ -55,27 +56,41 @@ class SweepDeferred(StoreError):
 
 
 class ChunkIndex:
-    """Ids of the chunks this node knows to be in one store, and the sweep records it has applied (the
-    <index>.gc file). Trusted for presence only inside StoreGc.draining(); never for contents (every chunk
-    read back is verified against its id)."""
+    """The chunks this node knows to be in one store, each with where it is (None: a loose object; else its
+    pack, offset and stored length), the packs whose index it has read, and the sweep records it has applied
+    (the <index>.gc file). Trusted for presence only inside StoreGc.draining(); never for contents (every
+    chunk read back is verified against its id).
+
+    The index file has a line per fact: "<id>" (a loose chunk), "<id> <pack> <offset> <length>" (a chunk in a
+    pack), "+<pack>" (a pack whose chunks are all listed).
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = Path(path) if path else None
-        self._ids: set[str] = set()
+        self._ids: dict[str, Loc | None] = {}
+        self._packs: set[str] = set()
         self._applied: set[str] = set()
         self._synced = 0.0
         self._lock = threading.Lock()
         side = self._side()
         if self.path is not None and self.path.is_file():
-            for line in self.path.read_text().split():
-                if is_chunk_id(line):
-                    self._ids.add(line)
+            for line in self.path.read_text().splitlines():
+                self._parse(line.split())
         try:
             state = json.loads(side.read_text()) if side is not None and side.is_file() else {}
             self._applied = {n for n in state.get("applied", []) if isinstance(n, str)}
             self._synced = float(state.get("synced", 0.0))
         except (ValueError, TypeError, AttributeError, OSError):
             self._applied, self._synced = set(), 0.0
+
+    def _parse(self, w: list[str]) -> None:
+        if len(w) == 1 and w[0].startswith("+") and is_chunk_id(w[0][1:]):
+            self._packs.add(w[0][1:])
+        elif len(w) == 1 and is_chunk_id(w[0]):
+            self._ids[w[0]] = None
+        elif len(w) == 4 and is_chunk_id(w[0]) and is_chunk_id(w[1]) and w[2].isdigit() and w[3].isdigit():
+            self._ids[w[0]] = (w[1], int(w[2]), int(w[3]))
+        # (anything else: a line cut short by a crash; that chunk is simply not known)
 
     def _side(self) -> Path | None:
         return self.path.with_name(self.path.name + ".gc") if self.path is not None else None
@@ -91,24 +106,53 @@ class ChunkIndex:
         with self._lock:
             return set(self._ids)
 
+    def where(self, cid: str) -> Loc | None:
+        """Where the index says chunk cid is (None: a loose object, or not known)."""
+        with self._lock:
+            return self._ids.get(cid)
+
+    def packs(self) -> set[str]:
+        """The packs whose chunks this index lists."""
+        with self._lock:
+            return set(self._packs)
+
     def add(self, cids: list[str]) -> None:
-        """Records ids as present (appended to the index file)."""
+        """Records loose chunks as present (appended to the index file)."""
         with self._lock:
             new = [c for c in cids if c not in self._ids]
-            self._ids.update(new)
-            if new and self.path is not None:
-                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                with os.fdopen(fd, "a") as f:
-                    f.write("".join(c + "\n" for c in new))
+            self._ids.update(dict.fromkeys(new))
+            self._append("".join(c + "\n" for c in new))
 
-    def discard(self, cids: list[str] | set[str]) -> None:
-        """Forgets ids (missing from the store, or swept); rewrites the index file."""
+    def add_pack(self, pid: str, entries: list[tuple[str, int, int, int]]) -> None:
+        """Records a pack and the chunks in it (a chunk known elsewhere already keeps that place)."""
         with self._lock:
-            if not self._ids & set(cids):
+            if pid in self._packs:
                 return
-            self._ids -= set(cids)
-            self._rewrite(self.path, "".join(c + "\n" for c in sorted(self._ids)))
+            new = [(c, off, n) for c, off, n, _raw in entries if c not in self._ids]
+            self._ids.update({c: (pid, off, n) for c, off, n in new})
+            self._packs.add(pid)
+            self._append("".join(f"{c} {pid} {off} {n}\n" for c, off, n in new) + f"+{pid}\n")
+
+    def _append(self, text: str) -> None:
+        if text and self.path is not None:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write(text)
+
+    def discard(self, cids: list[str] | set[str], packs: set[str] | None = None) -> None:
+        """Forgets chunks (missing from the store, or swept) and every chunk of the given packs; rewrites the
+        index file."""
+        gone, packs = set(cids), set(packs or ())
+        with self._lock:
+            doomed = {c for c, loc in self._ids.items() if c in gone or (loc is not None and loc[0] in packs)}
+            if not doomed and not packs & self._packs:
+                return
+            for c in doomed:
+                del self._ids[c]
+            self._packs -= packs
+            lines = [c if loc is None else f"{c} {loc[0]} {loc[1]} {loc[2]}" for c, loc in sorted(self._ids.items())]
+            self._rewrite(self.path, "".join(x + "\n" for x in lines + [f"+{p}" for p in sorted(self._packs)]))
 
     def sync(self, store: ChunkStore) -> int:
         """Forgets the chunks of every sweep record it has not applied yet (all of them, when it was last
@@ -121,19 +165,21 @@ class ChunkIndex:
         if lost:
             log.info("chunk index of %s not synced since %.0f: checking each chunk in the store again",
                      store.describe(), self._synced)
-            self.discard(self.ids())
-        elif new and len(self):
+            self.discard(self.ids(), self.packs())
+        elif new and (len(self) or self.packs()):
             gone: set[str] = set()
+            gone_packs: set[str] = set()
             for name in new:
                 got = read_record(store, name)
                 ops += 1
                 if got is None:  # what that sweep deleted is unknown: trust nothing this index lists
                     log.warning("sweep record %s in %s is unreadable: checking each chunk in the store again",
                                 name, store.describe())
-                    gone = self.ids()
+                    gone, gone_packs = self.ids(), self.packs()
                     break
-                gone |= got
-            self.discard(gone)
+                gone |= got[0]
+                gone_packs |= got[1]
+            self.discard(gone, gone_packs)
         self.mark_applied(names, now, replace=True)
         return ops
 
@@ -161,17 +207,21 @@ def _is_record(key: str) -> bool:
     return bool(name) and "/" not in name and name.endswith(".json")
 
 
-def read_record(store: ChunkStore, key: str) -> set[str] | None:
-    """The chunk ids a sweep record lists (a record gone lists none); None if it is not a record's JSON."""
+def read_record(store: ChunkStore, key: str) -> tuple[set[str], set[str]] | None:
+    """The (loose chunk ids, pack ids) a sweep record lists (a record gone lists none); None if it is not a
+    record's JSON."""
     try:
         with store.open_reader(key) as f:
             data = json.loads(f.read(RECORD_MAX))
     except StoreNotFound:
-        return set()
+        return set(), set()
     except ValueError:
         return None
     ids = data.get("chunks") if isinstance(data, dict) else None
-    return {c for c in ids if is_chunk_id(c)} if isinstance(ids, list) else None
+    packs = data.get("packs", []) if isinstance(data, dict) else None
+    if not isinstance(ids, list) or not isinstance(packs, list):
+        return None
+    return {c for c in ids if is_chunk_id(c)}, {p for p in packs if is_chunk_id(p)}
 
 
 class StoreLock:
@@ -282,11 +332,27 @@ class StoreGc:
                     listed = [k.rsplit("/", 1)[-1] for k in self.store.list(CHUNK_PREFIX)]
                     self.index.add([c for c in listed if is_chunk_id(c)])
                     grant.ops += 1 + len(listed) // 1000  # (S3: a request per 1000 keys)
+                grant.ops += self.learn_packs()
             else:
                 log.warning("a sweep of %s still runs after %.0f s: this drain checks each reused chunk in the "
                             "store", self.store.describe(), self.sweep_wait_s)
             grant.waited_s = time.monotonic() - t0
             yield grant
+
+    def learn_packs(self) -> int:
+        """Adds the chunks of the packs other drains wrote since the last call (their index, read from each
+        pack's tail) to the index: deduplication across nodes. Returns the store operations it took."""
+        keys = self.store.list(PACK_PREFIX)
+        known = self.index.packs()
+        new = [pid for k in keys if (pid := pack_id_of(k)) and pid not in known]
+        for pid in new:
+            try:
+                self.index.add_pack(pid, read_pack_index(self.store, pid))
+            except StoreNotFound:
+                continue  # (swept meanwhile)
+            except StoreError as exc:  # (ChunkError too: not a pack's index) its chunks stay unknown here
+                log.warning("pack %s in %s skipped: %s", pid, self.store.describe(), exc)
+        return 1 + len(keys) // 1000 + len(new)
 
     @contextlib.contextmanager
     def sweeping(self) -> Iterator[None]:
@@ -313,50 +379,73 @@ class SweepResult:
 
 def sweep(store: ChunkStore, keep: set[str], grace_s: float, dry_run: bool = False,
           now: float | None = None, index: ChunkIndex | None = None) -> SweepResult:
-    """Deletes every chunk object not in keep whose upload (mtime) is older than grace_s.
+    """Deletes every loose chunk object and every pack not in keep whose upload (mtime) is older than grace_s.
 
-    Run inside StoreGc.sweeping() (no drain runs meanwhile), with keep the union of referenced_chunks() over
-    every stored manifest listed after the drains seen ended. Before deleting anything it writes the record
-    of what it deletes (_gc/<ms>-<hex>.json), which every node's next drain reads to forget those chunks.
-    On POSIX the mtime is checked again right before each unlink (a chunk uploaded again meanwhile stays).
-    Crash-safe at any point: a chunk is either kept or gone, only unreferenced ones go, and the record was
-    written first. index: this node's, which forgets the deleted chunks and any the store does not have.
+    Run inside StoreGc.sweeping() (no drain runs meanwhile), with keep the union of referenced_chunks() and
+    referenced_packs() over every stored manifest listed after the drains seen ended. A pack goes only when
+    no manifest references any chunk in it. Before deleting anything it writes the record of what it deletes
+    (_gc/<ms>-<hex>.json: loose chunk ids and pack ids), which every node's next drain reads to forget those
+    chunks. On POSIX the mtime is checked again right before each unlink (an object uploaded again meanwhile
+    stays). Crash-safe at any point: an object is either kept or gone, only unreferenced ones go, and the
+    record was written first. index: this node's, which forgets the deleted chunks and any the store does not
+    have. The chunk counts include the chunks of deleted packs (their index read from each pack's tail).
     """
     now = time.time() if now is None else now
     cutoff = now - grace_s
-    in_grace, doomed, listed = 0, [], set()
-    for key, size, mtime in store.list_with_mtime(CHUNK_PREFIX):
-        cid = key.rsplit("/", 1)[-1]
-        if not is_chunk_id(cid) or key != chunk_key(cid):
-            continue
-        listed.add(cid)
-        if cid in keep:
-            continue
-        if mtime > cutoff:
-            in_grace += 1
-            continue
-        doomed.append((cid, key, size))
+    in_grace, doomed = 0, []
+    listed: set[str] = set()
+    listed_packs: set[str] = set()
+    for prefix, id_of in ((CHUNK_PREFIX, _loose_id), (PACK_PREFIX, pack_id_of)):
+        for key, size, mtime in store.list_with_mtime(prefix):
+            oid = id_of(key)
+            if not oid:
+                continue
+            (listed if prefix == CHUNK_PREFIX else listed_packs).add(oid)
+            if oid in keep:
+                continue
+            if mtime > cutoff:
+                in_grace += 1
+                continue
+            doomed.append((oid, key, size))
+    counts = {key: _chunks_in(store, oid, key) for oid, key, _ in doomed}
     if dry_run:
-        return SweepResult(len(doomed), sum(d[2] for d in doomed), in_grace)
+        return SweepResult(sum(counts.values()), sum(d[2] for d in doomed), in_grace)
     if index is not None:
-        index.discard(index.ids() - listed)
+        index.discard(index.ids() - listed, index.packs() - listed_packs)
     if not doomed:
         _prune_records(store, time.time())
         return SweepResult(0, 0, in_grace)
     record = f"{RECORDS}{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:16]}.json"
+    loose = sorted(d[0] for d in doomed if d[1].startswith(CHUNK_PREFIX))
+    packs = sorted(d[0] for d in doomed if d[1].startswith(PACK_PREFIX))
     with store.open_writer(record) as w:
-        w.write(json.dumps({"at": time.time(), "chunks": sorted(d[0] for d in doomed)}).encode())
+        w.write(json.dumps({"at": time.time(), "chunks": loose, "packs": packs}).encode())
         w.commit()
     if index is not None:
-        index.discard({d[0] for d in doomed})
+        index.discard(set(loose), set(packs))
         index.mark_applied([record], time.time())
     deleted = freed = 0
     for _, key, size in doomed:
         if store.delete_keys([key], not_after=cutoff):
-            deleted, freed = deleted + 1, freed + size
+            deleted, freed = deleted + counts[key], freed + size
             failpoints.hit("sweep-deleted-one")
     _prune_records(store, time.time())
     return SweepResult(deleted, freed, in_grace)
+
+
+def _loose_id(key: str) -> str:
+    cid = key.rsplit("/", 1)[-1]
+    return cid if is_chunk_id(cid) and key == chunk_key(cid) else ""
+
+
+def _chunks_in(store: ChunkStore, oid: str, key: str) -> int:
+    """How many chunks an object holds: 1 for a loose chunk, the entries of a pack's index (0 unreadable)."""
+    if not key.startswith(PACK_PREFIX):
+        return 1
+    try:
+        return len(read_pack_index(store, oid))
+    except StoreError:
+        return 0
 
 
 def _prune_records(store: ChunkStore, now: float) -> None:

@@ -40,6 +40,7 @@ log = logging.getLogger("memsnap.chunks")
 
 PAGE = 4096
 CHUNK_PREFIX = "chunks/"
+PACK_PREFIX = "packs/"  # memsnap.store.packs
 DEFAULT_AVG = 1 << 20  # chosen from the measurements in docs/chunkstore.md
 BUNDLE_MAX = 1 << 20  # files smaller than this (and not pages-*.img) go into the checkpoint's bundle
 BUNDLE_NAME = "bundle"
@@ -65,11 +66,18 @@ class ChunkStore(Protocol):
     def delete_keys(self, keys: list[str], not_after: float | None = None) -> int: ...
     def list(self, prefix: str) -> builtins.list[str]: ...
     def describe(self) -> str: ...
+    def read_range(self, key: str, offset: int, length: int) -> bytes: ...
+    def read_tail(self, key: str, length: int) -> tuple[bytes, int]: ...
 
 
 def chunk_key(cid: str) -> str:
     """The store key of chunk cid."""
     return f"{CHUNK_PREFIX}{cid[:2]}/{cid}"
+
+
+def pack_key(pid: str) -> str:
+    """The store key of pack pid (memsnap.store.packs)."""
+    return f"{PACK_PREFIX}{pid[:2]}/{pid}"
 
 
 def is_chunk_id(cid: object) -> bool:
@@ -179,21 +187,27 @@ def put_chunk(store: ChunkStore, cid: str, stored: bytes) -> int:
     return len(stored)
 
 
-def get_chunk(store: ChunkStore, cid: str, raw_len: int) -> tuple[bytes, bytes]:
-    """(raw, stored) of a chunk fetched from the store and verified."""
-    with store.open_reader(chunk_key(cid)) as f:
-        stored = f.read()
+def get_chunk(store: ChunkStore, cid: str, raw_len: int,
+              loc: tuple[str, int, int] | None = None) -> tuple[bytes, bytes]:
+    """(raw, stored) of a chunk fetched from the store (its loose object, or its slice of pack loc) and verified."""
+    if loc is not None:
+        stored = store.read_range(pack_key(loc[0]), loc[1], loc[2])
+    else:
+        with store.open_reader(chunk_key(cid)) as f:
+            stored = f.read()
     return decode_chunk(stored, cid, raw_len), stored
 
 
 # -- the storage section of a format-2 manifest ------------------------------------------------------------
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of a file: its id, offset in the file and raw length."""
+    """One chunk of a file: its id, offset in the file and raw length; loc: where it is stored in a pack (pack
+    id, offset, stored length), None for a loose chunk object."""
 
     id: str
     offset: int
     length: int
+    loc: tuple[str, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +232,9 @@ def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
     if not isinstance(files, dict) or not isinstance(storage, dict) or not isinstance(storage.get("files"), dict):
         raise ChunkError("integrity check failed: chunked manifest has no file list")
     sfiles: dict[str, Any] = storage["files"]
+    packs = storage.get("packs", [])
+    if not isinstance(packs, list) or not all(is_chunk_id(p) for p in packs):
+        raise ChunkError("integrity check failed: bad pack list in stored manifest")
     if set(sfiles) != set(files):
         raise ChunkError("integrity check failed: stored manifest lists other files")
     out: dict[str, Layout] = {}
@@ -236,15 +253,34 @@ def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
             continue
         refs, pos = [], 0
         for item in s.get("chunks", []):
-            cid, off, n = item
+            cid, off, n, loc = _ref_item(item, packs)
             if not is_chunk_id(cid) or off != pos or not isinstance(n, int) or n <= 0:
                 raise ChunkError(f"integrity check failed: bad chunk list of {name!r} in stored manifest")
-            refs.append(ChunkRef(cid, off, n))
+            refs.append(ChunkRef(cid, off, n, loc))
             pos += n
         if pos != size:
             raise ChunkError(f"integrity check failed: the chunks of {name!r} do not add up to its size")
         out[name] = Layout(size, chunks=tuple(refs))
     return out
+
+
+def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, int, int] | None]:
+    """(id, offset, length, loc) of a chunk list item: [id, offset, length] (a loose chunk) or
+    [id, offset, length, pack number, offset in the pack, stored length]."""
+    if isinstance(item, list) and len(item) == 3:
+        return item[0], item[1], item[2], None
+    if isinstance(item, list) and len(item) == 6:
+        p, poff, plen = item[3:]
+        if all(isinstance(v, int) for v in (p, poff, plen)) and 0 <= p < len(packs) and poff >= 0 and plen > 0:
+            return item[0], item[1], item[2], (packs[p], poff, plen)
+    raise ChunkError("integrity check failed: bad chunk entry in stored manifest")
+
+
+def referenced_packs(stored_manifest: dict[str, Any]) -> set[str]:
+    """Ids of the packs whose chunks a (verified) stored manifest references."""
+    if not is_chunked(stored_manifest):
+        return set()
+    return {ref.loc[0] for lay in layouts(stored_manifest).values() for ref in lay.chunks if ref.loc}
 
 
 def referenced_chunks(stored_manifest: dict[str, Any]) -> set[str]:
@@ -482,7 +518,7 @@ class ChunkReader:
             got = self.cache.get(ref.id, ref.length)
             if got is not None:
                 return got
-        raw, stored = get_chunk(self.store, ref.id, ref.length)
+        raw, stored = get_chunk(self.store, ref.id, ref.length, ref.loc)
         with self._lock:
             self.fetched_chunks += 1
             self.fetched_bytes += len(stored)

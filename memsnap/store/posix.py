@@ -134,6 +134,21 @@ class PosixStore:
             fd = self._open_object(key)
         return io.BufferedReader(_MappedFile(self, key, fd), buffer_size=1 << 20)
 
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) of key (shorter at its end): one pread, no buffering."""
+        with self._translate(f"read {key}"):
+            fd = self._open_object(key)
+            with safefs.opened(fd):
+                return os.pread(fd, length, offset)
+
+    def read_tail(self, key: str, length: int) -> tuple[bytes, int]:
+        """(the last `length` bytes of key or all of it, its size)."""
+        with self._translate(f"read {key}"):
+            fd = self._open_object(key)
+            with safefs.opened(fd):
+                size = os.fstat(fd).st_size
+                return os.pread(fd, min(length, size), max(0, size - length)), size
+
     def exists(self, key: str) -> bool:
         """Whether key is a published file."""
         try:

@@ -101,6 +101,24 @@ class S3Store:
             resp = self.client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         return io.BufferedReader(_Body(resp["Body"], f"read {key}", self.describe()), buffer_size=MiB)
 
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) of key (shorter at its end): one ranged GET."""
+        if length <= 0:
+            return b""
+        return self._ranged(key, f"bytes={offset}-{offset + length - 1}")[0]
+
+    def read_tail(self, key: str, length: int) -> tuple[bytes, int]:
+        """(the last `length` bytes of key or all of it, its size): one GET of a suffix range."""
+        data, resp = self._ranged(key, f"bytes=-{max(1, length)}")
+        total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+        return data, int(total) if total.isdigit() else len(data)
+
+    def _ranged(self, key: str, rng: str) -> tuple[bytes, dict[str, Any]]:
+        with translate(f"get {key}", self.describe()):
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.object_key(key), Range=rng)
+        with io.BufferedReader(_Body(resp["Body"], f"read {key}", self.describe()), buffer_size=MiB) as body:
+            return body.read(), dict(resp)
+
     def _head(self, key: str, **kwargs: Any) -> dict[str, Any]:
         try:
             with translate(f"head {key}", self.describe()):

@@ -1,5 +1,6 @@
 """The protocol between drains and sweeps sharing one chunk store (memsnap.store.chunkgc), on a real POSIX
-store, with two "nodes" (two StoreGc owners, each with its own index) in one process."""
+store, with two "nodes" (two StoreGc owners, each with its own index) in one process. Each test runs with
+loose chunks (an object per chunk) and with packs (memsnap.store.packs)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from memsnap import safefs
 from memsnap.store import chunkgc
 from memsnap.store.chunked import ChunkedDrain
 from memsnap.store.chunkgc import ChunkIndex, StoreGc, SweepDeferred, sweep
-from memsnap.store.chunks import PAGE, Chunking, ChunkReader, chunk_key, referenced_chunks
+from memsnap.store.chunks import PAGE, Chunking, ChunkReader, chunk_key, layouts, pack_key, referenced_chunks
 from memsnap.store.posix import PosixStore
 
 AVG = 64 << 10
@@ -28,8 +29,8 @@ AVG = 64 << 10
 class Counting:
     """A real store whose method calls are counted."""
 
-    def __init__(self, store: PosixStore) -> None:
-        self.store, self.calls = store, collections.Counter[str]()
+    def __init__(self, store: PosixStore, pack_size: int) -> None:
+        self.store, self.calls, self.pack_size = store, collections.Counter[str](), pack_size
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.store, name)
@@ -43,9 +44,9 @@ class Counting:
         return call
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Counting:
-    return Counting(PosixStore(tmp_path / "store", create=True))
+@pytest.fixture(params=[0, 256 << 10], ids=["loose", "packs"])
+def store(tmp_path: Path, request: pytest.FixtureRequest) -> Counting:
+    return Counting(PosixStore(tmp_path / "store", create=True), request.param)
 
 
 def _tier(tmp: Path, seed: int, pages: int = 300) -> tuple[Path, dict[str, Any]]:
@@ -59,7 +60,8 @@ def _tier(tmp: Path, seed: int, pages: int = 300) -> tuple[Path, dict[str, Any]]
 
 def _drain(gc: StoreGc, d: Path, files: dict[str, Any], ckpt: str) -> tuple[dict[str, Any], ChunkedDrain]:
     with gc.draining() as grant:
-        job = ChunkedDrain(gc.store, 0, gc.index, Chunking(AVG), threads=2, trust_index=grant.trust_index)
+        job = ChunkedDrain(gc.store, 0, gc.index, Chunking(AVG), threads=2, trust_index=grant.trust_index,
+                           pack_size=getattr(gc.store, "pack_size", 0))
         with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
             storage = job.run(ckpt, sfd, files, None, lambda n: None)
     return {"id": ckpt, "files": files, "storage": storage}, job
@@ -69,8 +71,13 @@ def _node(store: Any, tmp: Path, name: str, **kw: float) -> StoreGc:
     return StoreGc(store, ChunkIndex(tmp / f"index-{name}"), StoreGc.owner_of(str(tmp / name)), **kw)
 
 
+def _objects(m: dict[str, Any]) -> set[str]:
+    """The store keys of the chunk objects and packs m references."""
+    return {chunk_key(r.id) if r.loc is None else pack_key(r.loc[0]) for lay in layouts(m).values() for r in lay.chunks}
+
+
 def _present(store: Counting, m: dict[str, Any]) -> bool:
-    return all((store.store.root / chunk_key(c)).is_file() for c in referenced_chunks(m))
+    return all((store.store.root / k).is_file() for k in _objects(m))
 
 
 def test_a_drain_of_unchanged_pages_asks_the_store_about_no_chunk(tmp_path: Path, store: Counting) -> None:
@@ -81,8 +88,8 @@ def test_a_drain_of_unchanged_pages_asks_the_store_about_no_chunk(tmp_path: Path
     _, job = _drain(a, d, files, "ck-2")
     assert job.stats.new_chunks == 0 and job.stats.reused_chunks == job.stats.chunks > 10
     assert store.calls["touch"] == store.calls["exists"] == 0
-    # Writes: the lock, the bundle; lists: the locks and the sweep records; then the lock's removal.
-    assert sum(store.calls.values()) <= 6, store.calls
+    # Writes: the lock, the bundle; lists: the locks, the sweep records, the packs; then the lock's removal.
+    assert sum(store.calls.values()) <= 7, store.calls
 
 
 def test_a_chunk_another_node_swept_is_uploaded_again_by_a_node_whose_index_lists_it(tmp_path: Path,
@@ -136,8 +143,8 @@ def test_a_drain_that_outwaits_a_sweep_checks_each_chunk_its_index_lists(tmp_pat
     other = _node(store, tmp_path, "b")
     with other.sweeping():
         store.calls.clear()
-        _, job = _drain(a, d, files, "ck-2")
-    assert store.calls["touch"] == job.stats.chunks and job.stats.reused_chunks == job.stats.chunks
+        m, job = _drain(a, d, files, "ck-2")
+    assert store.calls["touch"] == len(_objects(m)) and job.stats.reused_chunks == job.stats.chunks
 
 
 def test_a_lock_of_this_nodes_dead_daemon_is_removed_and_another_nodes_stale_one_ignored(tmp_path: Path,
@@ -191,5 +198,7 @@ def test_a_new_node_learns_the_stores_chunks_from_one_listing_not_a_check_per_ch
     store.calls.clear()
     m, job = _drain(b, d, files, "ck-2")
     assert job.stats.new_chunks == 0 and job.stats.reused_chunks == job.stats.chunks > 10
-    assert store.calls["exists"] == store.calls["touch"] == 0 and store.calls["list"] == 2  # sweep records, chunks
+    assert store.calls["exists"] == store.calls["touch"] == 0
+    assert store.calls["list"] == 3  # sweep records, chunks, packs
+    assert store.calls["read_tail"] == len(_objects(m) - {chunk_key(c) for c in referenced_chunks(m)})
     assert _present(store, m)
