@@ -1,0 +1,213 @@
+"""Packs (memsnap.store.packs): a drain's new chunks in a few objects, read back by ranged reads, learned by
+other nodes from each pack's tail, and swept whole when nothing references them; on a real PosixStore and
+moto's S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+from memsnap import safefs
+from memsnap.store.chunked import ChunkedDrain
+from memsnap.store.chunkgc import ChunkIndex, StoreGc, sweep
+from memsnap.store.chunks import (
+    PAGE,
+    ChunkError,
+    Chunking,
+    ChunkReader,
+    layouts,
+    pack_key,
+    referenced_chunks,
+    referenced_packs,
+)
+from memsnap.store.errors import StoreError
+from memsnap.store.packs import FOOTER, PACK_MAGIC, Packer, parse_tail, read_pack_index
+from memsnap.store.posix import PosixStore
+
+AVG = 64 << 10
+PACK = 512 << 10
+
+
+def _tier(tmp: Path, name: str, pages: bytes) -> tuple[Path, dict[str, Any]]:
+    d = tmp / name
+    d.mkdir()
+    (d / "pages-1.img").write_bytes(pages)
+    (d / "core-1.img").write_bytes(b"core" * 100)
+    return d, {n: {"size": (d / n).stat().st_size, "blake3": blake3.blake3((d / n).read_bytes()).hexdigest()}
+               for n in ("pages-1.img", "core-1.img")}
+
+
+def _drain(store: Any, d: Path, files: dict[str, Any], ckpt: str, index: ChunkIndex,
+           pack: int = PACK) -> tuple[dict[str, Any], ChunkedDrain]:
+    job = ChunkedDrain(store, 0, index, Chunking(AVG), threads=2, trust_index=True, pack_size=pack)
+    with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
+        storage = job.run(ckpt, sfd, files, None, lambda n: None)
+    return {"id": ckpt, "files": files, "storage": storage}, job
+
+
+def _pages(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n * PAGE)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> PosixStore:
+    return PosixStore(tmp_path / "store", create=True)
+
+
+def test_a_drain_writes_its_new_chunks_into_packs_not_an_object_each(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(1024, 1)  # 4 MiB: ~64 chunks
+    d, files = _tier(tmp_path, "t", pages)
+    m, job = _drain(store, d, files, "ck-1", ChunkIndex(None))
+    packs = store.list("packs/")
+    assert job.stats.new_chunks > 40 and not store.list("chunks/")
+    assert len(packs) == job.stats.round_trips - 1 <= len(pages) // PACK + 2  # (and the bundle)
+    assert {pack_key(p) for p in referenced_packs(m)} == set(packs)
+    assert ChunkReader(store, m).read_at("pages-1.img", 0, len(pages)) == pages
+
+
+def test_a_chunk_changed_inside_a_pack_is_refused(tmp_path: Path, store: PosixStore) -> None:
+    d, files = _tier(tmp_path, "t", _pages(300, 2))
+    m, _ = _drain(store, d, files, "ck-1", ChunkIndex(None))
+    ref = layouts(m)["pages-1.img"].chunks[2]
+    assert ref.loc is not None
+    p = store.root / pack_key(ref.loc[0])
+    data = bytearray(p.read_bytes())
+    data[ref.loc[1] + 100] ^= 1
+    p.write_bytes(bytes(data))
+    with pytest.raises(ChunkError, match="does not match its id"):
+        ChunkReader(store, m).read_at("pages-1.img", ref.offset, 10)
+
+
+def test_a_manifest_locating_a_chunk_in_a_pack_it_does_not_list_is_refused(tmp_path: Path,
+                                                                            store: PosixStore) -> None:
+    d, files = _tier(tmp_path, "t", _pages(300, 3))
+    m, _ = _drain(store, d, files, "ck-1", ChunkIndex(None))
+    m["storage"]["files"]["pages-1.img"]["chunks"][0][3] = len(m["storage"]["packs"])
+    with pytest.raises(ChunkError, match="bad chunk entry"):
+        layouts(m)
+
+
+@pytest.mark.parametrize("cut", ["footer", "magic", "index", "entry past the chunks"])
+def test_a_pack_tail_that_is_not_a_pack_index_is_refused(cut: str) -> None:
+    body = b"x" * 1000
+    index = json.dumps({"v": 1, "chunks": [["a" * 64, 0, 1000 if cut != "entry past the chunks" else 1001, 5]]})
+    pack = body + index.encode() + FOOTER.pack(len(index), PACK_MAGIC)
+    if cut == "footer":
+        pack = pack[:-1]
+    elif cut == "magic":
+        pack = pack[:-8] + b"NOTAPACK"
+    elif cut == "index":
+        pack = body + b"{" + index.encode()[1:-1] + b"," + FOOTER.pack(len(index), PACK_MAGIC)
+    with pytest.raises(ChunkError):
+        parse_tail(pack, len(pack), "p" * 64)
+
+
+def test_a_pack_index_longer_than_the_first_read_takes_a_second_one(tmp_path: Path, store: PosixStore) -> None:
+    entries = []
+    got: list[Any] = []
+    packer = Packer(store, 1 << 30, lambda pid, e, n: got.append((pid, e)))
+    for i in range(1500):  # ~110 bytes of index each: past TAIL_READ (64 KiB)
+        raw = i.to_bytes(4, "little") * 16
+        cid = blake3.blake3(raw).hexdigest()
+        packer.add(cid, raw, len(raw))
+        entries.append(cid)
+    packer.close()
+    ((pid, e),) = got
+    assert [c for c, *_ in read_pack_index(store, pid)] == entries == [c for c, *_ in e]
+
+
+class _FailingPacks:
+    """A real store whose pack writes are slow, and whose write number `ok` fails."""
+
+    def __init__(self, store: PosixStore, ok: int) -> None:
+        self.store, self.left = store, ok
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def open_writer(self, key: str) -> Any:
+        w = self.store.open_writer(key)
+        if key.startswith("packs/"):
+            real = w.write
+
+            def write(data: Any) -> int:
+                self.left -= 1
+                if self.left == 0:
+                    raise StoreError("injected: the store went away")
+                time.sleep(0.02)  # (a slow store: both drain threads write at once, into two packs)
+                return real(data)
+
+            w.write = write
+        return w
+
+
+def test_a_drain_whose_pack_upload_fails_leaves_no_partial_pack_and_indexes_only_committed_ones(
+        tmp_path: Path, store: PosixStore) -> None:
+    d, files = _tier(tmp_path, "t", _pages(1024, 4))
+    index = ChunkIndex(tmp_path / "index")
+    with pytest.raises(StoreError, match="injected"):
+        _drain(_FailingPacks(store, 30), d, files, "ck-1", index)
+    assert store.cleanup_temps() == 0  # (the packs begun were removed, not left as temporaries)
+    listed = {pid: {c for c, *_ in read_pack_index(store, pid)} for pid in
+              (k.rsplit("/", 1)[-1] for k in store.list("packs/"))}
+    known = ChunkIndex(tmp_path / "index")
+    assert known.packs() == set(listed) and known.ids() == set().union(*listed.values())
+
+
+def test_a_node_learns_the_chunks_of_packs_another_node_wrote_since_its_last_drain(tmp_path: Path,
+                                                                                  store: PosixStore) -> None:
+    a = StoreGc(store, ChunkIndex(tmp_path / "ia"), "aaaaaaaaaaaa")
+    b = StoreGc(store, ChunkIndex(tmp_path / "ib"), "bbbbbbbbbbbb")
+    d1, f1 = _tier(tmp_path, "t1", _pages(300, 5))
+    d2, f2 = _tier(tmp_path, "t2", _pages(300, 6))
+    for gc, d, f, ck in ((a, d1, f1, "ck-1"), (b, d1, f1, "ck-2"), (a, d2, f2, "ck-3")):
+        with gc.draining():
+            _drain(store, d, f, ck, gc.index)
+    packs_before = set(store.list("packs/"))
+    with b.draining():  # b's index was filled before ck-3's packs existed
+        m, job = _drain(store, d2, f2, "ck-4", b.index)
+    assert job.stats.new_chunks == 0 and set(store.list("packs/")) == packs_before
+    assert ChunkReader(store, m).read_at("pages-1.img", 0, 300 * PAGE) == (d2 / "pages-1.img").read_bytes()
+
+
+def test_a_pack_stays_while_any_manifest_references_a_chunk_in_it(tmp_path: Path, store: PosixStore) -> None:
+    index = ChunkIndex(None)
+    old = _pages(300, 7)
+    d1, f1 = _tier(tmp_path, "t1", old)
+    m1, _ = _drain(store, d1, f1, "ck-1", index, pack=64 << 20)
+    d2, f2 = _tier(tmp_path, "t2", old[: 100 * PAGE] + _pages(200, 8))
+    m2, _ = _drain(store, d2, f2, "ck-2", index, pack=64 << 20)
+    shared = referenced_packs(m1) & referenced_packs(m2)
+    assert shared and referenced_chunks(m1) - referenced_chunks(m2)
+    only1 = referenced_packs(m1) - shared
+    unused = sum(len(read_pack_index(store, p)) for p in only1)
+    keep = referenced_chunks(m2) | referenced_packs(m2)  # ck-1 deleted: part of its packs is still used
+    res = sweep(store, keep, grace_s=0, now=time.time() + 1)
+    assert res.deleted == unused and all((store.root / pack_key(p)).is_file() for p in shared)
+    assert ChunkReader(store, m2).read_at("pages-1.img", 0, 300 * PAGE) == (d2 / "pages-1.img").read_bytes()
+    res = sweep(store, set(), grace_s=0, now=time.time() + 1)  # ck-2 deleted too
+    assert not store.list("packs/")
+
+
+def test_packs_on_s3_are_read_by_range_and_swept(tmp_path: Path, s3_server) -> None:
+    from memsnap.store.s3 import S3Store
+
+    s3 = S3Store(s3_server.bucket, f"packs-{time.time_ns()}", **s3_server.store_kwargs())
+    pages = _pages(600, 9)
+    d, files = _tier(tmp_path, "t", pages)
+    m, job = _drain(s3, d, files, "ck-1", ChunkIndex(None))
+    assert len(s3.list("packs/")) == len(referenced_packs(m)) >= 2 and not s3.list("chunks/")
+    assert ChunkReader(s3, m).read_at("pages-1.img", 0, len(pages)) == pages
+    b = StoreGc(s3, ChunkIndex(tmp_path / "ib"), "bbbbbbbbbbbb")
+    assert b.learn_packs() == 1 + len(referenced_packs(m)) and referenced_chunks(m) <= b.index.ids()
+    res = sweep(s3, set(), grace_s=0, now=time.time() + 1)
+    assert res.deleted == len(referenced_chunks(m)) and not s3.list("packs/")
+    with pytest.raises(StoreError):
+        ChunkReader(s3, m).read_at("pages-1.img", 0, 10)
