@@ -574,3 +574,37 @@ def restore_refused(d: DaemonProc, key: str, jobs_to_kill: list[int], *flags: st
     if r.returncode == 0:
         jobs_to_kill.append(int(json.loads(r.stdout)["pid"]))
     return r
+
+
+def stored_chunk(store_root: Path, manifest: dict[str, Any], cid: str) -> tuple[Path, int, int]:
+    """Where a POSIX store keeps chunk cid of a stored manifest: (file, offset, stored length): its loose
+    object whole, or its slice of a pack (memsnap.store.packs)."""
+    from memsnap.store import chunks
+
+    for lay in chunks.layouts(manifest).values():
+        for ref in lay.chunks:
+            if ref.id == cid:
+                if ref.loc is None:
+                    p = store_root / chunks.chunk_key(cid)
+                    return p, 0, p.stat().st_size
+                return store_root / chunks.pack_key(ref.loc[0]), ref.loc[1], ref.loc[2]
+    raise KeyError(cid)
+
+
+def missing_chunks(store_root: Path, manifest: dict[str, Any]) -> list[str]:
+    """The chunks a stored manifest references whose object (loose, or the pack holding it) is not in the
+    POSIX store at store_root."""
+    from memsnap.store import chunks
+
+    return [r.id for lay in chunks.layouts(manifest).values() for r in lay.chunks
+            if not (store_root / (chunks.chunk_key(r.id) if r.loc is None else chunks.pack_key(r.loc[0]))).is_file()]
+
+
+def flip_stored_chunk_byte(store_root: Path, manifest: dict[str, Any], cid: str) -> None:
+    """Changes one byte in the middle of chunk cid's stored bytes (tampering)."""
+    p, off, n = stored_chunk(store_root, manifest, cid)
+    with open(p, "r+b") as f:
+        f.seek(off + n // 2)
+        b = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([b[0] ^ 1]))

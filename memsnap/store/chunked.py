@@ -199,15 +199,16 @@ class ChunkedDrain:
         self._claimed: set[str] = set()
         self._lock = threading.Lock()
         self._loc: dict[str, Loc] = {}  # where this drain put the chunks it packed
-        self._packer = Packer(store, pack_size, self._pack_committed, max_open=min(4, self.threads)) \
-            if pack_size > 0 else None
+        self.pack_size = pack_size
+        self._packer: Packer | None = None
 
     def run(self, ckpt_id: str, sfd: int, files: dict[str, dict[str, Any]], trusted: dict[str, list[int]] | None,
             progress: Progress) -> dict[str, Any]:
         stored_files: dict[str, Any] = {}
         small = sorted(n for n, m in files.items() if is_bundled(n, int(m["size"])))
-        bundle = self._bundle(ckpt_id, sfd, small, files, stored_files, progress)
+        self._packer = Packer(self.store, self.pack_size, self._pack_committed) if self.pack_size > 0 else None
         try:
+            bundle = self._bundle(ckpt_id, sfd, small, files, stored_files, progress)
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="drain-chunk") as pool:
                 for name in sorted((n for n in files if n not in small), key=lambda n: (files[n]["size"], n)):
                     refs = self._file(pool, sfd, name, files[name], (trusted or {}).get(name), progress)
@@ -218,17 +219,18 @@ class ChunkedDrain:
             if self._packer is not None:
                 self._packer.abort()
             raise
-        packs = self._locate(stored_files)
+        packed_bundle = [bundle["chunk"]] if bundle and "chunk" in bundle else []
+        packs = self._locate([*stored_files.values(), {"chunks": packed_bundle}])
         return {"layout": LAYOUT, "codec": "zstd" if self.level else "raw", "chunk_avg": self.chunking.avg,
                 "bundle": bundle, "files": stored_files, **({"packs": packs} if packs else {}),
                 **{k: v for k, v in self.stats.summary().items() if k in ("logical_bytes", "stored_bytes",
                                                                           "new_bytes")}}
 
-    def _locate(self, stored_files: dict[str, Any]) -> list[str]:
-        """Adds where each chunk is stored to its entry ([id, offset, length] -> [..., pack number, offset in
+    def _locate(self, entries: list[dict[str, Any]]) -> list[str]:
+        """Adds where each chunk is stored to its item ([id, offset, length] -> [..., pack number, offset in
         the pack, stored length]; loose chunks keep 3 items); returns the pack list the numbers index."""
         packs: dict[str, int] = {}
-        for s in stored_files.values():
+        for s in entries:
             for item in s.get("chunks", ()):
                 loc = self._loc.get(item[0]) or self.index.where(item[0])
                 if loc is not None:
@@ -251,6 +253,15 @@ class ChunkedDrain:
             parts.append(data)
             pos += len(data)
         raw = b"".join(parts)
+        if self._packer is not None:  # one chunk in this drain's pack (no object of its own)
+            cid = chunk_id(raw)
+            self.stats.add(logical_bytes=len(raw))
+            if not (self.trust_index and cid in self.index):
+                stored = encode_chunk(raw, self.level)
+                self._loc[cid] = self._packer.add(cid, stored, len(raw))
+                self.stats.add(stored_bytes=len(stored), new_bytes=len(raw))
+            progress(len(raw))
+            return {"chunk": [cid, 0, len(raw)], "raw_bytes": len(raw)}
         stored = zstandard.ZstdCompressor(level=self.level).compress(raw) if self.level else raw
         if self.throttle is not None:
             self.throttle.consume(len(stored))

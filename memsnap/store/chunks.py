@@ -276,18 +276,35 @@ def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, in
     raise ChunkError("integrity check failed: bad chunk entry in stored manifest")
 
 
+def bundle_ref(stored_manifest: dict[str, Any]) -> ChunkRef | None:
+    """The chunk holding a chunked manifest's bundle of small files (None: no bundle, or one of its own:
+    <checkpoint>/bundle, the format before packs)."""
+    st = stored_manifest.get("storage", {})
+    b = st.get("bundle")
+    if not isinstance(b, dict) or "chunk" not in b:
+        return None
+    packs = st.get("packs", [])
+    cid, off, n, loc = _ref_item(b["chunk"], packs if isinstance(packs, list) else [])
+    if not is_chunk_id(cid) or off != 0 or n != b.get("raw_bytes") or not isinstance(n, int) or n <= 0:
+        raise ChunkError("integrity check failed: bad bundle entry in stored manifest")
+    return ChunkRef(cid, 0, n, loc)
+
+
+def _all_refs(stored_manifest: dict[str, Any]) -> list[ChunkRef]:
+    if not is_chunked(stored_manifest):
+        return []
+    b = bundle_ref(stored_manifest)
+    return [ref for lay in layouts(stored_manifest).values() for ref in lay.chunks] + ([b] if b else [])
+
+
 def referenced_packs(stored_manifest: dict[str, Any]) -> set[str]:
     """Ids of the packs whose chunks a (verified) stored manifest references."""
-    if not is_chunked(stored_manifest):
-        return set()
-    return {ref.loc[0] for lay in layouts(stored_manifest).values() for ref in lay.chunks if ref.loc}
+    return {ref.loc[0] for ref in _all_refs(stored_manifest) if ref.loc}
 
 
 def referenced_chunks(stored_manifest: dict[str, Any]) -> set[str]:
     """Ids of the chunks a (verified) stored manifest references; empty for a whole-file (format 1) one."""
-    if not is_chunked(stored_manifest):
-        return set()
-    return {ref.id for lay in layouts(stored_manifest).values() for ref in lay.chunks}
+    return {ref.id for ref in _all_refs(stored_manifest)}
 
 
 def sizes(stored_manifest: dict[str, Any]) -> dict[str, int]:
@@ -534,6 +551,12 @@ class ChunkReader:
         b = self.manifest["storage"].get("bundle")
         if not b:
             raise ChunkError("integrity check failed: the stored manifest has no bundle")
+        ref = bundle_ref(self.manifest)
+        if ref is not None:
+            raw = self.chunk(ref)
+            with self._lock:
+                self._bundle = raw
+            return raw
         key = f"{self.manifest['id']}/{BUNDLE_NAME}"
         if b.get("key") != key:
             raise ChunkError("integrity check failed: bad bundle key in stored manifest")

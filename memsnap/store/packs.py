@@ -20,6 +20,7 @@ chunk still referenced stays whole (docs/chunkstore.md, "Packs").
 from __future__ import annotations
 
 import json
+import queue
 import secrets
 import struct
 import threading
@@ -92,18 +93,16 @@ def read_pack_index(store: ChunkStore, pid: str) -> list[Entry]:
 class _Open:
     """One pack being written: its store writer, id and entries."""
 
-    def __init__(self, store: ChunkStore) -> None:
-        self.pid = secrets.token_hex(32)
-        self.writer: StoreWriter = store.open_writer(pack_key(self.pid))
+    def __init__(self, store: ChunkStore, pid: str) -> None:
+        self.pid = pid
+        self.writer: StoreWriter = store.open_writer(pack_key(pid))
         self.entries: list[Entry] = []
         self.pos = 0
 
-    def add(self, cid: str, stored: bytes, raw_len: int) -> Loc:
+    def add(self, cid: str, stored: bytes, raw_len: int) -> None:
         self.writer.write(stored)
         self.entries.append((cid, self.pos, len(stored), raw_len))
-        loc = (self.pid, self.pos, len(stored))
         self.pos += len(stored)
-        return loc
 
     def finish(self) -> int:
         tail = _footer(json.dumps({"v": 1, "chunks": self.entries}, separators=(",", ":")).encode())
@@ -114,90 +113,75 @@ class _Open:
         return len(tail)
 
 
-class Packer:
-    """Writes the chunks given to add() into packs of about `target` bytes, at most `max_open` at once.
+_END = ("", b"", 0, "")
+QUEUE_CHUNKS = 8  # chunk objects queued for the pack writer (at most 4x the average chunk size each)
 
-    A thread takes the pack written last if it is free, and opens another only while all are busy (a slow
-    store gets parallel uploads; a fast one, few packs). A pack full past target is committed by the thread
-    that filled it; close() commits the rest. committed(pid, entries, trailer_bytes) runs after each commit
-    (never before: an index must not list a chunk of a pack that may not exist). abort() discards every pack
-    not yet committed.
+
+class Packer:
+    """Writes the chunks given to add() into packs of about `target` bytes, one after the other.
+
+    add() places a chunk at the end of the current pack (a new one once that passed target) and queues it; one
+    writer thread streams the queue into the store, so the drain's threads go on hashing and compressing while
+    it uploads, and a drain writes ceil(new bytes / target) packs. A pack is committed when the next one begins
+    (or at close()); committed(pid, entries, trailer_bytes) runs after each commit, never before: an index
+    must not list a chunk of a pack that may not exist. abort() discards the pack not yet committed.
     """
 
-    def __init__(self, store: ChunkStore, target: int, committed: Callable[[str, list[Entry], int], None],
-                 max_open: int = 4) -> None:
+    def __init__(self, store: ChunkStore, target: int, committed: Callable[[str, list[Entry], int], None]) -> None:
         self.store, self.target, self.committed = store, max(1, target), committed
-        self.max_open = max(1, max_open)
-        self._free: list[_Open] = []
-        self._open = 0
-        self._cond = threading.Condition()
-        self._closed = False
+        self._q: queue.Queue[tuple[str, bytes, int, str]] = queue.Queue(maxsize=QUEUE_CHUNKS)
+        self._lock = threading.Lock()
+        self._pid, self._pos = "", 0
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._thread = threading.Thread(target=self._write_all, name="drain-pack", daemon=True)
+        self._thread.start()
 
     def add(self, cid: str, stored: bytes, raw_len: int) -> Loc:
-        """Appends a chunk object to a pack; returns where it is (valid once the pack is committed)."""
-        p = self._take()
-        try:
-            loc = p.add(cid, stored, raw_len)
-            if p.pos >= self.target:
-                self._commit(p)
-                return loc
-        except BaseException:
-            self._drop(p)
-            raise
-        with self._cond:
-            self._free.append(p)
-            self._cond.notify()
+        """Queues a chunk object for the current pack; returns where it will be (once that pack is committed)."""
+        with self._lock:
+            self._raise()
+            if not self._pid or self._pos >= self.target:
+                self._pid, self._pos = secrets.token_hex(32), 0
+            loc = (self._pid, self._pos, len(stored))
+            self._pos += len(stored)
+            self._q.put((cid, stored, raw_len, self._pid))  # (in order: under the lock)
         return loc
 
-    def _drop(self, p: _Open) -> None:
-        p.writer.abort()
-        with self._cond:
-            self._open -= 1
-            self._cond.notify()
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise StoreError(f"writing a pack failed: {self._error}") from self._error
 
-    def _take(self) -> _Open:
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise StoreError("the drain's packs were closed")
-                if self._free:
-                    return self._free.pop()
-                if self._open < self.max_open:
-                    self._open += 1
-                    break
-                self._cond.wait()
+    def _write_all(self) -> None:
+        cur: _Open | None = None
         try:
-            return _Open(self.store)
-        except BaseException:
-            with self._cond:
-                self._open -= 1
-                self._cond.notify()
-            raise
-
-    def _commit(self, p: _Open) -> None:
-        """Commits p (on failure the caller drops it)."""
-        n = p.finish()
-        with self._cond:
-            self._open -= 1
-            self._cond.notify()
-        self.committed(p.pid, p.entries, n)
+            while True:
+                cid, stored, raw_len, pid = self._q.get()
+                if cur is not None and pid != cur.pid and not self._aborted:
+                    n = cur.finish()
+                    self.committed(cur.pid, cur.entries, n)
+                    cur = None
+                if not pid or self._aborted:
+                    break
+                if cur is None:
+                    cur = _Open(self.store, pid)
+                cur.add(cid, stored, raw_len)
+        except BaseException as exc:  # (raised in add() and close())
+            self._error = exc
+            while self._q.get()[3]:  # (take what add() queued until the end, so that it never blocks)
+                pass
+        finally:
+            if cur is not None:
+                cur.writer.abort()  # (a no-op once committed)
 
     def close(self) -> None:
-        """Commits every pack still open (call once every add() returned)."""
-        with self._cond:
-            packs, self._free = self._free, []
-        for i, p in enumerate(packs):
-            try:
-                self._commit(p) if p.entries else self._drop(p)
-            except BaseException:
-                for q in packs[i:]:
-                    self._drop(q)
-                raise
+        """Commits the last pack (call once every add() returned); raises what a pack's upload raised."""
+        self._q.put(_END)
+        self._thread.join()
+        self._raise()
 
     def abort(self) -> None:
-        """Discards the packs not committed yet."""
-        with self._cond:
-            self._closed = True
-            packs, self._free = self._free, []
-        for p in packs:
-            self._drop(p)
+        """Discards the pack not committed yet."""
+        self._aborted = True
+        self._q.put(_END)
+        self._thread.join()

@@ -10,8 +10,18 @@ from typing import Any
 
 import pytest
 
-from memsnap.store.chunks import chunk_key, referenced_chunks
-from tests.helpers import REPO, DaemonProc, restore_refused, running_job_pids, start_digest, ticks, wait_for
+from memsnap.store.chunks import referenced_chunks
+from tests.helpers import (
+    REPO,
+    DaemonProc,
+    flip_stored_chunk_byte,
+    missing_chunks,
+    restore_refused,
+    running_job_pids,
+    start_digest,
+    ticks,
+    wait_for,
+)
 
 INFER = REPO / "tests" / "workloads" / "infer.py"
 
@@ -36,7 +46,7 @@ def _stored(d: DaemonProc, ckpt_id: str) -> dict[str, Any]:
 def _reused(old: dict[str, Any], new: dict[str, Any]) -> int:
     """Raw bytes of new's chunks that old's manifest references too."""
     have = referenced_chunks(old)
-    return sum(n for f in new["storage"]["files"].values() for cid, _, n in f.get("chunks", []) if cid in have)
+    return sum(n for f in new["storage"]["files"].values() for cid, _, n, *_ in f.get("chunks", []) if cid in have)
 
 
 def _restore_and_check(d: DaemonProc, ckpt_id: str, log: str, digest: str, last: int,
@@ -137,10 +147,7 @@ def test_tampered_chunk_is_refused_with_data_loss_and_no_process(make_daemon, jo
     d.ctl("evict", ck["id"], check=True)
     m = _stored(d, ck["id"])
     cid = m["storage"]["files"]["pages-1.img"]["chunks"][0][0]
-    p = d.store / chunk_key(cid)
-    data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    p.write_bytes(bytes(data))
+    flip_stored_chunk_byte(d.store, m, cid)
     before = running_job_pids(d)
     r = restore_refused(d, ck["id"], jobs_to_kill)
     assert r.returncode != 0 and "DATA_LOSS" in r.stderr and "integrity check failed" in r.stderr
@@ -170,7 +177,7 @@ def test_kill9_at_a_chunk_failpoint_then_restart_drains_and_both_checkpoints_res
         wait_for(lambda: c.show(ck2["id"]).state == 4, 60, what="the drain to finish after restart")
     # Every chunk both durable manifests reference is in the store, and both restore from it.
     for ck in (ck1, ck2):
-        assert all((d.store / chunk_key(c)).is_file() for c in referenced_chunks(_stored(d, ck["id"])))
+        assert not missing_chunks(d.store, _stored(d, ck["id"]))
         d.ctl("evict", ck["id"], check=True)
     _restore_and_check(d, ck2["id"], log, digest, last, jobs_to_kill)
     d.stop(signal.SIGKILL)

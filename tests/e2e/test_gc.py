@@ -14,6 +14,7 @@ from tests.helpers import (
     DaemonProc,
     counter_argv,
     metrics_port,
+    missing_chunks,
     sample,
     scrape_metrics,
     start_counter,
@@ -85,7 +86,7 @@ def test_keep_last_1_keeps_the_last_durable_checkpoint_and_frees_the_rest(make_d
     if whole:  # whole-file copies are freed with their checkpoint
         assert r["checkpoint_bytes"] == stored[ids[0]] + stored[ids[1]]
     else:  # chunks are freed by the sweep, and only past the grace period (24 h by default)
-        assert r["checkpoint_bytes"] == 0 and r["chunks_swept"] == 0 and r["chunks_in_grace"] > 0
+        assert r["checkpoint_bytes"] == 0 and r["chunks_swept"] == 0
     assert _ids(d) == ids[2:]
     assert not (d.tier / ids[0]).exists() and not (d.tier / ids[1]).exists()
     if backend == "posix":
@@ -190,7 +191,7 @@ def _referenced_chunks_present(d: DaemonProc, ckpt_id: str) -> int:
 
     m = json.loads((d.store / ckpt_id / "manifest.json").read_text())
     refs = chunks.referenced_chunks(m)
-    missing = [c for c in refs if not (d.store / chunks.chunk_key(c)).is_file()]
+    missing = missing_chunks(d.store, m)
     assert not missing, f"{len(missing)} of {len(refs)} chunks of {ckpt_id} are gone"
     return len(refs)
 
@@ -198,8 +199,9 @@ def _referenced_chunks_present(d: DaemonProc, ckpt_id: str) -> int:
 def test_kill9_in_the_chunk_sweep_loses_no_chunk_of_a_durable_checkpoint(make_daemon, tmp_path, jobs_to_kill):
     d = _daemon(make_daemon, tmp_path, "crash", "keep_last = 1\nchunk_grace = 0",
                 env={"MEMSNAP_FAILPOINTS": "sweep-deleted-one"})
-    gone = start_counter(d, jobs_to_kill, 8)  # its only checkpoint is deleted: all its chunks are garbage
-    _ctl_json(d, "delete", _durable(d, gone.id, "--stop"))
+    for _ in range(2):  # (two garbage packs: the gc dies after deleting one)
+        gone = start_counter(d, jobs_to_kill, 8)  # its only checkpoint is deleted: all its chunks are garbage
+        _ctl_json(d, "delete", _durable(d, gone.id, "--stop"))
     job = start_counter(d, jobs_to_kill, 8)
     old, kept = _durable(d, job.id), _durable(d, job.id, "--stop")
     assert _referenced_chunks_present(d, kept) > 0
@@ -232,7 +234,7 @@ def test_a_sweep_on_another_node_makes_this_nodes_next_drain_upload_the_swept_ch
     _restores_where_it_stopped(a, second, job, jobs_to_kill)
 
 
-def test_a_second_checkpoint_costs_no_store_operation_per_reused_chunk(make_daemon, tmp_path, jobs_to_kill):
+def test_a_second_checkpoint_costs_a_few_store_operations_none_per_chunk(make_daemon, tmp_path, jobs_to_kill):
     d = _daemon(make_daemon, tmp_path, "ops", "")
     job = start_counter(d, jobs_to_kill, 64)
     _durable(d, job.id)
@@ -241,9 +243,9 @@ def test_a_second_checkpoint_costs_no_store_operation_per_reused_chunk(make_daem
     words = line.split("chunked: ")[1].replace(",", "").split()  # N chunks, N new (..) N reused, .. N round trips
     reused, trips = int(words[words.index("reused") - 1]), int(words[words.index("round") - 1])
     new = int(words[words.index("new") - 1])
-    # Each new chunk: an existence check and an upload. Besides: the bundle, the manifest, the store lock
-    # (written, removed) and two lists (locks, sweep records).
-    assert reused >= 40 and trips <= 2 * new + 6, line
+    # The new chunks go into one or two packs. Besides: the bundle, the manifest, the store lock (written,
+    # removed) and three lists (locks, sweep records, packs).
+    assert reused >= 40 and new > 0 and trips <= 2 + 6, line
 
 
 def test_the_daemon_runs_gc_every_gc_interval(make_daemon, tmp_path, jobs_to_kill):

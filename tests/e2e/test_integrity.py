@@ -21,6 +21,7 @@ from tests.helpers import (
     restore_refused,
     running_job_pids,
     start_counter,
+    stored_chunk,
     ticks,
 )
 
@@ -128,14 +129,21 @@ def _store_wrong_key(d: DaemonProc, sd: Path, mp: Path) -> str:
     return _wrong_key(d, sd, mp)
 
 
+def _a_stored_chunk(d: DaemonProc, mp: Path) -> tuple[Path, int, int]:
+    """The object holding the first chunk of the image's biggest file, and that chunk's place in it."""
+    m = _load(mp)
+    big = max(m["files"], key=lambda n: m["files"][n]["size"])
+    return stored_chunk(d.store, m, m["storage"]["files"][big]["chunks"][0][0])
+
+
 def _store_missing_object(d: DaemonProc, sd: Path, mp: Path) -> str:
-    _smallest(sd).unlink()
+    _a_stored_chunk(d, mp)[0].unlink()
     return "integrity check failed"
 
 
 def _store_wrong_size(d: DaemonProc, sd: Path, mp: Path) -> str:
-    big = _biggest(sd)
-    os.truncate(big, big.stat().st_size - 1)
+    obj, off, n = _a_stored_chunk(d, mp)
+    os.truncate(obj, off + n - 1)
     return "integrity check failed"
 
 

@@ -12,6 +12,7 @@ from memsnap.proc import tree_rss
 from tests.helpers import (
     DaemonProc,
     counter_argv,
+    flip_stored_chunk_byte,
     metrics_port,
     restore_refused,
     sample,
@@ -125,10 +126,7 @@ def test_lazy_restore_of_a_tampered_chunk_kills_or_refuses_the_job_and_says_why(
     pages = sorted((n for n in stored["files"] if n.startswith("pages-")), key=lambda n: stored["files"][n]["size"])
     refs = stored["storage"]["files"][pages[-1] if where == "lazy" else pages[0]]["chunks"]
     cid = refs[len(refs) // 2][0] if where == "lazy" else refs[-1][0]
-    chunk = d.store / "chunks" / cid[:2] / cid
-    data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    flip_stored_chunk_byte(d.store, stored, cid)
     before = _running(d)
     r = restore_refused(d, ck["id"], jobs_to_kill, "--lazy")
     shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)

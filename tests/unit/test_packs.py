@@ -61,15 +61,32 @@ def store(tmp_path: Path) -> PosixStore:
     return PosixStore(tmp_path / "store", create=True)
 
 
-def test_a_drain_writes_its_new_chunks_into_packs_not_an_object_each(tmp_path: Path, store: PosixStore) -> None:
+def test_a_drain_writes_its_new_chunks_and_small_files_into_packs_not_an_object_each(tmp_path: Path,
+                                                                                    store: PosixStore) -> None:
     pages = _pages(1024, 1)  # 4 MiB: ~64 chunks
     d, files = _tier(tmp_path, "t", pages)
     m, job = _drain(store, d, files, "ck-1", ChunkIndex(None))
     packs = store.list("packs/")
     assert job.stats.new_chunks > 40 and not store.list("chunks/")
-    assert len(packs) == job.stats.round_trips - 1 <= len(pages) // PACK + 2  # (and the bundle)
+    assert len(packs) == job.stats.round_trips <= len(pages) // PACK and not store.list("ck-1/")  # (bundle too)
     assert {pack_key(p) for p in referenced_packs(m)} == set(packs)
     assert ChunkReader(store, m).read_at("pages-1.img", 0, len(pages)) == pages
+    assert ChunkReader(store, m).read_at("core-1.img", 0, 400) == b"core" * 100
+
+
+def test_a_pack_holding_only_a_checkpoints_small_files_is_kept_by_the_sweep(tmp_path: Path,
+                                                                            store: PosixStore) -> None:
+    index = ChunkIndex(None)
+    pages = _pages(300, 10)
+    d1, f1 = _tier(tmp_path, "t1", pages)
+    _drain(store, d1, f1, "ck-1", index)
+    d2, f2 = _tier(tmp_path, "t2", pages)
+    (d2 / "core-1.img").write_bytes(b"CORE" * 100)  # the same pages, other small files
+    f2["core-1.img"]["blake3"] = blake3.blake3(b"CORE" * 100).hexdigest()
+    m2, job = _drain(store, d2, f2, "ck-2", index)
+    assert job.stats.new_chunks == 0 and job.stats.round_trips == 1  # a pack with the bundle alone
+    sweep(store, referenced_chunks(m2) | referenced_packs(m2), grace_s=0, now=time.time() + 1)
+    assert ChunkReader(store, m2).read_at("core-1.img", 0, 400) == b"CORE" * 100
 
 
 def test_a_chunk_changed_inside_a_pack_is_refused(tmp_path: Path, store: PosixStore) -> None:
