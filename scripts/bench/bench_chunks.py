@@ -42,7 +42,9 @@ from memsnap.tier import MemoryTier  # noqa: E402
 from tests.helpers import DaemonProc  # noqa: E402
 
 MiB = 1 << 20
-OPS = ("open_writer", "open_reader", "exists", "stat", "touch", "list", "list_with_mtime", "delete_keys")
+OPS = ("open_writer", "open_reader", "exists", "stat", "touch", "list", "list_with_mtime", "delete_keys", "read_range",
+       "read_tail")
+FORMATS = ("whole", "chunked", "loose")  # loose: chunked with an object per chunk (store.pack_size = ""), 6b0accd's
 
 
 class Counting:
@@ -171,6 +173,7 @@ class Bench:
             else None
         self.whole_store = self.linked(PosixStore(self.stores / "store-whole", create=True))
         self.chunk_store = self.linked(PosixStore(self.stores / "store-chunked", create=True))
+        self.loose_store = self.linked(PosixStore(self.stores / "store-loose", create=True))
 
     def linked(self, store: PosixStore) -> Any:
         return Linked(store, *self.link) if self.link else store
@@ -181,8 +184,10 @@ class Bench:
         self.tier = MemoryTier(self.d.tier)
 
     def service(self, fmt: str, store: Any, state: str = "", cache: int = 0) -> DrainService:
-        opts = ChunkOpts(format=fmt, avg=self.args.chunk_size, state_dir=state, cache_dir=f"{state}/cache",
-                         cache_size=cache, threads=self.args.threads)
+        """A drain service; fmt "loose" = chunked, an object per chunk (no packs)."""
+        packs = {"pack_size": 0} if fmt == "loose" else {}
+        opts = ChunkOpts(format="chunked" if fmt == "loose" else fmt, avg=self.args.chunk_size, state_dir=state,
+                         cache_dir=f"{state}/cache", cache_size=cache, threads=self.args.threads, **packs)
         return DrainService(store, self.cat, self.tier, self.key, self.codec, chunk_opts=opts)
 
     def checkpoint(self, job_id: str) -> CheckpointRecord:
@@ -194,14 +199,15 @@ class Bench:
         return theirs
 
     def drain(self, fmt: str, rec: CheckpointRecord) -> dict[str, Any]:
-        store = Counting(self.whole_store if fmt == "whole" else self.chunk_store)
-        svc = self.service(fmt, store, str(self.base / "bench-state") if fmt == "chunked" else "")
+        store = Counting({"whole": self.whole_store, "chunked": self.chunk_store, "loose": self.loose_store}[fmt])
+        state = {"chunked": str(self.base / "bench-state"), "loose": str(self.base / "bench-state-loose")}
+        svc = self.service(fmt, store, state.get(fmt, ""))
         t0 = time.monotonic()
         stored = svc._drain(rec)
         secs = time.monotonic() - t0
-        meta = (self.cat.get_checkpoint(rec.id) or rec).meta.get("store", {}) if fmt == "chunked" else {}
+        meta = (self.cat.get_checkpoint(rec.id) or rec).meta.get("store", {}) if fmt != "whole" else {}
         return {"stored_bytes": stored, "seconds": round(secs, 3), "store_ops": store.ops,
-                "new_bytes": meta.get("new_bytes", rec.size_bytes) if fmt == "chunked" else rec.size_bytes,
+                "new_bytes": meta.get("new_bytes", rec.size_bytes) if fmt != "whole" else rec.size_bytes,
                 "chunks": meta.get("chunks", 0), "new_chunks": meta.get("new_chunks", 0)}
 
     def periodic(self, name: str, argv: list[str]) -> dict[str, Any]:
@@ -215,12 +221,11 @@ class Bench:
             rec = self.checkpoint(job.id)
             recs.append(rec)
             row: dict[str, Any] = {"n": i + 1, "id": rec.id, "logical_bytes": rec.size_bytes}
-            order = ("whole", "chunked") if i % 2 == 0 else ("chunked", "whole")
-            for fmt in order:
+            for fmt in FORMATS[i % 3:] + FORMATS[:i % 3]:  # (each goes first in turn)
                 row[fmt] = self.drain(fmt, rec)
             rows.append(row)
-            print(f"{name} #{i + 1}: {rec.size_bytes / MiB:.0f} MiB; whole {row['whole']}; chunked {row['chunked']}",
-                  flush=True)
+            print(f"{name} #{i + 1}: {rec.size_bytes / MiB:.0f} MiB; whole {row['whole']}; chunked {row['chunked']}; "
+                  f"loose {row['loose']}", flush=True)
             if i < self.args.count - 1:  # whole copies have no dedup: keep only the last one (disk space)
                 self.whole_store.delete_prefix(rec.id + "/")
         out: dict[str, Any] = {"job": job.id, "checkpoints": rows}
@@ -230,6 +235,9 @@ class Bench:
                                                  statistics.median(r["chunked"]["stored_bytes"] for r in later), 2)
             out["seconds_ratio_from_2nd"] = round(statistics.median(r["whole"]["seconds"] for r in later) /
                                                   statistics.median(r["chunked"]["seconds"] for r in later), 2)
+            for fmt in FORMATS:
+                out[f"{fmt}_ops_median_from_2nd"] = statistics.median(r[fmt]["store_ops"] for r in later)
+                out[f"{fmt}_seconds_median_from_2nd"] = statistics.median(r[fmt]["seconds"] for r in later)
         if not self.args.no_sweep:
             out["dedup_by_chunk_size"] = self.sweep_sizes(recs)
         out["restore"] = self.restore(recs)
@@ -355,6 +363,13 @@ class Bench:
         t0 = time.monotonic()
         svc._drain(rec)
         chunked = time.monotonic() - t0
+        loose = self.linked(PosixStore(self.stores / "store-fresh-loose", create=True))
+        svc_l = self.service("loose", loose, str(self.base / "fresh-state-loose"))
+        t0 = time.monotonic()
+        svc_l._drain(rec)
+        loose_s = time.monotonic() - t0
+        shutil.rmtree(self.stores / "store-fresh-loose", ignore_errors=True)
+        shutil.rmtree(self.base / "fresh-state-loose", ignore_errors=True)
         svc_w = self.service("whole", self.linked(PosixStore(self.stores / "store-fresh-whole", create=True)))
         t0 = time.monotonic()
         svc_w._drain(rec)
@@ -365,16 +380,18 @@ class Bench:
         mb = rec.size_bytes / MiB
         return {"bytes": rec.size_bytes, "plain_write_MBps": round(mb / plain), "chunked_first_drain_MBps":
                 round(mb / chunked), "whole_drain_MBps": round(mb / whole),
-                "chunked_vs_plain": round(plain / chunked, 2), "whole_vs_plain": round(plain / whole, 2)}
+                "chunked_vs_plain": round(plain / chunked, 2), "whole_vs_plain": round(plain / whole, 2),
+                "loose_first_drain_MBps": round(mb / loose_s), "loose_vs_plain": round(plain / loose_s, 2),
+                "loadavg": os.getloadavg()}
 
     def second_job(self, argv: list[str]) -> dict[str, Any]:
         with self.d.client() as c:
             job = c.run(argv)
         time.sleep(self.args.warmup)
         rec = self.checkpoint(job.id)
-        w, ch = self.drain("whole", rec), self.drain("chunked", rec)
+        w, ch, lo = self.drain("whole", rec), self.drain("chunked", rec), self.drain("loose", rec)
         self.whole_store.delete_prefix(rec.id + "/")
-        return {"logical_bytes": rec.size_bytes, "whole": w, "chunked": ch,
+        return {"logical_bytes": rec.size_bytes, "whole": w, "chunked": ch, "loose": lo,
                 "chunked_over_whole": round(ch["stored_bytes"] / w["stored_bytes"], 3)}
 
 
@@ -388,12 +405,13 @@ def render(results: dict[str, Any], title: str) -> str:
     out = [f"## {title}", "", f"Params: {json.dumps(p)}", ""]
     for name, w in results["workloads"].items():
         out += [f"### {name}", "", "| # | logical MiB | whole stored MiB | whole s | whole ops | chunked stored MiB | "
-                "chunked new MiB | chunked s | chunked ops | chunks (new) |", "|---" * 10 + "|"]
+                "chunked new MiB | chunked s | chunked ops | chunks (new) | loose s | loose ops |", "|---" * 12 + "|"]
         for r in w["checkpoints"]:
-            wh, ch = r["whole"], r["chunked"]
+            wh, ch, lo = r["whole"], r["chunked"], r.get("loose", {})
             out.append(f"| {r['n']} | {_mb(r['logical_bytes'])} | {_mb(wh['stored_bytes'])} | {wh['seconds']} | "
                        f"{wh['store_ops']} | {_mb(ch['stored_bytes'])} | {_mb(ch['new_bytes'])} | {ch['seconds']} | "
-                       f"{ch['store_ops']} | {ch['chunks']} ({ch['new_chunks']}) |")
+                       f"{ch['store_ops']} | {ch['chunks']} ({ch['new_chunks']}) | {lo.get('seconds', '-')} | "
+                       f"{lo.get('store_ops', '-')} |")
         out += ["", "Median from the 2nd checkpoint on: whole/chunked stored bytes "
                 f"**{w.get('stored_ratio_from_2nd')}x**, time to durable **{w.get('seconds_ratio_from_2nd')}x**.", ""]
         if "dedup_by_chunk_size" in w:
@@ -416,7 +434,8 @@ def render(results: dict[str, Any], title: str) -> str:
             out += [f"Drain throughput, first checkpoint (all new), {_mb(t['bytes'])} MiB: plain write "
                     f"{t['plain_write_MBps']} MB/s, chunked drain {t['chunked_first_drain_MBps']} MB/s "
                     f"(**{t['chunked_vs_plain']}** of plain), whole drain {t['whole_drain_MBps']} MB/s "
-                    f"({t['whole_vs_plain']}).", ""]
+                    f"({t['whole_vs_plain']}), loose chunks {t.get('loose_first_drain_MBps', '-')} MB/s "
+                    f"({t.get('loose_vs_plain', '-')}).", ""]
     return "\n".join(out)
 
 
