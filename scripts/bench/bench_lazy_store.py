@@ -145,16 +145,19 @@ def page_server_line(d: Daemon, ckpt_id: str) -> dict[str, float]:
 
 def read_stored(ns: NetStore, ckpt_id: str) -> dict[str, float]:
     """The link as this run sees it: every stored chunk of the checkpoint read once, one after the other, in
-    file order, through the same mount (open, read, close: as the page server fetches one), in MB/s."""
+    file order, through the same mount (open, read, close: as the page server fetches one; a packed chunk is
+    read from its place in its pack), in MB/s."""
     store = ns.mount / "store"
     stored = json.loads((store / ckpt_id / "manifest.json").read_bytes())
-    keys = list(dict.fromkeys(chunks.chunk_key(ref.id) for lay in chunks.layouts(stored).values()
-                              for ref in lay.chunks))
+    refs = list({ref.id: ref for lay in chunks.layouts(stored).values() for ref in lay.chunks}.values())
     n = 0
     t0 = time.monotonic()
-    for key in keys:
+    for ref in refs:
+        key, off, size = (chunks.chunk_key(ref.id), 0, -1) if ref.loc is None else \
+            (chunks.pack_key(ref.loc[0]), ref.loc[1], ref.loc[2])
         with open(store / key, "rb", buffering=0) as raw, io.BufferedReader(raw, 1 << 20) as f:
-            n += len(f.read())
+            f.seek(off)
+            n += len(f.read(size))
     dt = time.monotonic() - t0
     return {"bytes": n, "s": dt, "MBps": n / dt / 1e6}
 
