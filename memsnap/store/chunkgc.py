@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -345,13 +346,18 @@ class StoreGc:
         keys = self.store.list(PACK_PREFIX)
         known = self.index.packs()
         new = [pid for k in keys if (pid := pack_id_of(k)) and pid not in known]
-        for pid in new:
+
+        def learn(pid: str) -> None:
             try:
                 self.index.add_pack(pid, read_pack_index(self.store, pid))
             except StoreNotFound:
-                continue  # (swept meanwhile)
+                pass  # (swept meanwhile)
             except StoreError as exc:  # (ChunkError too: not a pack's index) its chunks stay unknown here
                 log.warning("pack %s in %s skipped: %s", pid, self.store.describe(), exc)
+
+        if new:  # (a new node reads every pack's tail once: 8 at a time)
+            with ThreadPoolExecutor(max_workers=min(8, len(new)), thread_name_prefix="learn-packs") as pool:
+                list(pool.map(learn, new))
         return 1 + len(keys) // 1000 + len(new)
 
     @contextlib.contextmanager
