@@ -135,10 +135,13 @@ class PosixStore:
         return io.BufferedReader(_MappedFile(self, key, fd), buffer_size=1 << 20)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset+length) of key (shorter at its end): one pread, no buffering."""
+        """Bytes [offset, offset+length) of key (shorter at its end): one pread, no buffering, no readahead (a
+        chunk of a pack: the kernel's readahead past it would fetch the next chunks for nothing, over a network
+        filesystem too; measured on sshfs, bench/results/chunks.md)."""
         with self._translate(f"read {key}"):
             fd = self._open_object(key)
             with safefs.opened(fd):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 return os.pread(fd, length, offset)
 
     def read_tail(self, key: str, length: int) -> tuple[bytes, int]:
