@@ -246,8 +246,8 @@ class Daemon:
 
         def status() -> str:
             q = self.drain.queue_stats()[0] if self.drain else 0
-            return (f"tier {self.tier.used_bytes() >> 20} MiB used, {self.tier.free_bytes() >> 20} MiB free; "
-                    f"drain queue {q}")
+            return (f"tier {self.tier.used_bytes() >> 20} MiB used, {self.tier.free_bytes() >> 20} MiB free "
+                    f"({self.tier.describe()}); drain queue {q}")
 
         interval = self.notifier.watchdog_interval() or 10.0
         self.heartbeat = Heartbeat(self.notifier, healthy, status, interval)

@@ -370,9 +370,10 @@ def _hidden_by_mount(fd: int) -> list[str]:
     return hidden
 
 
-def mount_tier(root: Path, spec: MountSpec) -> MountEntry:
+def mount_tier(root: Path, spec: MountSpec) -> MountEntry | None:
     """tier.mount: mounts a tmpfs (spec) on root, which safefs.ensure_root has just checked, unless root is a mount
-    point already (memsnapd's own from before a restart: reused, never remounted). Returns the mount at root.
+    point already (memsnapd's own from before a restart: reused, never remounted) or holds something a mount would
+    hide (then: None, and a warning). Returns the mount at root.
 
     The target is the checked directory itself, pinned by an O_PATH|O_NOFOLLOW fd and mounted on through
     /proc/self/fd/N with mount(2), so no path is looked up again between the check and the mount (the `mount`
@@ -392,10 +393,11 @@ def mount_tier(root: Path, spec: MountSpec) -> MountEntry:
                 log.info("memory tier %s: reusing the mount there (%s)", root, at.describe())
             return at
         hidden = _hidden_by_mount(fd)
-        if hidden:
-            raise TierMountError(
-                f"memory tier {root} holds {len(hidden)} entries ({', '.join(hidden[:3])}) that a tmpfs mounted "
-                "over it would hide: move them away, or set tier.mount = false")
+        if hidden:  # (checkpoints of a run before tier.mount was on, say: a mount would hide them from recovery)
+            log.warning("memory tier %s: NOT mounting a tmpfs there: it holds %d entries (%s) that the mount would "
+                        "hide; using the directory as it is. To get the mount: drain and evict (or delete) them, "
+                        "then restart memsnapd", root, len(hidden), ", ".join(hidden[:3]))
+            return None
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.mount(MOUNT_SOURCE.encode(), f"/proc/self/fd/{fd}".encode(), b"tmpfs",
                       ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), spec.options().encode()) != 0:

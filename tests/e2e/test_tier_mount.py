@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from memsnap.tier import MemoryTier, MountSpec, TierMountError
+from memsnap.tier import MemoryTier, MountSpec
 from tests.e2e.test_chunkstore import _ckpt, _infer, _restore_and_check
 from tests.helpers import NOBODY, DaemonProc, run_as, start_digest, ticks
 
@@ -109,10 +109,10 @@ def test_a_tier_dir_that_is_a_symlink_planted_by_another_user_is_refused_and_not
         target.rmdir()
 
 
-def test_tier_mount_refuses_to_hide_what_the_dir_holds_and_mounts_nothing(tmp_path):
+def test_tier_mount_does_not_hide_what_the_dir_holds_and_mounts_nothing(tmp_path, caplog):
     root = tmp_path / "tier"
     root.mkdir(mode=0o700)
     (root / "ckpt-1").mkdir()
-    with pytest.raises(TierMountError, match="holds 1 entries .ckpt-1. that a tmpfs mounted over it would hide"):
-        MemoryTier(root, mount=MountSpec())
-    assert _mount_at(root) is None and (root / "ckpt-1").is_dir()
+    tier = MemoryTier(root, mount=MountSpec())
+    assert "NOT mounting a tmpfs there: it holds 1 entries (ckpt-1)" in caplog.text
+    assert _mount_at(root) is None and not tier.mount_point and tier.published_ids() == ["ckpt-1"]
