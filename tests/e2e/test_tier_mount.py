@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import uuid
@@ -17,7 +18,7 @@ import pytest
 
 from memsnap.tier import MemoryTier, MountSpec
 from tests.e2e.test_chunkstore import _ckpt, _infer, _restore_and_check
-from tests.helpers import NOBODY, DaemonProc, run_as, start_digest, ticks
+from tests.helpers import NOBODY, REPO, DaemonProc, run_as, start_digest, ticks
 
 
 def _mount_at(path: Path) -> dict[str, str] | None:
@@ -40,15 +41,28 @@ def unmount() -> Iterator[list[Path]]:
             p.rmdir()
 
 
+def _with_config(d: DaemonProc, **tier: object) -> DaemonProc:
+    """d with a config file of these [tier] keys (after the --config /dev/null of DaemonProc.args: the last wins)."""
+    d.base.mkdir(parents=True, exist_ok=True)
+    cfg = d.base / "memsnap.toml"
+    cfg.write_text("[tier]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in tier.items()))
+    d.extra = ["--config", str(cfg)]
+    return d
+
+
 def _mounting(make_daemon, unmount: list[Path], name: str, **tier: object) -> DaemonProc:
     """A daemon whose config turns tier.mount on (plus the given [tier] keys), its tier a fresh dir in /dev/shm."""
     d: DaemonProc = make_daemon(name)
     unmount.append(d.tier)
-    cfg = d.base / "memsnap.toml"
-    d.base.mkdir(parents=True, exist_ok=True)
-    cfg.write_text("[tier]\nmount = true\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in tier.items()))
-    d.extra = ["--config", str(cfg)]  # (after the --config /dev/null of DaemonProc.args: the last one wins)
-    return d
+    return _with_config(d, mount=True, **tier)
+
+
+def _refused(d: DaemonProc) -> str:
+    """memsnapd's stderr when it refuses to start (it must)."""
+    r = subprocess.run(d.args(), capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode != 0, r.stderr
+    return r.stderr
 
 
 def test_a_daemon_with_tier_mount_mounts_a_huge_page_tmpfs_restores_from_the_store_and_reuses_it_after_kill_9(
@@ -87,26 +101,38 @@ def test_tier_mount_with_kind_numa_binds_the_tmpfs_to_the_node(unmount, make_dae
     assert "mpol=bind:0" in opts and not any(o.startswith("huge=") for o in opts)
 
 
-def test_a_tier_dir_that_is_a_symlink_planted_by_another_user_is_refused_and_nothing_is_mounted(
-        unmount, make_daemon):
+def test_a_tier_dir_that_is_a_symlink_planted_by_another_user_is_refused_and_nothing_is_mounted(make_daemon):
     # /dev/shm is world-writable (sticky): nobody plants the tier's name there, pointing at a dir of theirs.
     link, target = (Path(f"/dev/shm/memsnap-test-{uuid.uuid4().hex[:8]}") for _ in range(2))
     planted = run_as(NOBODY, "import os, sys; os.mkdir(sys.argv[1]); os.symlink(sys.argv[1], sys.argv[2])",
                      str(target), str(link))
     assert planted.returncode == 0, planted.stderr
     try:
-        d = _mounting(make_daemon, unmount, "link")
-        unmount.remove(d.tier)
-        d.tier = link
-        r = subprocess.run(d.args(), capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-        assert r.returncode != 0
-        assert "is a symbolic link" in r.stderr
+        d = _with_config(make_daemon("link", tier=link), mount=True)
+        assert "is a symbolic link" in _refused(d)
         assert _mount_at(target) is None and _mount_at(link) is None
         assert link.is_symlink() and os.listdir(target) == []
     finally:
         link.unlink()
         target.rmdir()
+
+
+def test_a_tier_dir_under_a_symlink_planted_by_another_user_is_refused_and_nothing_is_created_or_mounted(
+        make_daemon):
+    # nobody's link in /dev/shm points at a root-owned dir; the tier is configured below the link.
+    link, target = (Path(f"/dev/shm/memsnap-test-{uuid.uuid4().hex[:8]}") for _ in range(2))
+    target.mkdir(mode=0o755)
+    planted = run_as(NOBODY, "import os, sys; os.symlink(sys.argv[1], sys.argv[2])", str(target), str(link))
+    assert planted.returncode == 0, planted.stderr
+    try:
+        d = _with_config(make_daemon("under", tier=link / "tier"), mount=True)
+        assert f"lies under {link}, a symbolic link owned by uid {NOBODY}" in _refused(d)
+        assert os.listdir(target) == [] and _mount_at(target / "tier") is None
+    finally:
+        link.unlink()
+        while _mount_at(target / "tier") is not None:  # (what the old code did, for a failing run's cleanup)
+            subprocess.run(["umount", "-l", str(target / "tier")], check=True)
+        shutil.rmtree(target)
 
 
 def test_tier_mount_does_not_hide_what_the_dir_holds_and_mounts_nothing(tmp_path, caplog):
