@@ -206,6 +206,7 @@ class Daemon:
             host, _, port = self.cfg.daemon.metrics_listen.rpartition(":")
             self.metrics.bind_tier(lambda: float(self.tier.used_bytes()),
                                    lambda: float(self.tier.capacity_bytes()))
+            self.metrics.set_tier_info(**self.tier.info())
             if migrator is not None:
                 self.metrics.moves_in_doubt.set_function(lambda: float(len(migrator.moves_in_doubt())))
             self.metrics.bind_store(self.gc.totals)

@@ -109,6 +109,13 @@ class MemoryTier:
             return self.fs.describe()
         return f"a directory on {self.fs.describe()} at {self.fs.mount_point}"
 
+    def info(self) -> dict[str, Any]:
+        """kind, fstype, mounted_by_memsnapd and huge_pages ("" off a tmpfs), for memsnap_tier_info."""
+        fs = self.fs
+        return {"kind": self.kind, "fstype": fs.fstype if fs else "unknown",
+                "mounted_by_memsnapd": bool(fs and self.mount_point and fs.ours),
+                "huge_pages": fs.options.get("huge", "never") if fs and fs.fstype == "tmpfs" else ""}
+
     # -- capacity ---------------------------------------------------------------
     def capacity_bytes(self) -> int:
         """Configured capacity, else the filesystem's size."""

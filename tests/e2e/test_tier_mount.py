@@ -18,7 +18,7 @@ import pytest
 
 from memsnap.tier import MemoryTier, MountSpec
 from tests.e2e.test_chunkstore import _ckpt, _infer, _restore_and_check
-from tests.helpers import NOBODY, REPO, DaemonProc, run_as, start_digest, ticks
+from tests.helpers import NOBODY, REPO, DaemonProc, metrics_port, run_as, sample, scrape_metrics, start_digest, ticks
 
 
 def _mount_at(path: Path) -> dict[str, str] | None:
@@ -88,17 +88,22 @@ def test_a_daemon_with_tier_mount_mounts_a_huge_page_tmpfs_restores_from_the_sto
     d.stop(signal.SIGKILL)
     d.start()
     assert _mount_at(d.tier) == m  # the same mount (same id and options): reused, not mounted again
+    assert "reusing the mount there (tmpfs mounted by memsnapd (huge=within_size" in d.log.read_text()
     r2 = _restore_and_check(d, ck2["id"], log, digest, last, jobs_to_kill)
     assert r2["from_store"] is False
 
 
 @pytest.mark.skipif(not Path("/sys/devices/system/node/node0").is_dir(), reason="no NUMA node 0")
 def test_tier_mount_with_kind_numa_binds_the_tmpfs_to_the_node(unmount, make_daemon):
-    d = _mounting(make_daemon, unmount, "numa", kind="numa", numa_node=0, huge_pages="never").start()
+    d = _mounting(make_daemon, unmount, "numa", kind="numa", numa_node=0, huge_pages="never")
+    d.extra += ["--metrics-listen", "127.0.0.1:0"]
+    d.start()
     m = _mount_at(d.tier)
     assert m is not None and m["source"] == "memsnap"
     opts = m["fs-options"].split(",")
     assert "mpol=bind:0" in opts and not any(o.startswith("huge=") for o in opts)
+    assert sample(scrape_metrics(metrics_port(d)), "memsnap_tier_info", kind="numa", fstype="tmpfs",
+                  mounted_by_memsnapd="true", huge_pages="never") == 1
 
 
 def test_a_tier_dir_that_is_a_symlink_planted_by_another_user_is_refused_and_nothing_is_mounted(make_daemon):

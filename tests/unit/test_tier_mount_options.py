@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from memsnap.config import ConfigError, load_config
-from memsnap.tier import MountSpec, mount_point_entry, parse_mountinfo
+from memsnap.metrics import Metrics
+from memsnap.tier import MemoryTier, MountSpec, mount_point_entry, parse_mountinfo
 
 MOUNTINFO = """\
 27 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw,errors=remount-ro
@@ -67,3 +68,17 @@ def test_bad_tier_mount_settings_are_one_line_config_errors(overrides: dict[str,
     with pytest.raises(ConfigError) as err:
         load_config("/dev/null", overrides)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_tier_that_is_a_plain_directory_reports_its_filesystem_and_not_mounted_by_memsnapd(tmp_path) -> None:
+    tier = MemoryTier(tmp_path / "tier")
+    info = tier.info()
+    assert info["kind"] == "tmpfs" and info["mounted_by_memsnapd"] is False and info["fstype"] not in ("", "unknown")
+    assert not tier.mount_point and tier.describe().startswith(f"a directory on {info['fstype']}")
+
+
+def test_the_tier_info_metric_carries_the_labels() -> None:
+    m = Metrics()
+    m.set_tier_info("numa", "tmpfs", True, "within_size")
+    assert ('memsnap_tier_info{fstype="tmpfs",huge_pages="within_size",kind="numa",mounted_by_memsnapd="true"} 1.0'
+            in m.render().decode())
