@@ -94,7 +94,7 @@ def test_a_daemon_with_tier_mount_mounts_a_huge_page_tmpfs_restores_from_the_sto
 
 
 @pytest.mark.skipif(not Path("/sys/devices/system/node/node0").is_dir(), reason="no NUMA node 0")
-def test_tier_mount_with_kind_numa_binds_the_tmpfs_to_the_node(unmount, make_daemon):
+def test_tier_mount_with_kind_numa_binds_the_tmpfs_to_the_node_and_a_stop_leaves_it_mounted(unmount, make_daemon):
     d = _mounting(make_daemon, unmount, "numa", kind="numa", numa_node=0, huge_pages="never")
     d.extra += ["--metrics-listen", "127.0.0.1:0"]
     d.start()
@@ -104,6 +104,8 @@ def test_tier_mount_with_kind_numa_binds_the_tmpfs_to_the_node(unmount, make_dae
     assert "mpol=bind:0" in opts and not any(o.startswith("huge=") for o in opts)
     assert sample(scrape_metrics(metrics_port(d)), "memsnap_tier_info", kind="numa", fstype="tmpfs",
                   mounted_by_memsnapd="true", huge_pages="never") == 1
+    assert d.stop() == 0
+    assert _mount_at(d.tier) == m  # a graceful stop leaves the mount (and the images in it) alone
 
 
 def test_a_tier_dir_that_is_a_symlink_planted_by_another_user_is_refused_and_nothing_is_mounted(make_daemon):
