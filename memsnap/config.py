@@ -314,6 +314,10 @@ class TierConfig:
     )
     kind: str = _opt("tmpfs", _choice("tmpfs", "numa", "devdax"), "tmpfs, numa or devdax")
     numa_node: int = _opt(-1, _int_min(-1, "a NUMA node number, or -1 for none"), "-1 = none")
+    mount: bool = _opt(False, lambda value: _bool(value),
+                       "memsnapd mounts a tmpfs on dir at start unless dir is a mount point already (never unmounted)")
+    huge_pages: str = _opt("within_size", _choice("within_size", "never", "always", "advise"),
+                           "huge= of the tmpfs that tier.mount mounts: within_size, never, always or advise")
 
 
 @dataclass(frozen=True)
@@ -634,6 +638,8 @@ def _check(config: Config, raw: dict[str, dict[str, tuple[object, str]]]) -> Non
         fail("drain", "retry_max_s", "must be at least drain.retry_initial_s")
     if config.tier.kind == "numa" and config.tier.numa_node < 0:
         fail("tier", "numa_node", 'tier.kind = "numa" needs a node number >= 0')
+    if config.tier.mount and config.tier.kind == "devdax":
+        fail("tier", "mount", 'memsnapd mounts only a tmpfs: mount the DAX filesystem yourself (tier.mount = false)')
 
 
 # --- rendering ---------------------------------------------------------------------------

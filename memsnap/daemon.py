@@ -31,7 +31,7 @@ from memsnap.move import Mover
 from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
-from memsnap.tier import MemoryTier
+from memsnap.tier import MemoryTier, MountSpec, TierMountError
 from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc, peer_pb2, peer_pb2_grpc
 from memsnap.version import VersionAction
 
@@ -81,11 +81,14 @@ class Daemon:
             self._instance_lock = single_instance(state, Path(cfg.daemon.socket), cfg.daemon.listen)
             self.metrics = Metrics()
             self.catalog = Catalog(state)
-            self.tier = MemoryTier(cfg.tier.dir, cfg.tier.capacity or 0, cfg.tier.kind)
+            t = cfg.tier
+            node = t.numa_node if t.kind == "numa" else -1
+            mount = MountSpec(t.capacity or 0, t.huge_pages, node) if t.mount else None
+            self.tier = MemoryTier(t.dir, t.capacity or 0, t.kind, mount)
             self.criu = Criu(plugin_dir=state / "criu-plugins")
             key = manifest.load_or_create_key(Path(cfg.hmac_key_path))
             self.drain = self._make_drain(key)
-        except (safefs.UnsafePath, StoreError) as exc:
+        except (safefs.UnsafePath, StoreError, TierMountError) as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
         self.engine = Engine(
             EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin),
@@ -157,7 +160,8 @@ class Daemon:
             raise SystemExit(f"memsnapd: {exc}") from exc
         migrator = self.migrator = Mover(self.engine, self.cfg)
         fixed = self.engine.recover(moves=migrator)
-        log.info("memsnapd starting: criu %s, tier %s, recovered %s", version, self.tier.root, fixed)
+        log.info("memsnapd starting: criu %s, tier %s (%s), recovered %s", version, self.tier.root,
+                 self.tier.describe(), fixed)
         if self.drain is not None:
             self.drain.start(self.engine.pending_drains())
 
@@ -202,6 +206,7 @@ class Daemon:
             host, _, port = self.cfg.daemon.metrics_listen.rpartition(":")
             self.metrics.bind_tier(lambda: float(self.tier.used_bytes()),
                                    lambda: float(self.tier.capacity_bytes()))
+            self.metrics.set_tier_info(**self.tier.info())
             if migrator is not None:
                 self.metrics.moves_in_doubt.set_function(lambda: float(len(migrator.moves_in_doubt())))
             self.metrics.bind_store(self.gc.totals)
@@ -242,8 +247,8 @@ class Daemon:
 
         def status() -> str:
             q = self.drain.queue_stats()[0] if self.drain else 0
-            return (f"tier {self.tier.used_bytes() >> 20} MiB used, {self.tier.free_bytes() >> 20} MiB free; "
-                    f"drain queue {q}")
+            return (f"tier {self.tier.used_bytes() >> 20} MiB used, {self.tier.free_bytes() >> 20} MiB free "
+                    f"({self.tier.describe()}); drain queue {q}")
 
         interval = self.notifier.watchdog_interval() or 10.0
         self.heartbeat = Heartbeat(self.notifier, healthy, status, interval)

@@ -71,6 +71,11 @@ class Metrics:
         self.tier_capacity_bytes = Gauge(
             "memsnap_tier_capacity_bytes", "Usable bytes of the memory tier.", registry=r
         )
+        self.tier_info = Gauge(
+            "memsnap_tier_info", "1, labelled with what the memory tier is on: tier.kind, the filesystem, whether "
+            "memsnapd mounted it (tier.mount) and its huge pages.",
+            ["kind", "fstype", "mounted_by_memsnapd", "huge_pages"], registry=r,
+        )
         self.drain_queue_depth = Gauge(
             "memsnap_drain_queue_depth", "Checkpoints waiting to be drained.", registry=r
         )
@@ -150,6 +155,10 @@ class Metrics:
         """Compute the tier gauges at scrape time from these callbacks."""
         self.tier_used_bytes.set_function(used)
         self.tier_capacity_bytes.set_function(capacity)
+
+    def set_tier_info(self, kind: str, fstype: str, mounted_by_memsnapd: bool, huge_pages: str) -> None:
+        """memsnap_tier_info (fixed for the daemon's life: the tier is set up once, at start)."""
+        self.tier_info.labels(kind, fstype, str(mounted_by_memsnapd).lower(), huge_pages).set(1)
 
     def bind_drain_queue(self, depth: Callable[[], float], size: Callable[[], float]) -> None:
         """Compute the drain-queue gauges at scrape time from these callbacks."""

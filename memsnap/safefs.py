@@ -43,6 +43,7 @@ def ensure_root(path: str | os.PathLike[str], what: str, owner: int | None = Non
     """
     owner = os.geteuid() if owner is None else owner
     p = Path(os.path.abspath(path))
+    _refuse_foreign_links(p, what, owner)  # (before mkdir: that would follow such a link)
     missing = []
     cur = p
     while not os.path.lexists(cur):
@@ -68,6 +69,7 @@ def check_root(path: str | os.PathLike[str], what: str, owner: int | None = None
     with no group/other write, whose ancestors only root (or a sticky bit) lets anyone rename entries in."""
     owner = os.geteuid() if owner is None else owner
     p = Path(os.path.abspath(path))
+    _refuse_foreign_links(p, what, owner)
     try:
         s = os.lstat(p)
     except FileNotFoundError:
@@ -89,6 +91,19 @@ def check_root(path: str | os.PathLike[str], what: str, owner: int | None = None
             raise UnsafePath(f"{what} {p} lies under {anc} (uid {a.st_uid}, mode {stat.S_IMODE(a.st_mode):o}), "
                              "where another user could swap it: use a path whose parents are root-owned and "
                              "not writable by others (or sticky, like /dev/shm)")
+
+
+def _refuse_foreign_links(p: Path, what: str, owner: int) -> None:
+    """Raises UnsafePath if a parent of p is a symbolic link that someone but root (or owner) owns: they can point
+    it anywhere at any time, so what root creates, checks or mounts there would be at a place of their choosing."""
+    for anc in reversed(p.parents):  # from / down: each lstat resolves only parents already checked
+        try:
+            s = os.lstat(anc)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(s.st_mode) and s.st_uid not in (0, owner):
+            raise UnsafePath(f"{what} {p} lies under {anc}, a symbolic link owned by uid {s.st_uid}, who can point "
+                             "it anywhere: use a path without it")
 
 
 def open_root(path: str | os.PathLike[str], owner: int | None = None) -> int:

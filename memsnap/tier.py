@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
+import re
 import secrets
 import stat
 import threading
@@ -24,6 +27,10 @@ INCOMING = ".incoming"
 
 class TierFull(Exception):
     """The tier cannot hold an image of the requested size."""
+
+
+class TierMountError(Exception):
+    """memsnapd could not mount the tier it was told to mount (tier.mount); the message says why, on one line."""
 
 
 @dataclass
@@ -56,9 +63,19 @@ class MemoryTier:
     Everything below the root is reached through the root's dirfd (memsnap.safefs), never a path string.
     """
 
-    def __init__(self, root: str | Path, capacity_bytes: int = 0, kind: str = "tmpfs") -> None:
+    def __init__(self, root: str | Path, capacity_bytes: int = 0, kind: str = "tmpfs",
+                 mount: MountSpec | None = None) -> None:
         self.root = safefs.ensure_root(root, "memory tier")
         self.kind = kind
+        if mount is not None:
+            # tier.mount: a tmpfs of our own on the checked root (or the one an earlier run mounted there), then the
+            # root is checked again: what we use is the mount's root directory, not the directory under it.
+            mount_tier(self.root, mount)
+            self.root = safefs.ensure_root(root, "memory tier")
+        self.fs, self.mount_point = describe_mount(self.root)
+        if kind == "numa" and (self.fs is None or not self.fs.options.get("mpol", "").startswith("bind:")):
+            log.warning("memory tier %s: tier.kind is numa but nothing binds its pages to a node: set tier.mount = "
+                        "true, or mount a tmpfs there with mpol=bind:<node>", self.root)
         self._fd = safefs.open_root(self.root)
         for sub in (STAGING, INCOMING):
             s = safefs.lstat(self._fd, sub)
@@ -82,6 +99,22 @@ class MemoryTier:
         if s.st_mode & 0o077:
             os.fchmod(fd, 0o700)
         return fd
+
+    def describe(self) -> str:
+        """What the tier lives on, for the status line: 'tmpfs mounted by memsnapd (huge=within_size)', or
+        'a directory on tmpfs from tmpfs (at /dev/shm)'."""
+        if self.fs is None:
+            return "unknown filesystem"
+        if self.mount_point:
+            return self.fs.describe()
+        return f"a directory on {self.fs.describe()} at {self.fs.mount_point}"
+
+    def info(self) -> dict[str, Any]:
+        """kind, fstype, mounted_by_memsnapd and huge_pages ("" off a tmpfs), for memsnap_tier_info."""
+        fs = self.fs
+        return {"kind": self.kind, "fstype": fs.fstype if fs else "unknown",
+                "mounted_by_memsnapd": bool(fs and self.mount_point and fs.ours),
+                "huge_pages": fs.options.get("huge", "never") if fs and fs.fstype == "tmpfs" else ""}
 
     # -- capacity ---------------------------------------------------------------
     def capacity_bytes(self) -> int:
@@ -211,3 +244,178 @@ def publish_image(tier: MemoryTier, catalog: Catalog, key: bytes, staging: Path,
     catalog.update_checkpoint(man.id, state=STAGED, in_tier=True, size_bytes=man.size_bytes,
                               last_used_ms=now_ms(), meta=meta, **record)
     return man.size_bytes
+
+
+# -- tier.mount: memsnapd mounts its own tmpfs on the tier root ------------------------------------------------
+MOUNT_SOURCE = "memsnap"  # the source column of a tmpfs memsnapd mounted: how a later start (and `mount`) tells it
+HUGE_PAGES = ("within_size", "never", "always", "advise")
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+_PAGE = 4096
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo: the mount's id, where it is, its filesystem, source and superblock
+    options (name -> value; "" for a flag)."""
+
+    mount_id: int
+    mount_point: str
+    fstype: str
+    source: str
+    options: dict[str, str]
+
+    @property
+    def ours(self) -> bool:
+        """A tmpfs that memsnapd mounted (tier.mount), here or in an earlier run."""
+        return self.fstype == "tmpfs" and self.source == MOUNT_SOURCE
+
+    def describe(self) -> str:
+        """E.g. 'tmpfs mounted by memsnapd (huge=within_size, mpol=bind:0, size=1048576k)'."""
+        who = "mounted by memsnapd" if self.ours else f"from {self.source}"
+        opts = ", ".join(f"{k}={self.options[k]}" for k in ("huge", "mpol", "size") if k in self.options)
+        return f"{self.fstype} {who}" + (f" ({opts})" if opts else "")
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    """The tmpfs memsnapd mounts on the tier root (tier.mount): its size (0 = tmpfs's default, half the RAM), its
+    transparent huge pages (tier.huge_pages) and the NUMA node its pages are bound to (-1 = none)."""
+
+    capacity_bytes: int = 0
+    huge_pages: str = "within_size"
+    numa_node: int = -1
+
+    def options(self) -> str:
+        """The tmpfs data string for mount(2): a root-only root directory, the size, huge pages, memory policy."""
+        opts = ["mode=0700", "uid=0", "gid=0"]
+        if self.capacity_bytes:
+            opts.append(f"size={self.capacity_bytes}")
+        opts.append(f"huge={self.huge_pages}")
+        if self.numa_node >= 0:
+            opts.append(f"mpol=bind:{self.numa_node}")
+        return ",".join(opts)
+
+    def differences(self, m: MountEntry) -> list[str]:
+        """How an existing mount differs from what this spec would mount ('huge=never, config: within_size'),
+        in the kernel's own spelling of the options (tmpfs shows an option only when it is not the default)."""
+        if m.fstype != "tmpfs":
+            return [f"a {m.fstype} filesystem, not a tmpfs"]
+        want = {"huge": self.huge_pages, "mpol": f"bind:{self.numa_node}" if self.numa_node >= 0 else "none",
+                "mode": "700"}
+        if self.capacity_bytes:
+            want["size"] = f"{-(-self.capacity_bytes // _PAGE) * _PAGE >> 10}k"
+        have = {"huge": "never", "mpol": "none", "mode": "1777", "size": "the default", **m.options}
+        return [f"{k}={have[k]}, config: {v}" for k, v in want.items() if have[k] != v]
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo field with its octal escapes (\\040 for a space, ...) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda g: chr(int(g.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> dict[int, MountEntry]:
+    """The mounts of a /proc/<pid>/mountinfo text by mount id (lines it cannot read are skipped)."""
+    out: dict[int, MountEntry] = {}
+    for line in text.splitlines():
+        f = line.split(" ")
+        try:
+            sep = f.index("-", 6)  # after the optional fields (shared:N, master:N, ...)
+            mount_id = int(f[0])
+        except ValueError:
+            continue
+        if len(f) < sep + 3:
+            continue
+        opts = f[sep + 3].split(",") if len(f) > sep + 3 else []
+        out[mount_id] = MountEntry(mount_id, _unescape(f[4]), _unescape(f[sep + 1]), _unescape(f[sep + 2]),
+                                   {k: v for k, _, v in (o.partition("=") for o in opts)})
+    return out
+
+
+def mount_point_entry(mounts: dict[int, MountEntry], mount_id: int, path: str) -> MountEntry | None:
+    """The mount whose root path is, if the mount holding path (mount_id, from fdinfo) is mounted right there."""
+    m = mounts.get(mount_id)
+    return m if m is not None and m.mount_point == path else None
+
+
+def _mount_of(fd: int) -> tuple[MountEntry | None, bool]:
+    """The mount that holds an fd's directory, and whether the directory is that mount's root (a mount point).
+    By the fd (its mnt_id in fdinfo, its path as the kernel reports it), never by a path string's lookup."""
+    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
+        found = re.search(r"^mnt_id:\s*(\d+)", f.read(), re.M)
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        mounts = parse_mountinfo(f.read())
+    if found is None:
+        return None, False
+    mount_id = int(found.group(1))
+    at = mount_point_entry(mounts, mount_id, os.readlink(f"/proc/self/fd/{fd}"))
+    return (at, True) if at is not None else (mounts.get(mount_id), False)
+
+
+def describe_mount(root: Path) -> tuple[MountEntry | None, bool]:
+    """_mount_of for a checked root directory (None when /proc cannot tell)."""
+    try:
+        with safefs.opened(os.open(root, _PATH_FLAGS)) as fd:
+            return _mount_of(fd)
+    except OSError:
+        return None, False
+
+
+def _hidden_by_mount(fd: int) -> list[str]:
+    """What a mount on this directory would hide: any entry but an empty .staging or .incoming."""
+    with safefs.opened(os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)) as d:
+        names = sorted(os.listdir(d))
+        hidden = []
+        for n in names:
+            s = safefs.lstat(d, n)
+            empty = False
+            if n in (STAGING, INCOMING) and s is not None and stat.S_ISDIR(s.st_mode):
+                with safefs.opened(safefs.open_dir(d, n)) as sub:
+                    empty = not os.listdir(sub)
+            if not empty:
+                hidden.append(n)
+    return hidden
+
+
+def mount_tier(root: Path, spec: MountSpec) -> MountEntry | None:
+    """tier.mount: mounts a tmpfs (spec) on root, which safefs.ensure_root has just checked, unless root is a mount
+    point already (memsnapd's own from before a restart: reused, never remounted) or holds something a mount would
+    hide (then: None, and a warning). Returns the mount at root.
+
+    The target is the checked directory itself, pinned by an O_PATH|O_NOFOLLOW fd and mounted on through
+    /proc/self/fd/N with mount(2), so no path is looked up again between the check and the mount (the `mount`
+    binary would canonicalize /proc/self/fd/N back into a path). Never unmounted: the images live there."""
+    with safefs.opened(os.open(root, _PATH_FLAGS)) as fd:
+        s = os.fstat(fd)
+        if s.st_uid != os.geteuid() or s.st_mode & 0o022:
+            raise safefs.UnsafePath(f"memory tier {root} changed owner or mode: refusing to mount on it")
+        at, here = _mount_of(fd)
+        if here and at is not None:
+            diff = spec.differences(at)
+            if diff:
+                log.warning("memory tier %s is already a mount point (%s), not what tier.mount would mount (%s): "
+                            "using it as is; to get the configured mount, stop memsnapd, drain and unmount it",
+                            root, at.describe(), "; ".join(diff))
+            else:
+                log.info("memory tier %s: reusing the mount there (%s)", root, at.describe())
+            return at
+        hidden = _hidden_by_mount(fd)
+        if hidden:  # (checkpoints of a run before tier.mount was on, say: a mount would hide them from recovery)
+            log.warning("memory tier %s: NOT mounting a tmpfs there: it holds %d entries (%s) that the mount would "
+                        "hide; using the directory as it is. To get the mount: drain and evict (or delete) them, "
+                        "then restart memsnapd", root, len(hidden), ", ".join(hidden[:3]))
+            return None
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mount(MOUNT_SOURCE.encode(), f"/proc/self/fd/{fd}".encode(), b"tmpfs",
+                      ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), spec.options().encode()) != 0:
+            err = ctypes.get_errno()
+            hint = {errno.EPERM: "memsnapd needs CAP_SYS_ADMIN in the host's mount namespace",
+                    errno.EINVAL: "is the NUMA node online (/sys/devices/system/node), the size valid, and are "
+                                  "huge pages on tmpfs supported (CONFIG_TRANSPARENT_HUGEPAGE)?"}.get(err, "")
+            raise TierMountError(f"cannot mount a tmpfs on memory tier {root} ({spec.options()}): "
+                                 f"{os.strerror(err)}{'; ' + hint if hint else ''}; or set tier.mount = false")
+    at, here = describe_mount(root)
+    if at is None or not here or not at.ours:
+        raise TierMountError(f"memory tier {root}: the tmpfs just mounted there is not what the path leads to now")
+    log.info("memory tier %s: mounted a tmpfs there (%s)", root, spec.options())
+    return at

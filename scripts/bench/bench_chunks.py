@@ -165,7 +165,11 @@ class Bench:
     def __init__(self, base: Path, args: argparse.Namespace, stores: Path | None = None) -> None:
         self.base, self.args = base, args
         self.stores = stores or base  # (--netstore: the sshfs mount)
-        self.d = DaemonProc(base / "daemon", extra=["--drain-bandwidth", "1K", "--store-format", "whole"])
+        mount = []
+        if args.tier_mount:  # the shipped configuration: memsnapd mounts its tier (a tmpfs, huge=within_size)
+            (base / "tier-mount.toml").write_text('[tier]\nmount = true\nhuge_pages = "within_size"\n')
+            mount = ["--config", str(base / "tier-mount.toml")]
+        self.d = DaemonProc(base / "daemon", extra=["--drain-bandwidth", "1K", "--store-format", "whole", *mount])
         self.key = b""
         self.cat = Catalog(base / "bench-state")
         self.codec = Codec(level=3, threads=-1)
@@ -460,6 +464,8 @@ def main() -> None:
                    "of each workload, drained chunked (the last also whole), then --repeat rounds of fetches")
     p.add_argument("--repeat", type=int, default=1, help="rounds of restore fetches (medians reported)")
     p.add_argument("--fetch-dir", default="", help="restore fetches write here (default: the memory tier)")
+    p.add_argument("--tier-mount", action="store_true", help="the daemon mounts its tier (tier.mount, huge_pages "
+                   "within_size); fetches write there too unless --fetch-dir")
     p.add_argument("--compare", default="", metavar="REV", help="also time REV's chunked fetch path (git rev)")
     p.add_argument("--render", nargs="*", help="TITLE=results.json ...: print a markdown report and exit")
     args = p.parse_args()
@@ -518,6 +524,9 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(results, indent=1))
     finally:
         b.d.cleanup()
+        if args.tier_mount:
+            subprocess.run(["umount", "-l", str(b.d.tier)], check=False)
+            b.d.tier.rmdir()
         if net is not None:
             net.teardown()
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -214,7 +214,9 @@ def test_default_to_toml_round_trips(tmp_path: Path) -> None:
 
 
 def test_example_config_loads_and_shows_every_key() -> None:
-    assert load_config(str(EXAMPLE), {}) == Config()
+    # The shipped config is the defaults, except that memsnapd mounts its own tier there (tier.mount = true).
+    shipped = dataclasses.replace(Config(), tier=dataclasses.replace(Config().tier, mount=True))
+    assert load_config(str(EXAMPLE), {}) == shipped
     shown = tomllib.loads(EXAMPLE.read_text())
     for name, section_type in config_module.SECTIONS.items():
         expected = {f.name for f in dataclasses.fields(section_type)}

@@ -92,6 +92,8 @@ def test_unit_grants_what_criu_needs_and_no_sandboxing() -> None:
         "ProtectKernelTunables",
         "ProtectKernelModules",
         "ProtectHome",
+        "PrivateMounts",  # (and MountFlags: tier.mount's tmpfs must outlive the unit's main process)
+        "MountFlags",
     }
     assert not forbidden & service.keys()
     assert not any("/dev/shm" in value for value in service.get("RuntimeDirectory", []))
