@@ -228,3 +228,14 @@ def test_packs_on_s3_are_read_by_range_and_swept(tmp_path: Path, s3_server) -> N
     assert res.deleted == len(referenced_chunks(m)) and not s3.list("packs/")
     with pytest.raises(StoreError):
         ChunkReader(s3, m).read_at("pages-1.img", 0, 10)
+
+
+def test_a_ranged_read_returns_exactly_the_bytes_asked_at_any_offset(store: PosixStore) -> None:
+    data = _pages(300, 11) + b"tail"
+    with store.open_writer("packs/ab/" + "ab" * 32) as w:
+        w.write(data)
+        w.commit()
+    rng = random.Random(12)
+    for off, n in [(0, 1), (4095, 2), (len(data) - 3, 10), (len(data) + 5, 4)] + \
+            [(rng.randrange(len(data)), rng.randrange(1, 3 << 20)) for _ in range(20)]:
+        assert store.read_range("packs/ab/" + "ab" * 32, off, n) == data[off : off + n]
