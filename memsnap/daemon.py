@@ -51,7 +51,7 @@ FLAGS = {
     "drain_concurrency": "drain.concurrency", "compression_level": "drain.compression_level",
     "hmac_key_file": "security.hmac_key_file", "move_in_doubt_s": "daemon.move_in_doubt_s",
     "node_name": "daemon.node_name", "admin_token_file": "daemon.admin_token_file",
-    "store_format": "store.format", "chunk_size": "store.chunk_size",
+    "store_format": "store.format", "chunk_size": "store.chunk_size", "pack_size": "store.pack_size",
 }
 
 

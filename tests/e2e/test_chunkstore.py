@@ -140,6 +140,26 @@ def test_whole_file_checkpoint_still_restores_after_switching_to_chunked(make_da
     assert r["from_store"] is True
 
 
+def test_a_checkpoint_of_loose_chunks_restores_after_packs_are_on_and_the_next_one_reuses_its_chunks(
+        make_daemon, jobs_to_kill):
+    d = make_daemon("loose", extra=["--pack-size", ""]).start()  # (an object per chunk: the format before packs)
+    jid, pid, log = _infer(d, jobs_to_kill, mib=16)
+    digest = start_digest(log)
+    ck1 = _ckpt(d, jid, "--wait", "durable")
+    assert "packs" not in _stored(d, ck1["id"])["storage"] and len(list((d.store / "chunks").rglob("*"))) > 16
+    d.stop()
+    d.extra = []  # packs (the default)
+    d.start()
+    ck2 = _ckpt(d, jid, "--stop", "--wait", "durable")
+    last = ticks(log, pid)[-1].n
+    s2 = _stored(d, ck2["id"])
+    assert s2["storage"]["packs"] and _reused(_stored(d, ck1["id"]), s2) >= 12 << 20
+    for ck in (ck1, ck2):
+        d.ctl("evict", ck["id"], check=True)
+    r = _restore_and_check(d, ck2["id"], log, digest, last, jobs_to_kill)  # (loose and packed chunks)
+    assert r["from_store"] is True
+
+
 def test_tampered_chunk_is_refused_with_data_loss_and_no_process(make_daemon, jobs_to_kill):
     d = make_daemon("tamper", extra=["--compression-level", "0"]).start()
     jid, _, log = _infer(d, jobs_to_kill, mib=8)
