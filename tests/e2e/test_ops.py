@@ -11,7 +11,16 @@ import time
 import pytest
 
 from memsnap.client import ClientError
-from tests.helpers import counter_argv, metrics_port, sample, scrape_metrics, start_digest, ticks, wait_for
+from tests.helpers import (
+    counter_argv,
+    metrics_port,
+    sample,
+    scrape_metrics,
+    start_digest,
+    stored_chunk,
+    ticks,
+    wait_for,
+)
 
 
 def test_sd_notify_ready_only_when_serving_then_watchdog_and_stopping(make_daemon, tmp_path):
@@ -92,9 +101,9 @@ def test_metrics_record_every_documented_series_from_a_real_daemon(make_daemon, 
         # A storage error: a stored object gone, so the fetch fails and is counted.
         ck2 = c.checkpoint(r.pid, wait_durable=True)
         c.evict(ck2.id)
-        victim = max((p for p in (d.store / ck2.id).iterdir() if p.is_file() and p.name != "manifest.json"),
-                     key=lambda p: p.stat().st_size)  # (a data object: pages-*.img.zst, or the chunked bundle)
-        victim.unlink()
+        m = json.loads((d.store / ck2.id / "manifest.json").read_text())
+        big = max(m["files"], key=lambda n: m["files"][n]["size"])
+        stored_chunk(d.store, m, m["storage"]["files"][big]["chunks"][0][0])[0].unlink()  # (its pack, or itself)
         with pytest.raises(ClientError):
             c.restore(ck2.id)
     after = scrape_metrics(port)
