@@ -149,6 +149,9 @@ class Packer:
         return loc
 
     def _raise(self) -> None:
+        """Raises what the writer thread met (the store's own error: tampering, unavailable, full...)."""
+        if isinstance(self._error, StoreError | OSError):
+            raise self._error
         if self._error is not None:
             raise StoreError(f"writing a pack failed: {self._error}") from self._error
 

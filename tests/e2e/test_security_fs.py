@@ -102,17 +102,21 @@ def test_delete_of_a_symlinked_store_dir_removes_nothing_outside_and_reports_tam
 
 
 # -- issue 13 item 2: a drain never writes through a store dir swapped mid-drain ----------------------------
+@pytest.mark.parametrize("swapped", ["packs", "checkpoint-dir"])
 def test_store_dir_swapped_mid_drain_writes_nothing_outside_and_never_reports_durable(
-        make_daemon, jobs_to_kill, victim):
-    d = make_daemon("swap", extra=["--drain-bandwidth", "8M", "--compression-level", "0"]).start()
+        make_daemon, jobs_to_kill, victim, swapped):
+    # packs: the drain writes its chunks into packs/<2 hex>/ (8 MiB packs here); checkpoint-dir: loose chunks,
+    # whose small files go first into store/<id>/ (the bundle). Either dir is swapped for a link once the first
+    # object landed in it (the 48 MiB of pages take seconds at 8 MB/s).
+    loose = ["--pack-size", ""] if swapped == "checkpoint-dir" else ["--pack-size", "8M"]
+    d = make_daemon("swap", extra=["--drain-bandwidth", "8M", "--compression-level", "0", *loose]).start()
     jid, _, _ = _job(d, jobs_to_kill, 48)
     before = _snapshot(victim)
     ck = _checkpoint(d, jid)
-    sdir = d.store / ck["id"]
-    # After the first object lands (small files go first, the 48 MiB of pages take seconds at 8 MB/s).
-    wait_for(lambda: sdir.is_dir() and any(not n.startswith(".tmp-") for n in os.listdir(sdir)), 30,
-             interval=0.005, what="the first object in the store")
-    os.rename(sdir, d.store / f"{ck['id']}.moved")
+    sdir = d.store / ck["id"] if swapped == "checkpoint-dir" else d.store / "packs"
+    wait_for(lambda: sdir.is_dir() and any(not p.name.startswith(".tmp-") for p in sdir.rglob("*") if p.is_file()),
+             30, interval=0.005, what="the first object in the store")
+    os.rename(sdir, sdir.with_name(sdir.name + ".moved"))
     os.symlink(victim, sdir)
     with d.client() as c:
         wait_for(lambda: c.show(ck["id"]).last_error, 60, what="the drain attempt to fail")
