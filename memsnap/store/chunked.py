@@ -257,9 +257,7 @@ class ChunkedDrain:
             cid = chunk_id(raw)
             self.stats.add(logical_bytes=len(raw))
             if not (self.trust_index and cid in self.index):
-                stored = encode_chunk(raw, self.level)
-                self._loc[cid] = self._packer.add(cid, stored, len(raw))
-                self.stats.add(stored_bytes=len(stored), new_bytes=len(raw))
+                self._upload(cid, raw, counts_as_chunk=False)
             progress(len(raw))
             return {"chunk": [cid, 0, len(raw)], "raw_bytes": len(raw)}
         stored = zstandard.ZstdCompressor(level=self.level).compress(raw) if self.level else raw
@@ -345,11 +343,13 @@ class ChunkedDrain:
         self._upload(cid, raw)
         return cid, "new"
 
-    def _upload(self, cid: str, raw: bytes) -> None:
+    def _upload(self, cid: str, raw: bytes, counts_as_chunk: bool = True) -> None:
+        """Writes a new chunk (into the drain's pack, or as its own object), under the bandwidth cap.
+        counts_as_chunk=False: the packed bundle of small files (bytes, not a chunk of an image file)."""
         stored = encode_chunk(raw, self.level)
         if self.throttle is not None:
             self.throttle.consume(len(stored))
-        self.stats.add(stored_bytes=len(stored), new_bytes=len(raw), new_chunks=1)
+        self.stats.add(stored_bytes=len(stored), new_bytes=len(raw), new_chunks=int(counts_as_chunk))
         if self._packer is not None:
             loc = self._packer.add(cid, stored, len(raw))
             with self._lock:

@@ -30,6 +30,7 @@ from memsnap.store.chunks import (
 from memsnap.store.errors import StoreError
 from memsnap.store.packs import FOOTER, PACK_MAGIC, Packer, parse_tail, read_pack_index
 from memsnap.store.posix import PosixStore
+from memsnap.store.throttle import Throttle
 
 AVG = 64 << 10
 PACK = 512 << 10
@@ -239,3 +240,24 @@ def test_a_ranged_read_returns_exactly_the_bytes_asked_at_any_offset(store: Posi
     for off, n in [(0, 1), (4095, 2), (len(data) - 3, 10), (len(data) + 5, 4)] + \
             [(rng.randrange(len(data)), rng.randrange(1, 3 << 20)) for _ in range(20)]:
         assert store.read_range("packs/ab/" + "ab" * 32, off, n) == data[off : off + n]
+
+
+def test_a_packed_bundle_passes_through_the_drains_bandwidth_cap(tmp_path: Path, store: PosixStore) -> None:
+    class Counted(Throttle):
+        consumed = 0
+
+        def consume(self, n: int) -> None:
+            Counted.consumed += n
+
+    index = ChunkIndex(None)
+    pages = _pages(300, 13)
+    d1, f1 = _tier(tmp_path, "t1", pages)
+    _drain(store, d1, f1, "ck-1", index)
+    d2, f2 = _tier(tmp_path, "t2", pages)
+    (d2 / "core-1.img").write_bytes(b"CORE" * 100)  # the same pages: only the small files are new
+    f2["core-1.img"]["blake3"] = blake3.blake3(b"CORE" * 100).hexdigest()
+    job = ChunkedDrain(store, 0, index, Chunking(AVG), throttle=Counted(None), threads=2, trust_index=True,
+                       pack_size=PACK)
+    with safefs.opened(os.open(d2, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
+        job.run("ck-2", sfd, f2, None, lambda n: None)
+    assert job.stats.new_chunks == 0 and Counted.consumed == 400
