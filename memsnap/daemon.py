@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import fcntl
 import logging
 import os
@@ -351,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     if os.geteuid() != 0:
         print("memsnapd: must run as root (CRIU needs it)", file=sys.stderr)
         raise SystemExit(1)
+    # kill -USR1 writes every thread's stack to stderr (the journal): what a daemon that stopped answering waits on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     daemon = Daemon(cfg)
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -188,8 +188,21 @@ class DaemonProc:
             argv = [*_as_user_argv(user, "sys.argv[0] = 'memsnapctl'; memsnap.cli.main()"), *args]
         r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
-            raise AssertionError(f"memsnapctl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+            raise AssertionError(f"memsnapctl {' '.join(args)} failed ({r.returncode}): {r.stderr}"
+                                 + self.stacks_if_stuck(r.stderr))
         return r
+
+    def stacks_if_stuck(self, stderr: str) -> str:
+        """After a call ran out of time: the daemon's thread stacks (SIGUSR1) and the end of its log, for the
+        failure message."""
+        if "DEADLINE_EXCEEDED" not in stderr or self.wrap or self.proc is None or self.proc.poll() is not None:
+            return ""
+        before = self.log.read_text(errors="replace").splitlines()
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        stacks = self.log.read_text(errors="replace").splitlines()[len(before):]
+        return ("\n--- the end of memsnapd's log ---\n" + "\n".join(before[-60:])
+                + "\n--- memsnapd's threads (SIGUSR1) ---\n" + "\n".join(stacks[:600]))
 
 
 NOBODY = 65534

@@ -209,3 +209,17 @@ def test_a_state_dir_too_deep_for_a_unix_socket_path_still_serves(make_daemon, t
     assert len(str(d.state / "private" / "grpc.sock")) > 107
     d.start()
     assert "memsnapd" in d.ctl("status", check=True).stdout
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_serves_on(daemon):
+    before = daemon.log.stat().st_size
+    daemon.proc.send_signal(signal.SIGUSR1)
+
+    def dumped() -> str | None:
+        text = daemon.log.read_bytes()[before:].decode(errors="replace")
+        return text if "most recent call first" in text and "in _accept_loop" in text else None
+
+    dump = wait_for(dumped, 10, 0.1, "the stack dump in the log")
+    assert "Thread 0x" in dump  # every thread, not only the main one
+    assert daemon.proc.poll() is None
+    assert "memsnapd" in daemon.ctl("status", check=True).stdout
