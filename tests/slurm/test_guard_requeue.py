@@ -26,6 +26,11 @@ def _guard_jobs(d: DaemonProc) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def _named(d: DaemonProc, name: str) -> set[str]:
+    """The ids of the daemon's jobs called name (the daemon is shared: other tests' jobs are in its lists)."""
+    return {r["id"] for r in json.loads(d.ctl("--json", "jobs", check=True).stdout) if r["name"] == name}
+
+
 def _script(limit_file: Path, argv: list[str]) -> str:
     """A batch script whose --memory-limit is read at each run (a user raising it for the requeued run)."""
     launcher = [sys.executable, "-m", "memsnap.cli", "slurm", "run"]
@@ -48,7 +53,8 @@ def test_workload_parked_at_its_memory_limit_is_requeued_and_resumed_at_the_next
              "be requeued by the launcher after the park")
     text = out.read_text()
     assert f"the memory guard parked {key}" in text and f"requeued Slurm job {job_id}" in text, text[-2000:]
-    parked = [g for g in _guard_jobs(daemon).values() if g["state"] == "parked"]
+    ours = _named(daemon, key)
+    parked = [g for g in _guard_jobs(daemon).values() if g["state"] == "parked" and g["job_id"] in ours]
     assert len(parked) == 1 and "memory limit" in parked[0]["reason"], parked
     assert parked[0]["stats"]["oom_kills"] == 0
     first = output_ticks(out)
