@@ -296,7 +296,7 @@ def status_cmd(obj: Ctx) -> None:
     human = "\n".join([
         f"memsnapd {s.version} on {s.hostname} (kernel {s.kernel}), CRIU {s.criu_version}",
         f"tier     {s.tier_dir}: {human_bytes(s.tier_used_bytes)} used, {human_bytes(s.tier_free_bytes)} free "
-        f"of {human_bytes(s.tier_capacity_bytes)}",
+        f"of {human_bytes(s.tier_capacity_bytes)}" + (f"; {s.tier_fs}" if s.tier_fs else ""),
         f"store    {s.store}",
         *([f"guard    {s.guard}"] if s.guard else []),
         f"jobs     {s.jobs_running} running",

@@ -146,7 +146,7 @@ class Daemon:
     def _status_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"store": self.drain.describe() if self.drain else "none",
                                  "store_id": self.drain.store_id() if self.drain else "",
-                                 "guard": self.guard.describe()}
+                                 "guard": self.guard.describe(), "tier_fs": self.tier.describe()}
         if self.drain is not None:
             extra["drain_queue_depth"], extra["drain_queue_bytes"] = self.drain.queue_stats()
         if self.migrator is not None:

@@ -73,6 +73,7 @@ def test_a_daemon_with_tier_mount_mounts_a_huge_page_tmpfs_restores_from_the_sto
     m = _mount_at(d.tier)
     assert m is not None and m["fstype"] == "tmpfs" and m["source"] == "memsnap"
     assert {"huge=within_size", "mode=700", "size=524288k"} <= set(m["fs-options"].split(","))
+    assert "; tmpfs mounted by memsnapd (huge=within_size, size=524288k)" in d.ctl("status", check=True).stdout
     jid, pid, log = _infer(d, jobs_to_kill, mib=16)
     digest = start_digest(log)
     ck = _ckpt(d, jid, "--stop", "--wait", "durable")
