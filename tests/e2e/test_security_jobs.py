@@ -325,7 +325,7 @@ def test_a_second_daemon_on_the_same_state_socket_or_port_exits_and_the_first_se
     assert Path(first.socket).exists()
 
 
-def test_status_counts_are_daemon_wide_only_for_root(open_daemons, jobs_to_kill):
+def test_status_counts_and_the_tier_fs_are_daemon_wide_only_for_root(open_daemons, jobs_to_kill):
     d = open_daemons("status").start()
     with d.client() as c:
         job = c.run(counter_argv(4))
@@ -339,6 +339,7 @@ def test_status_counts_are_daemon_wide_only_for_root(open_daemons, jobs_to_kill)
     assert int(theirs[1].get("checkpoints", 0)) == 0 and int(theirs[1].get("jobs_running", 0)) == 0
     assert not theirs[1].get("checkpoints_by_state")
     assert "drain_queue_depth" not in theirs[1] or int(theirs[1]["drain_queue_depth"]) == 0
+    assert root.tier_fs.startswith("a directory on tmpfs") and not theirs[1].get("tier_fs")
 
 
 def test_bad_job_input_is_refused_at_the_edge(daemon):
