@@ -109,6 +109,10 @@ class MemoryTier:
             return self.fs.describe()
         return f"a directory on {self.fs.describe()} at {self.fs.mount_point}"
 
+    def in_ram(self) -> bool:
+        """Whether the tier's files are RAM (it lies on a tmpfs or ramfs)."""
+        return self.fs is not None and self.fs.fstype in ("tmpfs", "ramfs")
+
     def info(self) -> dict[str, Any]:
         """kind, fstype, mounted_by_memsnapd and huge_pages ("" off a tmpfs), for memsnap_tier_info."""
         fs = self.fs

@@ -55,7 +55,7 @@ class Guard:
         self.spill = spill_engine
         # A spill tier in RAM (tmpfs, ramfs) is evicted once durable, like the memory tier; one on disk or DAX keeps
         # its copy (it costs no RAM, and a resume reads it without a fetch).
-        self.spill_in_ram = spill_engine is not None and in_ram(spill_engine.tier.root)
+        self.spill_in_ram = spill_engine is not None and spill_engine.tier.in_ram()
         if spill_engine is not None and spill_engine.drain is not None:
             # its own drain (the memory tier's reads another dir), started idle now, before the daemon starts the
             # main drain: each start clears the store's interrupted uploads, which must not hit live ones
@@ -641,25 +641,6 @@ class Guard:
             for k, v in changes.items():
                 setattr(g, k, v)
             self._save()
-
-
-def in_ram(path: Path | str) -> bool:
-    """Whether path lies on a tmpfs or ramfs mount (its files are RAM), from /proc/self/mountinfo."""
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
-            continue
-        mnt = fields[4].replace("\\040", " ")
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, fstype = mnt, right.split()[0]
-    return fstype in ("tmpfs", "ramfs")
 
 
 class _PeakSampler:
