@@ -34,9 +34,17 @@ def guard_jobs(d: DaemonProc) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def job_row(d: DaemonProc, job_id: str) -> dict[str, Any] | None:
-    rows = json.loads(d.ctl("--json", "jobs", check=True).stdout)
-    return next((r for r in rows if r["id"] == job_id), None)
+def job_row(d: DaemonProc, job_id: str, patient: bool = False) -> dict[str, Any] | None:
+    """The job's row in `memsnapctl jobs`. patient (a poll): a call that runs out of time warns, with the daemon's
+    stacks in pytest's warnings summary, and gives None (one slow poll, seen once in CI during a park, is not
+    what these tests check)."""
+    r = d.ctl("--json", "jobs", check=not patient)
+    if r.returncode != 0 and "DEADLINE_EXCEEDED" in r.stderr:
+        warnings.warn(f"memsnapctl jobs ran out of time while polling {job_id}" + d.stacks_if_stuck(r.stderr),
+                      stacklevel=2)
+        return None
+    assert r.returncode == 0, r.stderr
+    return next((x for x in json.loads(r.stdout) if x["id"] == job_id), None)
 
 
 def oom_control(cgroup: str) -> dict[str, int]:
@@ -59,15 +67,7 @@ def run_job(d: DaemonProc, *args: str, argv: list[str]) -> dict[str, Any]:
 
 def wait_state(d: DaemonProc, job_id: str, state: str, timeout: float = 60) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
-        r = d.ctl("--json", "jobs")
-        if r.returncode != 0 and "DEADLINE_EXCEEDED" in r.stderr:
-            # one slow poll (seen once in CI, during a park) is not what these tests check: say so with the
-            # daemon's stacks, in pytest's warnings summary, and poll again
-            warnings.warn(f"memsnapctl jobs ran out of time while waiting for {job_id} to be {state}"
-                          + d.stacks_if_stuck(r.stderr), stacklevel=1)
-            return None
-        assert r.returncode == 0, r.stderr
-        row = next((x for x in json.loads(r.stdout) if x["id"] == job_id), None)
+        row = job_row(d, job_id, patient=True)
         return row if row is not None and row.get("guard_state") == state else None
     got: dict[str, Any] = wait_for(check, timeout, 0.1, f"{job_id} to be {state}")  # type: ignore[assignment]
     return got
