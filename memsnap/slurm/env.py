@@ -152,10 +152,17 @@ def kill_wait(timeout: float = 5.0) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def requeue(job_id: str, timeout: float = 10.0) -> str:
-    """Asks slurmctld to requeue the job; returns "" on success, else the error."""
+def requeue(job_id: str, known_restarts: int | None = None, timeout: float = 10.0) -> str:
+    """Asks slurmctld to requeue the job; returns "" on success, else the error.
+
+    Called from inside the job, scontrol is one of the job's processes, and the requeue it asked for signals
+    them all: it may die of that signal before it exits 0 (seen in CI: exit status -15 for a job that was
+    requeued). A scontrol killed by a signal succeeded if slurmctld says the job is being requeued
+    (classify(), with the caller's own restart count)."""
     try:
         r = subprocess.run([scontrol(), "requeue", job_id], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired, SlurmQueryError) as exc:
         return str(exc)
-    return "" if r.returncode == 0 else (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"
+    if r.returncode == 0 or (r.returncode < 0 and job_fate(job_id, known_restarts) == "requeue"):
+        return ""
+    return (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"

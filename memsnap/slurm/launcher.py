@@ -389,7 +389,7 @@ class Launcher:
         if self.relay is not None:
             self.relay.finish()
         if self.slurm is not None:
-            err = slurm_env.requeue(self.slurm.job_id)
+            err = slurm_env.requeue(self.slurm.job_id, self.slurm.restart_count)
             if not err:
                 self.note(f"the memory guard parked {self.key} ({why}); requeued Slurm job {self.slurm.job_id}")
                 return 0
@@ -533,7 +533,7 @@ class Launcher:
             return None
         if self.slurm is None:
             return 0
-        err = slurm_env.requeue(self.slurm.job_id)
+        err = slurm_env.requeue(self.slurm.job_id, self.slurm.restart_count)
         if not err:
             self.note(f"requeued Slurm job {self.slurm.job_id}; the next run restores {self.key}")
             return 0

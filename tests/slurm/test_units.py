@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from memsnap.slurm.env import JobInfo, SlurmJob, classify, parse_show_job, restart_count
+from memsnap.slurm.env import JobInfo, SlurmJob, classify, parse_show_job, requeue, restart_count
 from memsnap.slurm.relay import EXIT_MARKER, LogRelay, unwrap, wrap
 
 # Seen on Slurm 22.05 right after the signal reached the batch shell.
@@ -107,3 +108,27 @@ def test_wrapper_reports_the_exit_status(tmp_path, argv, status):
     assert relay.exit_status == status
     assert EXIT_MARKER not in out.getvalue()
     assert unwrap(wrap(argv)) == argv and unwrap(argv) == argv
+
+
+def _fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_requeue: str, show: str) -> None:
+    """An scontrol on PATH: `requeue` runs on_requeue (shell), `-o show job` prints show."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f"#!/bin/sh\nif [ \"$1\" = requeue ]; then {on_requeue}; fi\necho '{show}'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+@pytest.mark.parametrize("on_requeue,show,ok", [
+    ("exit 0", RUNNING, True),
+    # the requeue it asked for signalled the job's processes, scontrol too, before it exited: done all the same
+    ("kill -TERM $$", REQUEUED, True),
+    ("kill -TERM $$", RUNNING, False),  # killed, and the job runs on under the same restart count: not requeued
+    ("echo 'Requested operation is presently disabled' >&2; exit 1", RUNNING, False),
+])
+def test_requeue_counts_a_scontrol_killed_by_the_requeue_it_asked_for_as_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_requeue: str, show: str, ok: bool) -> None:
+    _fake_scontrol(tmp_path, monkeypatch, on_requeue, show)
+    err = requeue("11", known_restarts=0)
+    assert (err == "") is ok, err
