@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, background, failpoints, jobs, knobs, manifest, proc, progress
+from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, proc, progress
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -535,6 +535,8 @@ class Engine:
         """
         if "own_mntns" not in fields:
             fields["own_mntns"] = own_mount_ns(rec.pid)
+        if job is not None:  # (signed: a restore names its job after this, not after the checkpoint's --name)
+            fields.setdefault("extra", {})["job_name"] = job.name
         return Manifest(id=rec.id, pid=rec.pid, job=rec.job, name=rec.name, uid=rec.owner_uid, files=files,
                         argv=argv, host=self.hostname, kernel=platform.release(),
                         criu_version=self.criu.version(), memsnap_version=__version__, created_ms=rec.created_ms,
@@ -746,7 +748,7 @@ class Engine:
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
         if server is None and not knobs.keep_logs():
             shutil.rmtree(work, ignore_errors=True)
-        job = JobRecord(id="job-" + secrets.token_hex(4), name=rec.name or rec.job or rec.id, pid=new_pid,
+        job = JobRecord(id="job-" + secrets.token_hex(4), name=restored_job_name(rec, man), pid=new_pid,
                         pid_start=_start_or_zero(new_pid), owner_uid=rec.owner_uid,
                         argv=list(man.get("argv", [])), log_path=str(man.get("log_path", "")),
                         started_ms=now_ms(), restored_from=rec.id)
@@ -1168,7 +1170,7 @@ class Engine:
                 time.sleep(0.2)
 
     def restore_own_log(self, caller: Caller, key: str, moved: bool = False, **kw: Any) -> RestoreResult:
-        """restore(), with the restored job's output going to a log of its own: <parent log stem>.restore-
+        """restore(), with the restored job's output going to a log of its own: <first job's log stem>.restore-
         <checkpoint>-<token>.log next to the parent's, which starts with a line naming the checkpoint and
         the parent log. Two restores of one checkpoint never write into one file; the old log stays as it
         was. Images whose job had no log (not started by memsnap) restore as before.
@@ -1188,7 +1190,10 @@ class Engine:
                 self.catalog.update_job(res.job.id, moved_from=moved_from)
                 res.job.moved_from = moved_from
             return res
-        path = log_dir / f"{Path(parent).stem}.restore-{rec.id}-{secrets.token_hex(3)}.log"
+        # Named after the first job of the chain, not the parent: the name stays the same length however many
+        # generations a job lives through (a name that grew by one parent per restore hit ENAMETOOLONG at the 6th).
+        root = Path(parent).stem.split(".restore-", 1)[0]
+        path = log_dir / f"{root}.restore-{rec.id}-{secrets.token_hex(3)}.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
         try:
             if rec.owner_uid:
@@ -1208,6 +1213,18 @@ class Engine:
         self.catalog.update_job(res.job.id, log_path=str(path), **({"moved_from": moved_from} if moved else {}))
         res.job.log_path, res.job.moved_from = str(path), moved_from
         return res
+
+
+def restored_job_name(rec: CheckpointRecord, man: dict[str, Any]) -> str:
+    """What a restored job is called: the job it was (not the checkpoint's own --name), else, for a process
+    memsnap did not start, its command's name; a checkpoint from before job names were signed: its name."""
+    if man.get("job_name"):
+        return str(man["job_name"])
+    if rec.job:
+        return rec.name or rec.job
+    argv = [str(a) for a in man.get("argv") or []]
+    argv = argv[4:] if jobinit.is_init(argv) else argv
+    return os.path.basename(argv[0])[:64] if argv and argv[0] else rec.name or rec.id
 
 
 def _file_size(path: str) -> int:
