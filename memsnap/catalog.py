@@ -106,7 +106,8 @@ class MoveMarks:
     target), committing_to (the commit was asked of that target: in doubt after a crash), moved_to and
     moved_job (the target keeps the job: the held copy here ends). Target side: move_pending (the job
     restored for a move that the source has not committed yet), pages_remote (the small first half of a
-    lazy move: its memory stayed on the source).
+    lazy move: its memory stayed on the source), move_incoming (an image that came for a move not committed
+    yet: it goes unless the commit comes; "store" when it is the source's stored copy, cataloged only).
     """
 
     hold: bool = False
@@ -116,6 +117,7 @@ class MoveMarks:
     moved_job: str = ""
     move_pending: str = ""
     pages_remote: bool = False
+    move_incoming: str = ""
 
     @classmethod
     def of(cls, meta: dict[str, Any]) -> MoveMarks:
@@ -123,7 +125,8 @@ class MoveMarks:
         return cls(hold=bool(meta.get("hold")), lazy_move=str(meta.get("lazy_move") or ""),
                    committing_to=str(meta.get("committing_to") or ""), moved_to=str(meta.get("moved_to") or ""),
                    moved_job=str(meta.get("moved_job") or ""), move_pending=str(meta.get("move_pending") or ""),
-                   pages_remote=bool(meta.get("pages_remote")))
+                   pages_remote=bool(meta.get("pages_remote")),
+                   move_incoming=str(meta.get("move_incoming") or ""))
 
 
 @dataclass

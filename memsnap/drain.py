@@ -189,8 +189,9 @@ class DrainService:
     # -- one drain ----------------------------------------------------------------------------
     def _drain_with_retry(self, ckpt_id: str) -> None:
         rec = self.catalog.get_checkpoint(ckpt_id)
-        if rec is None or rec.state not in (STAGED, DRAINING) or not rec.in_tier or rec.meta.get("moved_to"):
-            return  # (a committed move's source image: the target drains it, docs/background.md)
+        if rec is None or rec.state not in (STAGED, DRAINING) or not rec.in_tier or rec.meta.get("moved_to") \
+                or rec.meta.get("move_incoming"):
+            return  # (a committed move's source image: the target drains it; a received one: once committed)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
         attempts = rec.drain_attempts + 1
         self.catalog.update_checkpoint(ckpt_id, state=DRAINING, drain_attempts=attempts, drained_bytes=0)

@@ -971,8 +971,9 @@ class Engine:
                 if moves is not None:
                     moves.lazy_target_interrupted(rec)
                 continue
-            if marks.move_pending:
-                # Restored here for a move that the source never committed: it runs the job itself.
+            if marks.move_pending or marks.move_incoming:
+                # Restored (or only received) here for a move that the source never committed: it runs the
+                # job itself, and the image goes.
                 if moves is not None:
                     moves.abandon(rec)
                 continue

@@ -621,3 +621,114 @@ def flip_stored_chunk_byte(store_root: Path, manifest: dict[str, Any], cid: str)
         b = f.read(1)
         f.seek(off + n // 2)
         f.write(bytes([b[0] ^ 1]))
+
+
+# -- the node stays healthy after every step of a sequence (tests/e2e/test_sequences.py, tests/soak) -------------
+RESTORABLE_STATES = {"staged", "draining", "durable"}
+
+
+def restorable_ids(d: DaemonProc) -> set[str]:
+    """The checkpoints d lists as restorable (staged, draining or durable)."""
+    import json
+
+    return {c["id"] for c in json.loads(d.ctl("--json", "list", check=True).stdout)
+            if c["state"] in RESTORABLE_STATES}
+
+
+def criu_of(d: DaemonProc) -> list[str]:
+    """CRIU processes working for d: its criu children (swrk) and lazy-pages servers in its state dir."""
+    found = []
+    if d.proc is not None and d.proc.poll() is None:
+        try:
+            for p in psutil.Process(d.proc.pid).children(recursive=True):
+                try:
+                    if p.name() == "criu":
+                        found.append(f"{p.pid} {' '.join(p.cmdline())}")
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+    return found + [f"{pid} lazy-pages" for pid in lazy_pages_of(d)]
+
+
+def stopped_in(pids: list[int]) -> list[str]:
+    """Processes in the trees of pids that are stopped or traced (a job left frozen)."""
+    out = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                st = p.status()
+            except psutil.Error:
+                continue
+            if st in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                out.append(f"{p.pid} ({p.name()}) {st}")
+    return out
+
+
+def assert_node_healthy(d: DaemonProc, restorable: set[str] | None = None, jobs: list[int] | None = None,
+                        settle_s: float = 30.0) -> None:
+    """After a step: no CRIU left working for d, drains not paused, no job of `jobs` (or d's running jobs)
+    frozen, and (when given) exactly `restorable` restorable checkpoints. Polls up to settle_s for work that
+    ends on its own (a lazy restore paging in, a drain's pause)."""
+    import json
+
+    def problems() -> list[str]:
+        bad = [f"criu left: {c}" for c in criu_of(d)]
+        st = json.loads(d.ctl("--json", "status", check=True).stdout)
+        if st.get("drains_paused"):
+            bad.append(f"drains paused: {st.get('drains_paused_reason')} {st.get('drains_held')}")
+        pids = jobs if jobs is not None else sorted(running_job_pids(d))
+        bad += [f"frozen: {s}" for s in stopped_in(pids)]
+        if restorable is not None:
+            got = restorable_ids(d)
+            if got != restorable:
+                bad.append(f"restorable: extra {sorted(got - restorable)}, missing {sorted(restorable - got)}")
+        return bad
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        bad = problems()
+        if not bad:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"node {d.base.name} unhealthy: " + "; ".join(bad))
+        time.sleep(0.2)
+
+
+# -- real programs (tests/e2e/test_private_tmp.py, tests/soak) -------------------------------------------------
+ROUNDS_JAVA = REPO / "tests" / "workloads" / "Rounds.java"
+ROUND = re.compile(r"^round (\d+) ([0-9a-f]+)$")
+
+
+def rounds_classpath() -> str:
+    """A directory holding the compiled JVM workload (tests/workloads/Rounds.java), compiled once per source."""
+    import hashlib
+
+    tag = hashlib.sha256(ROUNDS_JAVA.read_bytes()).hexdigest()[:12]
+    out = Path("/var/tmp") / f"memsnap-rounds-{tag}"
+    if not (out / "Rounds.class").exists():
+        tmp = Path(f"{out}.{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["javac", "-d", str(tmp), str(ROUNDS_JAVA)], check=True, capture_output=True, timeout=120)
+        os.chmod(tmp, 0o755)
+        try:
+            tmp.rename(out)
+        except OSError:  # (another test compiled it meanwhile)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def jvm_argv(mib: int = 16, interval_ms: int = 200) -> list[str]:
+    """argv of the JVM workload: MIB MiB of heap whose digest it prints every round."""
+    return ["java", "-Xmx512m", "-cp", rounds_classpath(), "Rounds", str(mib), str(interval_ms)]
+
+
+def jvm_rounds(log_path: str | Path) -> list[tuple[int, str]]:
+    """(round, digest) of every round line in a JVM job's log and its restored copies' logs."""
+    return [(int(m.group(1)), m.group(2)) for line in job_output(log_path).splitlines()
+            if (m := ROUND.match(line.strip()))]

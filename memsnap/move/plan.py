@@ -28,7 +28,7 @@ from typing import Any, NoReturn, Protocol
 import grpc
 
 from memsnap import failpoints, net
-from memsnap.catalog import Catalog, CheckpointRecord, JobRecord
+from memsnap.catalog import DURABLE, FAILED, Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError
 from memsnap.config import Config
 from memsnap.criu import CriuApi, NotifyCallback
@@ -103,6 +103,9 @@ class MoveHost(Protocol):
 
     def live_jobs_restored_from(self, ckpt_id: str) -> list[JobRecord]:
         """Running jobs restored here from ckpt_id."""
+
+    def tier_copy_in_use(self, ckpt_id: str) -> bool:
+        """Whether a restore still reads this checkpoint's tier copy."""
 
 
 def move_error(code: str, message: str) -> MemsnapError:
@@ -218,7 +221,21 @@ def rollback(host: MoveHost, move: Move, step: str, why: str, code: str) -> NoRe
         log.exception("rollback failed")
         raise move_error("INTERNAL", f"migration failed at {step}: {why}; resuming the job here failed too "
                          f"({exc}); its image is checkpoint {move.ckpt_id}") from exc
+    _drop_own_image(host, move.ckpt_id)
     raise move_error(code, f"migration failed at {step}: {why}; the job was resumed on this node{where}")
+
+
+def _drop_own_image(host: MoveHost, ckpt_id: str) -> None:
+    """A move that did not happen leaves no image behind here either: the job runs on, and nobody asked for a
+    checkpoint. One that became durable meanwhile (--via-store) stays, a checkpoint like any other; a failed
+    lazy dump's record stays FAILED with its logs (end_lazy_dump)."""
+    rec = host.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
+    if rec is None or rec.state in (DURABLE, FAILED) or rec.marks.lazy_move:
+        return
+    try:
+        host.delete(ROOT, ckpt_id)
+    except MemsnapError as exc:
+        log.warning("could not drop %s, the image of a move that did not happen: %s", ckpt_id, exc)
 
 
 def _resume_here(host: MoveHost, move: Move) -> str:

@@ -335,7 +335,8 @@ class ImageReceiver:
         files: dict[str, _Incoming] = {}
         # Journal first: if this daemon dies mid-stream, recovery removes the partial image.
         self.host.catalog.add_checkpoint(CheckpointRecord(id=ckpt_id, state=DUMPING, pid=0, owner_uid=0,
-                                                            created_ms=now_ms(), name="incoming"))
+                                                            created_ms=now_ms(), name="incoming",
+                                                            meta={"move_incoming": "streamed"}))
         incoming = tier.new_staging(ckpt_id, area=INCOMING)
         try:
             signed: bytes = b""
@@ -363,9 +364,8 @@ class ImageReceiver:
         finally:
             for r in self._reservations:
                 r.release()
-        rec = self.host.catalog.get_checkpoint(ckpt_id)
-        if self.host.drain is not None and rec is not None and not rec.meta.get("pages_remote"):
-            self.host.drain.enqueue(ckpt_id)  # (the first half of a lazy move is never worth storing)
+        # Not drained yet: the image is the job's only once the source commits the move (MoveTarget.commit
+        # queues its drain); a move that fails takes it away again (move.target.drop_incoming).
         return ckpt_id, total
 
     def _write(self, d: Path, files: dict[str, _Incoming], chunk: pb.ImageChunk) -> None:
@@ -440,7 +440,8 @@ class ImageReceiver:
             raise IntegrityFailure(str(exc)) from exc
         # Re-signed with this node's key; every byte was hashed as it arrived, so restore need not read
         # the files again (publish_image records their fingerprint).
-        return publish_image(self.host.tier, self.host.catalog, self.host.key, d, man, pid=int(man.pid),
+        return publish_image(self.host.tier, self.host.catalog, self.host.key, d, man,
+                             keep_meta={"move_incoming": "streamed"}, pid=int(man.pid),
                              owner_uid=int(man.uid), job=str(man.job), name=str(man.name),
                              frozen_ms=int(man.frozen_ms), dump_ms=int(man.dump_ms))
 

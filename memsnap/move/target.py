@@ -23,7 +23,7 @@ from memsnap.auth import call_token, transfer_key
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.convert import job_pb
 from memsnap.engine import ROOT, Caller, RestoreResult
-from memsnap.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied
 from memsnap.malloc import bulk_transfer
 from memsnap.move.network import IncomingAddress
 from memsnap.move.plan import MoveHost, set_mark
@@ -76,6 +76,7 @@ class MoveTarget:
         with bulk_transfer():
             ckpt_id, total = ImageReceiver(self.engine, key).receive(chunks)
         log.info("received image %s: %d bytes", ckpt_id, total, extra={"checkpoint_id": ckpt_id})
+        self._timer(self.commit_timeout_s, lambda: self._expire_incoming(ckpt_id))
         return pb.ReceiveImageResponse(checkpoint_id=ckpt_id, bytes=total)
 
     def restore_received(self, caller: Caller, req: pb.RestoreReceivedRequest,
@@ -118,6 +119,8 @@ class MoveTarget:
                 self.tunnels.failed(tunnel, f"the lazy restore failed: {exc}")
             self._journal_pending(req.checkpoint_id, "")  # (the copy here is dead: nothing to commit)
             address.failed()
+            if not drop_incoming(self.engine, req.checkpoint_id):  # (the job runs on at the source: no copy here)
+                self._timer(5.0, lambda: self._expire_incoming(req.checkpoint_id))  # (lazy-pages still ends)
             raise
         address.done()
         self._arm_expiry(req.checkpoint_id, res.job.id)
@@ -164,10 +167,12 @@ class MoveTarget:
             while len(self._committed) > 256:
                 self._committed.pop(next(iter(self._committed)))
             if rec is not None:
-                meta = {k: v for k, v in rec.meta.items() if k != "move_pending"}
+                meta = {k: v for k, v in rec.meta.items() if k not in ("move_pending", "move_incoming")}
                 self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
                 if meta.get("pages_remote"):
                     self.tunnels.committed(ckpt_id)
+                elif rec.state != DURABLE and self.engine.drain is not None:
+                    self.engine.drain.enqueue(ckpt_id)  # (the image is this job's now: store it)
         failpoints.hit("commit-then-die")  # (the reply is lost)
         return pb.RestoreResponse(pid=job.pid, job=job_pb(job, True))
 
@@ -192,6 +197,14 @@ class MoveTarget:
                         job_id, extra={"checkpoint_id": ckpt_id})
             abandon_move(self.engine, rec)
 
+    def _expire_incoming(self, ckpt_id: str) -> None:
+        """An image received for a move that never restored here (the source gave up, or died) goes."""
+        rec = self.engine.catalog.get_checkpoint(ckpt_id)
+        if rec is None or not rec.marks.move_incoming or rec.marks.move_pending:
+            return  # (committed, dropped already, or restored: the pending move's own expiry decides)
+        if self.tunnels.busy(ckpt_id) or not drop_incoming(self.engine, ckpt_id):
+            self._timer(self.commit_timeout_s, lambda: self._expire_incoming(ckpt_id))  # (a restore reads it)
+
     def _wait_paged_in(self, res: RestoreResult) -> int:
         """Early resume: waits until lazy-pages has put every page in place; ms the job ran meanwhile."""
         t0 = time.monotonic()
@@ -215,7 +228,10 @@ class MoveTarget:
         if self.engine.drain is None:
             raise FailedPrecondition("this node has no store configured, so it cannot fetch a stored "
                                      "checkpoint")
-        meta = {"argv": list(info.argv), "host": info.hostname, "criu_version": info.criu_version}
+        # move_incoming "store": the source's stored copy, only cataloged here; a move that fails forgets it
+        # here and never deletes it from the store.
+        meta = {"argv": list(info.argv), "host": info.hostname, "criu_version": info.criu_version,
+                "move_incoming": "store"}
         self.engine.catalog.add_checkpoint(CheckpointRecord(
             id=info.id, state=DURABLE, pid=int(info.pid), owner_uid=int(info.owner_uid),
             created_ms=int(info.created_unix_ms), job=info.job, name=info.name,
@@ -239,6 +255,32 @@ def abandon_move(host: MoveHost, rec: CheckpointRecord) -> None:
         forget_lazy_image(host, rec.id)
     else:
         set_mark(host.catalog, rec.id, move_pending=None)
+        drop_incoming(host, rec.id)
+
+
+def drop_incoming(host: MoveHost, ckpt_id: str) -> bool:
+    """Takes away what a move that did not happen brought here: the image it sent (tier, catalog, this node's
+    store), or the catalog row and tier copy of the source's stored copy (a move via the store: that stays in
+    the store). False while a restore still reads the tier copy (the caller tries again later)."""
+    rec = host.catalog.get_checkpoint(ckpt_id)
+    if rec is None or not rec.marks.move_incoming:
+        return True  # (committed: the job's own checkpoint now)
+    if rec.marks.pages_remote:
+        forget_lazy_image(host, ckpt_id)
+        return True
+    if host.tier_copy_in_use(ckpt_id):
+        return False
+    if rec.marks.move_incoming == "store":
+        host.catalog.update_checkpoint(ckpt_id, in_store=False)  # (delete must not touch the source's copy)
+    try:
+        host.delete(ROOT, ckpt_id)
+    except MemsnapError as exc:
+        log.warning("could not drop %s, the image of a move that did not happen: %s", ckpt_id, exc,
+                    extra={"checkpoint_id": ckpt_id})
+        return False
+    log.info("dropped %s: its move did not happen (the job runs on at the source)", ckpt_id,
+             extra={"checkpoint_id": ckpt_id})
+    return True
 
 
 def recover_lazy_target(host: MoveHost, rec: CheckpointRecord) -> None:
@@ -251,4 +293,4 @@ def recover_lazy_target(host: MoveHost, rec: CheckpointRecord) -> None:
     forget_lazy_image(host, rec.id)
 
 
-__all__ = ["COMMIT_TIMEOUT_S", "MoveTarget", "abandon_move", "recover_lazy_target"]
+__all__ = ["COMMIT_TIMEOUT_S", "MoveTarget", "abandon_move", "drop_incoming", "recover_lazy_target"]

@@ -16,10 +16,11 @@ import pytest
 
 from memsnap import manifest
 from tests.helpers import (
+    RESTORABLE_STATES,
     DaemonProc,
     Pair,
+    assert_node_healthy,
     kill_target_then_expect_rollback,
-    lazy_pages_of,
     metrics_port,
     migrate_in_background,
     sample,
@@ -167,10 +168,14 @@ def test_target_that_cannot_restore_leaves_the_job_running_here(lazy, pair, jobs
         assert "migration failed at restore on the target" in r.stderr, r.stderr
         assert "resumed on this node" in r.stderr
         _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
-        # The target kept no half-restored job, and no lazy-pages daemon.
+        # The target kept no half-restored job, no lazy-pages daemon and no copy of the image (neither in its
+        # catalog nor its tier); the source keeps no image of the move that did not happen.
         with blind.client() as c:
             assert not [j for j in c.jobs() if j.running]
-        wait_for(lambda: not lazy_pages_of(blind), 10, what="lazy-pages to be gone on the target")
+        assert_node_healthy(blind, restorable=set())
+        assert not [p for p in blind.tier.iterdir() if p.name.startswith("ck-")]
+        assert not [c for c in json.loads(a.ctl("--json", "list", "--job", job["id"], check=True).stdout)
+                    if c["state"] in RESTORABLE_STATES]
     finally:
         blind.cleanup()
 
@@ -321,6 +326,7 @@ def test_target_dies_before_replying_its_restored_copy_is_killed_at_restart(when
         wait_for(lambda: not Path(f"/proc/{other}").exists(), 10, what="the uncommitted copy to be killed")
         with t.client() as c:
             assert not [j for j in c.jobs() if j.running]
+        assert_node_healthy(t, restorable=set())  # (nor the image it brought)
         _keeps_ticking_with(job, job["pid"], job["digest"], fresh=3)
     finally:
         t.cleanup()
