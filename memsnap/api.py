@@ -16,7 +16,7 @@ from memsnap import validate as v
 from memsnap.auth import tcp_authenticated
 from memsnap.catalog import JobRecord
 from memsnap.convert import ckpt_pb, job_pb
-from memsnap.engine import ROOT, Caller, Engine
+from memsnap.engine import ROOT, Caller, DumpHooks, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.guard.policy import CRITICAL
 from memsnap.move.plan import MoveRequest, MoveResult
@@ -117,13 +117,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         caller = caller_of(context)
         argv, env = v.argv(request.argv), v.env(request.env)
         v.exec_size(argv, env)
-        own_proc = request.own_proc if request.HasField("own_proc") else None
+        # (unset: the node decides)
+        spaces = {k: getattr(request, k) if request.HasField(k) else None for k in ("own_proc", "private_tmp")}
         keep = _keep_rules(request)
         if request.memory_limit_bytes or request.priority or request.critical or request.on_limit:
-            resp = self._run_guarded(caller, request, argv, env, own_proc)
+            resp = self._run_guarded(caller, request, argv, env, spaces)
         else:
             job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
-                                      own_proc=own_proc)
+                                      **spaces)
             resp = pb.RunJobResponse(job=job_pb(job, True))
         if keep is not None:
             self._gc().set_policy(series_of_job(resp.job.owner_uid, resp.job.name, resp.job.id), *keep)
@@ -141,8 +142,9 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.name("name", request.name)
         v.enum("wait", request.wait, pb.WaitFor.values())
         keep = _keep_rules(request)
+        strict = DumpHooks(dump_opts={"skip_in_flight": False}) if request.fail_on_in_flight else None
         rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
-                                     tcp_established=request.tcp_established, name=request.name)
+                                     tcp_established=request.tcp_established, name=request.name, hooks=strict)
         if keep is not None:
             self._gc().set_policy(series_of(rec), *keep)
         if request.wait == pb.WAIT_FOR_DURABLE:
@@ -284,7 +286,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
     # -- memory guard (memsnap.guard) ------------------------------------------------------
     def _run_guarded(self, caller: Caller, request: pb.RunJobRequest, argv: list[str], env: dict[str, str],
-                     own_proc: bool | None) -> pb.RunJobResponse:
+                     spaces: dict[str, bool | None]) -> pb.RunJobResponse:
         """RunJob with --memory-limit/--priority/--on-limit: the job starts inside its own memory cgroup."""
         guard = self._guard()
         limit = request.memory_limit_bytes
@@ -300,7 +302,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         cgroup, procs = guard.prepare(limit) if limit else ("", "")
         try:
             job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
-                                      own_proc=own_proc, cgroup_procs=procs)
+                                      cgroup_procs=procs, **spaces)
         except BaseException:
             guard.forget_cgroup(cgroup)
             raise

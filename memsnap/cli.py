@@ -315,6 +315,9 @@ def status_cmd(obj: Ctx) -> None:
 @click.option("--own-proc/--host-proc", "own_proc", default=None,
               help="give the job its own /proc (a mount namespace; CUDA needs it), or the host's; "
                    "default: its own on a node with an NVIDIA GPU")
+@click.option("--private-tmp/--shared-tmp", "private_tmp", default=None,
+              help="give the job a /tmp of its own (its files travel in its checkpoints), or the host's "
+                   "(files there are shared with everyone); default: the node's daemon.private_tmp (on)")
 @click.option("--memory-limit", default="", help="its own memory cgroup with this limit, e.g. 256M, 4G")
 @click.option("--priority", default="0", help="node pressure parks the lowest first: -1000..1000, or critical "
                                                "(never parked by node pressure)")
@@ -327,8 +330,8 @@ def status_cmd(obj: Ctx) -> None:
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 @handle_errors
-def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, priority: str, on_limit: str,
-            keep_last: int | None, keep_within: str | None, argv: tuple[str, ...]) -> None:
+def run_cmd(obj: Ctx, name: str, own_proc: bool | None, private_tmp: bool | None, memory_limit: str, priority: str,
+            on_limit: str, keep_last: int | None, keep_within: str | None, argv: tuple[str, ...]) -> None:
     """Start CMD as a managed job in its own PID namespace: memsnapctl run [--name N] -- CMD ARGS..."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSNAP_SOCKET")}
     guarded = guard_args(memory_limit, priority, on_limit)
@@ -336,7 +339,8 @@ def run_cmd(obj: Ctx, name: str, own_proc: bool | None, memory_limit: str, prior
         _check_command(argv[0], env.get("PATH", os.defpath))
     keep: dict[str, Any] = {"keep_last": keep_last, "keep_within_s": _duration_arg(keep_within, "--keep-within")}
     with obj.client() as c:
-        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, **guarded, **keep)
+        job = c.run(list(argv), name=name, cwd=os.getcwd(), env=env, own_proc=own_proc, private_tmp=private_tmp,
+                    **guarded, **keep)
     obj.emit({"job": job.id, "pid": int(job.pid), "name": job.name, "log": job.log_path},
              f"started {job.id} ({job.name}) as pid {job.pid}; output: memsnapctl logs -f {job.id}")
 
@@ -404,6 +408,9 @@ def _ckpt_summary(d: dict[str, Any]) -> str:
 @click.option("--wait", "wait_for", type=click.Choice(["staged", "durable"]), default="staged",
               show_default=True, help="return once the checkpoint is staged or durable")
 @click.option("--tcp-established", is_flag=True, help="also dump established TCP connections")
+@click.option("--skip-in-flight/--fail-on-in-flight", default=True, show_default=True,
+              help="leave out connections still in a listener's accept queue (a busy server's: a restore "
+                   "resets them for their clients), or fail on one")
 @click.option("--name", default="", help="label for the checkpoint")
 @click.option("--keep-last", type=click.IntRange(0, 1_000_000), default=None, metavar="N",
               help="from now on gc keeps the newest N checkpoints of this job (or process)")
@@ -411,12 +418,13 @@ def _ckpt_summary(d: dict[str, Any]) -> str:
               help="from now on gc keeps its checkpoints younger than this, e.g. 30m, 2h, 7d")
 @click.pass_obj
 @handle_errors
-def checkpoint_cmd(obj: Ctx, target: str, stop: bool, wait_for: str, tcp_established: bool, name: str,
-                   keep_last: int | None, keep_within: str | None) -> None:
+def checkpoint_cmd(obj: Ctx, target: str, stop: bool, wait_for: str, tcp_established: bool, skip_in_flight: bool,
+                   name: str, keep_last: int | None, keep_within: str | None) -> None:
     """Checkpoint a PID or JOB into the memory tier (it keeps running unless --stop)."""
     durable = wait_for == "durable"
     bar = obj.progress("") if durable else None
-    keep: dict[str, Any] = {"keep_last": keep_last, "keep_within_s": _duration_arg(keep_within, "--keep-within")}
+    keep: dict[str, Any] = {"keep_last": keep_last, "keep_within_s": _duration_arg(keep_within, "--keep-within"),
+                            "fail_on_in_flight": not skip_in_flight}
     with obj.client() as c:
         if bar is None:
             ck = c.checkpoint(target, stop=stop, wait_durable=durable, tcp_established=tcp_established, name=name,

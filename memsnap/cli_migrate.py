@@ -22,6 +22,9 @@ def register(cli: click.Group) -> None:
     @click.option("--plain-restore", is_flag=True,
                   help="resume only once all memory is restored (default: resume at once, page in locally)")
     @click.option("--tcp-established", is_flag=True, help="keep established TCP connections")
+    @click.option("--skip-in-flight/--fail-on-in-flight", default=True, show_default=True,
+                  help="leave out connections still in a listener's accept queue (a busy server's: their "
+                       "clients see a reset), or fail the move on one")
     @click.option("--move-ip", default="", metavar="ADDR/PREFIX",
                   help="service address to take from this node and add on the target")
     @click.option("--move-ip-dev-source", default="", metavar="DEV", help="device holding --move-ip here")
@@ -30,8 +33,8 @@ def register(cli: click.Group) -> None:
     @click.pass_obj
     @handle_errors
     def migrate_cmd(obj: Ctx, target: str, to: str, to_token_file: str, via_store: bool, lazy: bool,
-                    plain_restore: bool, tcp_established: bool, move_ip: str, move_ip_dev_source: str,
-                    move_ip_dev_target: str) -> None:
+                    plain_restore: bool, tcp_established: bool, skip_in_flight: bool, move_ip: str,
+                    move_ip_dev_source: str, move_ip_dev_target: str) -> None:
         """Move a PID or job to another node; on failure it runs on here.
 
         Progress on stderr: bytes sent with rate and ETA, then the restore on the target (-o json: one object
@@ -49,7 +52,8 @@ def register(cli: click.Group) -> None:
         req = pb.MigrateRequest(target=target, to=to, via_store=via_store, lazy=lazy, plain_restore=plain_restore,
                                 move_ip=move_ip,
                                 tcp_established=tcp_established, move_ip_dev_source=move_ip_dev_source,
-                                move_ip_dev_target=move_ip_dev_target, to_token=token)
+                                move_ip_dev_target=move_ip_dev_target, to_token=token,
+                                fail_on_in_flight=not skip_in_flight)
         from memsnap.cli_follow import follow
 
         def call(op_id: str) -> pb.MigrateResponse:

@@ -91,10 +91,12 @@ class MemsnapClient:
     def run(self, argv: list[str], name: str = "", cwd: str = "", env: dict[str, str] | None = None,
             timeout: float = 30.0, own_proc: bool | None = None, memory_limit: int = 0, priority: int = 0,
             critical: bool = False, on_limit: str = "", keep_last: int | None = None,
-            keep_within_s: float | None = None) -> pb.Job:
-        """Starts a managed job (own_proc None: the node decides whether it gets its own /proc); memory_limit,
-        priority, critical and on_limit are the memory guard's; keep_last and keep_within_s its retention."""
+            keep_within_s: float | None = None, private_tmp: bool | None = None) -> pb.Job:
+        """Starts a managed job (own_proc, private_tmp None: the node decides whether it gets its own /proc and
+        /tmp); memory_limit, priority, critical and on_limit are the memory guard's; keep_last and keep_within_s
+        its retention."""
         req = pb.RunJobRequest(argv=argv, name=name, cwd=cwd, env=env or {}, own_proc=own_proc,
+                               private_tmp=private_tmp,
                                memory_limit_bytes=memory_limit, priority=priority, critical=critical,
                                on_limit=on_limit, keep_last=keep_last, keep_within_s=keep_within_s)
         return self._call("RunJob", req, timeout).job  # type: ignore[attr-defined,no-any-return]
@@ -105,12 +107,15 @@ class MemsnapClient:
 
     def checkpoint(self, target: str | int, stop: bool = False, wait_durable: bool = False,
                    tcp_established: bool = False, name: str = "", timeout: float = LONG_S,
-                   keep_last: int | None = None, keep_within_s: float | None = None) -> pb.CheckpointInfo:
+                   keep_last: int | None = None, keep_within_s: float | None = None,
+                   fail_on_in_flight: bool = False) -> pb.CheckpointInfo:
         """Checkpoints a pid or job; returns once staged (or durable). keep_last/keep_within_s set the
-        retention of its checkpoints from now on."""
+        retention of its checkpoints from now on; fail_on_in_flight: fail on a connection in a listener's
+        accept queue (else it is left out)."""
         req = pb.CheckpointRequest(target=str(target), stop=stop, tcp_established=tcp_established, name=name,
                                    wait=pb.WAIT_FOR_DURABLE if wait_durable else pb.WAIT_FOR_STAGED,
-                                   keep_last=keep_last, keep_within_s=keep_within_s)
+                                   keep_last=keep_last, keep_within_s=keep_within_s,
+                                   fail_on_in_flight=fail_on_in_flight)
         return self._call("Checkpoint", req, timeout).checkpoint  # type: ignore[attr-defined,no-any-return]
 
     def restore(self, checkpoint_id: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,

@@ -299,6 +299,11 @@ class DaemonConfig:
         "how long a job restored here for an incoming move waits for the source's commit before it is killed "
         "(the source runs it on)",
     )
+    private_tmp: bool = _opt(
+        True, lambda value: _bool(value),
+        "jobs get a /tmp of their own (a tmpfs whose files travel in their image) unless they ask for the host's "
+        "(memsnapctl run --shared-tmp)",
+    )
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from memsnap import knobs
+from memsnap import knobs, mounts, proc
 from memsnap.criurpc import criu_rpc_pb2 as rpc
 from memsnap.criurpc import criu_stats_pb2 as stats_pb
 
@@ -84,6 +84,9 @@ class DumpOptions(CriuOptions):
     page_server: tuple[str, int] | None = None
     # A connected socket for the page server (a lazy dump serves its pages over it): no TCP port opens.
     ps_socket: int = -1
+    # Connections still in a listener's accept queue (a busy server's in-flight ones) are left out of the
+    # image instead of failing the dump; their clients see them reset, as after a server restart.
+    skip_in_flight: bool = True
 
 
 @dataclass(kw_only=True)
@@ -136,45 +139,6 @@ class CriuApi(Protocol):
         """Starts the supervised `criu lazy-pages` server."""
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal escapes."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def _mountinfo(pid: int | str) -> list[tuple[int, int, str, str, str, str]]:
-    """(id, parent id, st_dev "maj:min", root, mount point, fs type) of each mount pid sees."""
-    out = []
-    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
-        pre, _, post = line.partition(" - ")
-        f = pre.split()
-        out.append((int(f[0]), int(f[1]), f[2], _unescape(f[3]), _unescape(f[4]), post.split()[0] if post else ""))
-    return out
-
-
-def mounts_not_ours(pid: int) -> list[str]:
-    """Mount points in pid's own mount namespace that CRIU would dump with their contents.
-
-    The job's namespace is a copy of ours, taken when it started. A mount that CRIU cannot find among
-    ours (same device, root under theirs) would be dumped: a tmpfs as a tarball of everything in it. That
-    is a host mount unmounted since (a tier tmpfs, say), or one the job made itself. Only the job's own
-    procfs is recreated; these are left out, with whatever is mounted below them.
-    """
-    ours = {(dev, root) for _, _, dev, root, _, _ in _mountinfo("self")}
-    mounts = _mountinfo(pid)
-
-    def bind_of_ours(dev: str, root: str) -> bool:
-        return any(d == dev and (r == "/" or root == r or root.startswith(r.rstrip("/") + "/")) for d, r in ours)
-
-    left_out = {mid for mid, _, dev, root, mp, fs in mounts
-                if fs != "proc" and mp != "/" and not bind_of_ours(dev, root)}
-    grew = True
-    while grew:  # and every mount below one left out
-        below = {mid for mid, parent, *_ in mounts if parent in left_out and mid not in left_out}
-        left_out |= below
-        grew = bool(below)
-    return [mp for mid, _, _, _, mp, _ in mounts if mid in left_out]
-
-
 def own_mount_ns(pid: int) -> bool:
     """Whether pid lives in a mount namespace other than ours (and so CRIU's, which runs in ours)."""
     try:
@@ -222,6 +186,10 @@ _HINTS = (
                                            "was taken; CRIU restores open files only as they were"),
     (re.compile(r"on restore: No such file"), "a file the job had open is gone"),
     (re.compile(r"Address already in use"), "a port the job had open is taken on this node"),
+    (re.compile(r"Connected TCP socket"), "the job has established TCP connections: pass --tcp-established to "
+                                          "keep them (a restore then needs --tcp-established too)"),
+    (re.compile(r"In-flight connection"), "a connection was still in a listener's accept queue: leave such "
+                                          "connections out with --skip-in-flight (the default)"),
     (re.compile(r"Can't get proc fd|can't open proc"), "CRIU cannot use /proc here (mount namespace?)"),
     (re.compile(r"ptrace|Operation not permitted"), "CRIU lacks a privilege (CAP_SYS_PTRACE, "
                                                     "CAP_CHECKPOINT_RESTORE, CAP_SYS_RESOURCE)"),
@@ -355,11 +323,13 @@ class Criu:
             o = _common_opts(img_fd, wd_fd, "dump.log", opts, notify)
             o.pid = pid
             if opts.own_mntns:
-                skip = mounts_not_ours(pid)
+                skip = mounts.to_leave_out([p.pid for p in proc.tree(pid)])
                 if skip:
-                    log.warning("pid %d: leaving mounts out of its image (not the host's): %s", pid, ", ".join(skip))
+                    log.info("pid %d: leaving mounts it does not use out of its image: %s", pid, ", ".join(skip))
                 o.skip_mnt.extend(skip)
             o.leave_running = opts.leave_running and not opts.leave_stopped
+            if opts.skip_in_flight:
+                o.tcp_skip_in_flight = True
             if opts.leave_stopped:
                 o.leave_stopped = True
             if opts.page_server:

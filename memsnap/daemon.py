@@ -92,7 +92,8 @@ class Daemon:
         except (safefs.UnsafePath, StoreError, TierMountError) as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
         self.engine = Engine(
-            EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin),
+            EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin,
+                         private_tmp=cfg.daemon.private_tmp),
             self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),
             observe=self._observe,
         )

@@ -158,6 +158,8 @@ class EngineConfig:
     reserve_margin: float = 0.10
     gpu_lock_timeout_ms: int = 10_000
     extra_dump_opts: dict[str, Any] = field(default_factory=dict)
+    # Jobs get a /tmp of their own unless they ask for the host's (memsnap.mounts; README "Private /tmp").
+    private_tmp: bool = True
 
 
 class Engine:
@@ -177,6 +179,11 @@ class Engine:
         self.observe = observe or (lambda kind, result, seconds: None)
         self.hostname = socket.gethostname()
         self.launcher = jobs.Launcher(cfg.state_dir / "jobs")
+        if cfg.private_tmp and _below_tmp(self.launcher.log_dir):
+            # (a job's log must stay reachable by path in its own mount namespace, for CRIU)
+            log.warning("jobs get the host's /tmp: the state dir %s lies below /tmp, so a private /tmp would hide "
+                        "their logs; put the state dir elsewhere", cfg.state_dir)
+            cfg.private_tmp = False
         self.work_root = cfg.state_dir / "work"
         self.work_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._busy: set[int] = set()
@@ -312,7 +319,7 @@ class Engine:
     # -- jobs ---------------------------------------------------------------------
     def run_job(self, caller: Caller, argv: list[str], name: str = "", cwd: str = "",
                 env: dict[str, str] | None = None, own_proc: bool | None = None,
-                cgroup_procs: str = "") -> JobRecord:
+                cgroup_procs: str = "", private_tmp: bool | None = None) -> JobRecord:
         """Starts argv as a managed job in its own PID namespace, as the caller's uid.
 
         own_proc gives it its own /proc too (a mount namespace); None: only on a node with an NVIDIA GPU,
@@ -322,6 +329,8 @@ class Engine:
             raise InvalidArgument("no command given; usage: memsnapctl run -- CMD ARGS...")
         if own_proc is None:
             own_proc = os.path.exists("/dev/nvidiactl")
+        if private_tmp is None:
+            private_tmp = self.cfg.private_tmp
         job_id = "job-" + secrets.token_hex(4)
         if name:
             self._refuse_live_duplicate(caller.uid, name)
@@ -331,9 +340,13 @@ class Engine:
         try:
             launched, log_path = self.launcher.launch(job_id, argv, caller.uid, caller.gid, cwd or None, env,
                                                       groups=groups, own_proc=own_proc,
-                                                      cgroup_procs=cgroup_procs)
+                                                      cgroup_procs=cgroup_procs, private_tmp=private_tmp)
         except jobs.LaunchError as exc:
-            raise FailedPrecondition(str(exc)) from exc
+            hint = ""
+            if private_tmp and any(a == "/tmp" or a.startswith("/tmp/") for a in (cwd, *argv)):
+                hint = ("; the job has a /tmp of its own, so it does not see the host's: run it with --shared-tmp, "
+                        "or from and with files outside /tmp")
+            raise FailedPrecondition(f"{exc}{hint}") from exc
         rec = JobRecord(id=job_id, name=name or job_id, pid=launched.pid, pid_start=launched.pid_start,
                         owner_uid=caller.uid, argv=list(argv), log_path=str(log_path), started_ms=now_ms())
         self.catalog.add_job(rec)
@@ -365,7 +378,9 @@ class Engine:
         t_start = time.monotonic()
         with self.exclusive(pid), background.gate().foreground("dump"):
             try:
-                estimate = int(proc.tree_rss(pid) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
+                # (a private /tmp's files go into the image too)
+                estimate = int((proc.tree_rss(pid) + proc.private_tmp_bytes(pid)) * (1 + self.cfg.reserve_margin)) \
+                    + _RESERVE_SLACK
             except proc.ProcessNotFound as exc:
                 raise NotFound(str(exc)) from exc
             reservation = self.reserve(estimate)
@@ -1226,6 +1241,10 @@ def restored_job_name(rec: CheckpointRecord, man: dict[str, Any]) -> str:
     argv = [str(a) for a in man.get("argv") or []]
     argv = argv[4:] if jobinit.is_init(argv) else argv
     return os.path.basename(argv[0])[:64] if argv and argv[0] else rec.name or rec.id
+
+
+def _below_tmp(path: Path) -> bool:
+    return path.resolve().is_relative_to("/tmp")
 
 
 def _file_size(path: str) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from memsnap import jobinit
+from memsnap.mounts import PRIVATE_TMP_SOURCE
 from memsnap.proc import (
     ProcessNotFound,
     alive,
@@ -50,18 +51,23 @@ class Launched:
 # reaches them (LD_PRELOAD and the like would run as root).
 ROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
-# Run as root in a job's new mount namespace (own /proc), before setpriv (python -I -S: no shell, and
-# only ROOT_ENV, so nothing the caller sends runs as root): the files the job holds must be opened inside
-# that namespace (CRIU cannot dump an fd on a mount of another namespace), so stdin and the job log
-# (argv: LOG_PATH LOG_FD -- CMD...) are reopened there at the same fd numbers, then CMD is exec'd.
-_REOPEN_IN_MNTNS = """import os, sys
-path, fd = sys.argv[1], int(sys.argv[2])
+# Run as root in a job's new mount namespace (its own /proc, its private /tmp), before setpriv (python -I -S:
+# no shell, and only ROOT_ENV, so nothing the caller sends runs as root): the files the job holds must be
+# opened inside that namespace (CRIU cannot dump an fd on a mount of another namespace), so stdin and the job
+# log (argv: LOG_PATH LOG_FD TMP -- CMD...) are reopened there at the same fd numbers; with TMP "private", a
+# tmpfs of its own goes on /tmp (mode 1777, like the host's); then CMD is exec'd.
+_SETUP_MNTNS = """import ctypes, os, sys
+path, fd, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 for p, flags, to in ((path, os.O_WRONLY | os.O_APPEND, fd), ("/dev/null", os.O_RDONLY, 0)):
     new = os.open(p, flags | os.O_NOFOLLOW)
     os.dup2(new, to)
     os.close(new)
-os.execv(sys.argv[4], sys.argv[4:])
-"""
+if tmp == "private":
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"@SOURCE@", b"/tmp", b"tmpfs", 0x2 | 0x4, b"mode=1777") != 0:
+        sys.exit("memsnap: cannot mount a private /tmp: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.argv[5], sys.argv[5:])
+""".replace("@SOURCE@", PRIVATE_TMP_SOURCE)
 
 # Run as root (ROOT_ENV only) before unshare when the job has a memory limit: enters the cgroup
 # (argv: CGROUP_PROCS CMD...), then execs CMD.
@@ -151,18 +157,19 @@ class Launcher:
 
     def job_command(self, uid: int, gid: int, groups: list[int] | None, env_fd: int, log_fd: int,
                     status_fd: int, cwd: str, argv: list[str], own_proc: bool = False,
-                    log_path: str = "") -> list[str]:
+                    log_path: str = "", private_tmp: bool = False) -> list[str]:
         """The launcher's argv: root runs unshare and (for a non-root owner) setpriv; everything after
         is the owner's. A wrapper around the job command goes here, after the trampoline.
 
-        own_proc: its own /proc in a new mount namespace; every other mount stays the host's, as a slave,
-        and the job's files are reopened inside it (still as root, with ROOT_ENV only).
+        own_proc: its own /proc; private_tmp: a tmpfs of its own on /tmp (memsnap.mounts). Either puts it in a
+        mount namespace where every other mount stays the host's, as a slave, and the job's files are
+        reopened inside it (still as root, with ROOT_ENV only).
         """
-        mntns = ["--mount", "--propagation", "slave", "--mount-proc"] if own_proc else []
-        cmd = [self._unshare, "--pid", "--fork", *mntns, "--"]
-        if own_proc:
-            cmd += [os.path.realpath(sys.executable), "-I", "-S", "-c", _REOPEN_IN_MNTNS, log_path, str(log_fd),
-                    "--"]
+        mntns = ["--mount", "--propagation", "slave"] if own_proc or private_tmp else []
+        cmd = [self._unshare, "--pid", "--fork", *mntns, *(["--mount-proc"] if own_proc else []), "--"]
+        if mntns:
+            cmd += [os.path.realpath(sys.executable), "-I", "-S", "-c", _SETUP_MNTNS, log_path, str(log_fd),
+                    "private" if private_tmp else "host", "--"]
         if uid:
             cmd += [self._setpriv, f"--reuid={uid}", f"--regid={gid}"]
             cmd += [f"--groups={','.join(str(g) for g in groups)}"] if groups else ["--clear-groups"]
@@ -175,10 +182,11 @@ class Launcher:
 
     def launch(self, job_id: str, argv: list[str], uid: int, gid: int, cwd: str | None,
                env: dict[str, str] | None, groups: list[int] | None = None,
-               own_proc: bool = False, cgroup_procs: str = "") -> tuple[Launched, Path]:
+               own_proc: bool = False, cgroup_procs: str = "", private_tmp: bool = False) -> tuple[Launched, Path]:
         """Starts argv as uid:gid (and groups), logging to log_dir/<job_id>.log; own_proc: with its own
-        /proc (a mount namespace); cgroup_procs: a memory cgroup's cgroup.procs, which the launch enters
-        before unshare runs, so that every process of the job is in it from the start (memsnap.guard)."""
+        /proc, private_tmp: with a /tmp of its own (either: a mount namespace); cgroup_procs: a memory cgroup's
+        cgroup.procs, which the launch enters before unshare runs, so that every process of the job is in it
+        from the start (memsnap.guard)."""
         if not argv:
             raise LaunchError("no command given; usage: memsnapctl run -- CMD ARGS...")
         log_path = self.log_dir / f"{job_id}.log"
@@ -195,7 +203,7 @@ class Launcher:
             os.write(env_fd, data)
             os.lseek(env_fd, 0, os.SEEK_SET)
             cmd = self.job_command(uid, gid, groups, env_fd, fd, wr, cwd or "/", argv, own_proc=own_proc,
-                                   log_path=str(log_path))
+                                   log_path=str(log_path), private_tmp=private_tmp)
             if cgroup_procs:
                 cmd = [os.path.realpath(sys.executable), "-I", "-S", "-c", _ENTER_CGROUP, cgroup_procs, *cmd]
             proc = subprocess.Popen(

@@ -50,6 +50,18 @@ def tree(pid: int) -> list[psutil.Process]:
         raise ProcessNotFound(f"no process with pid {pid}") from exc
 
 
+def private_tmp_bytes(pid: int) -> int:
+    """Bytes in the /tmp of pid's mount namespace when that is not ours (a job's private /tmp, whose files go
+    into its image), else 0."""
+    try:
+        theirs = os.statvfs(f"/proc/{pid}/root/tmp")
+        if os.stat(f"/proc/{pid}/root/tmp").st_dev == os.stat("/tmp").st_dev:
+            return 0
+    except OSError:
+        return 0
+    return (theirs.f_blocks - theirs.f_bfree) * theirs.f_frsize
+
+
 def tree_rss(pid: int) -> int:
     """Resident bytes of a tree: the basis of the tier reservation."""
     total = 0

@@ -40,6 +40,15 @@ log "Python package ($extras)"
 $PY -m pip install -q --disable-pip-version-check -e "$extras" 2>&1 | grep -v "Running pip as the 'root' user" || true
 
 if [ $want_test = 1 ]; then
+  # Real programs the tests and the soak run under memsnap (tests/e2e/test_busy_servers.py, tests/soak).
+  real=(redis-server redis-tools memcached nginx-light wrk apache2-utils sqlite3 default-jdk-headless curl)
+  missing=()
+  for p in "${real[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${missing[*]} (real programs for the tests)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
   if ! $PY -c 'import torch' 2>/dev/null; then
     # The CPU build: on this machine kind pip takes it from a local file (no multi-GB CUDA download).
     log "PyTorch CPU (for the real-workload test)"

@@ -14,6 +14,10 @@ import pytest
 
 from tests.helpers import DaemonProc, Pair, kill_counters_started_since, kill_job, two_daemons
 
+# Test daemons keep their state (job logs included) and the tests their files in /var/tmp, not /tmp: a job
+# gets a /tmp of its own (memsnap.mounts), which would hide them from it (memsnapd then turns that off).
+tempfile.tempdir = "/var/tmp"
+
 if TYPE_CHECKING:
     from tests.s3server import S3Server
 

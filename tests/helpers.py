@@ -701,6 +701,15 @@ def assert_node_healthy(d: DaemonProc, restorable: set[str] | None = None, jobs:
 
 
 # -- real programs (tests/e2e/test_private_tmp.py, tests/soak) -------------------------------------------------
+def need(*programs: str) -> None:
+    """Fails (never skips) the test when a real program it runs is not installed."""
+    import pytest
+
+    missing = [p for p in programs if not shutil.which(p) and not shutil.which(p, path="/usr/sbin:/sbin")]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed: scripts/setup.sh --test installs them (CI runs it)")
+
+
 ROUNDS_JAVA = REPO / "tests" / "workloads" / "Rounds.java"
 ROUND = re.compile(r"^round (\d+) ([0-9a-f]+)$")
 

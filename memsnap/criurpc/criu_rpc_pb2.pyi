@@ -70,7 +70,7 @@ class InheritFd(_message.Message):
     def __init__(self, key: _Optional[str] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class Opts(_message.Message):
-    __slots__ = ("images_dir_fd", "pid", "leave_running", "ext_unix_sk", "tcp_established", "shell_job", "file_locks", "log_level", "log_file", "ps", "notify_scripts", "root", "parent_img", "work_dir_fd", "link_remap", "manage_cgroups", "rst_sibling", "inherit_fd", "auto_ext_mnt", "ext_sharing", "ext_masters", "skip_mnt", "external", "timeout", "lazy_pages", "config_file", "tcp_close", "network_lock", "leave_stopped")
+    __slots__ = ("images_dir_fd", "pid", "leave_running", "ext_unix_sk", "tcp_established", "shell_job", "file_locks", "log_level", "log_file", "ps", "notify_scripts", "root", "parent_img", "work_dir_fd", "link_remap", "manage_cgroups", "rst_sibling", "inherit_fd", "auto_ext_mnt", "ext_sharing", "ext_masters", "skip_mnt", "external", "timeout", "tcp_skip_in_flight", "lazy_pages", "config_file", "tcp_close", "network_lock", "leave_stopped")
     IMAGES_DIR_FD_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     LEAVE_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class Opts(_message.Message):
     SKIP_MNT_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    TCP_SKIP_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     LAZY_PAGES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FILE_FIELD_NUMBER: _ClassVar[int]
     TCP_CLOSE_FIELD_NUMBER: _ClassVar[int]
@@ -124,12 +125,13 @@ class Opts(_message.Message):
     skip_mnt: _containers.RepeatedScalarFieldContainer[str]
     external: _containers.RepeatedScalarFieldContainer[str]
     timeout: int
+    tcp_skip_in_flight: bool
     lazy_pages: bool
     config_file: str
     tcp_close: bool
     network_lock: NetworkLockMethod
     leave_stopped: bool
-    def __init__(self, images_dir_fd: _Optional[int] = ..., pid: _Optional[int] = ..., leave_running: _Optional[bool] = ..., ext_unix_sk: _Optional[bool] = ..., tcp_established: _Optional[bool] = ..., shell_job: _Optional[bool] = ..., file_locks: _Optional[bool] = ..., log_level: _Optional[int] = ..., log_file: _Optional[str] = ..., ps: _Optional[_Union[PageServerInfo, _Mapping]] = ..., notify_scripts: _Optional[bool] = ..., root: _Optional[str] = ..., parent_img: _Optional[str] = ..., work_dir_fd: _Optional[int] = ..., link_remap: _Optional[bool] = ..., manage_cgroups: _Optional[bool] = ..., rst_sibling: _Optional[bool] = ..., inherit_fd: _Optional[_Iterable[_Union[InheritFd, _Mapping]]] = ..., auto_ext_mnt: _Optional[bool] = ..., ext_sharing: _Optional[bool] = ..., ext_masters: _Optional[bool] = ..., skip_mnt: _Optional[_Iterable[str]] = ..., external: _Optional[_Iterable[str]] = ..., timeout: _Optional[int] = ..., lazy_pages: _Optional[bool] = ..., config_file: _Optional[str] = ..., tcp_close: _Optional[bool] = ..., network_lock: _Optional[_Union[NetworkLockMethod, str]] = ..., leave_stopped: _Optional[bool] = ...) -> None: ...
+    def __init__(self, images_dir_fd: _Optional[int] = ..., pid: _Optional[int] = ..., leave_running: _Optional[bool] = ..., ext_unix_sk: _Optional[bool] = ..., tcp_established: _Optional[bool] = ..., shell_job: _Optional[bool] = ..., file_locks: _Optional[bool] = ..., log_level: _Optional[int] = ..., log_file: _Optional[str] = ..., ps: _Optional[_Union[PageServerInfo, _Mapping]] = ..., notify_scripts: _Optional[bool] = ..., root: _Optional[str] = ..., parent_img: _Optional[str] = ..., work_dir_fd: _Optional[int] = ..., link_remap: _Optional[bool] = ..., manage_cgroups: _Optional[bool] = ..., rst_sibling: _Optional[bool] = ..., inherit_fd: _Optional[_Iterable[_Union[InheritFd, _Mapping]]] = ..., auto_ext_mnt: _Optional[bool] = ..., ext_sharing: _Optional[bool] = ..., ext_masters: _Optional[bool] = ..., skip_mnt: _Optional[_Iterable[str]] = ..., external: _Optional[_Iterable[str]] = ..., timeout: _Optional[int] = ..., tcp_skip_in_flight: _Optional[bool] = ..., lazy_pages: _Optional[bool] = ..., config_file: _Optional[str] = ..., tcp_close: _Optional[bool] = ..., network_lock: _Optional[_Union[NetworkLockMethod, str]] = ..., leave_stopped: _Optional[bool] = ...) -> None: ...
 
 class DumpResp(_message.Message):
     __slots__ = ("restored",)

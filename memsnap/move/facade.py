@@ -230,6 +230,7 @@ class Mover:
 
         hooks.notify = NotifyHooks(post_dump=dumped)
         hooks.hold = True
+        hooks.dump_opts["skip_in_flight"] = not req.fail_on_in_flight
         try:
             if move.lock is not None:
                 move.lock.acquire()

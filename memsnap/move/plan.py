@@ -129,6 +129,7 @@ class MoveRequest:
     move_ip_dev_target: str = ""
     to_token: str = ""  # root only: a credential for a target that is not a peer
     plain_restore: bool = False  # streamed moves: no early resume
+    fail_on_in_flight: bool = False  # fail on a connection in a listener's accept queue (else left out)
 
 
 @dataclass

@@ -157,7 +157,7 @@ class Job(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., owner_uid: _Optional[int] = ..., log_path: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., running: _Optional[bool] = ..., restored_from: _Optional[str] = ..., guard_state: _Optional[str] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., parked_checkpoint: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., resumed_as: _Optional[str] = ..., moved_from: _Optional[str] = ...) -> None: ...
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("argv", "name", "cwd", "env", "own_proc", "memory_limit_bytes", "priority", "critical", "on_limit", "keep_last", "keep_within_s")
+    __slots__ = ("argv", "name", "cwd", "env", "own_proc", "private_tmp", "memory_limit_bytes", "priority", "critical", "on_limit", "keep_last", "keep_within_s")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class RunJobRequest(_message.Message):
     CWD_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     OWN_PROC_FIELD_NUMBER: _ClassVar[int]
+    PRIVATE_TMP_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CRITICAL_FIELD_NUMBER: _ClassVar[int]
@@ -181,13 +182,14 @@ class RunJobRequest(_message.Message):
     cwd: str
     env: _containers.ScalarMap[str, str]
     own_proc: bool
+    private_tmp: bool
     memory_limit_bytes: int
     priority: int
     critical: bool
     on_limit: str
     keep_last: int
     keep_within_s: float
-    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., own_proc: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., critical: _Optional[bool] = ..., on_limit: _Optional[str] = ..., keep_last: _Optional[int] = ..., keep_within_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, argv: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., own_proc: _Optional[bool] = ..., private_tmp: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., critical: _Optional[bool] = ..., on_limit: _Optional[str] = ..., keep_last: _Optional[int] = ..., keep_within_s: _Optional[float] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
     __slots__ = ("job",)
@@ -274,7 +276,7 @@ class CheckpointInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., new_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("target", "stop", "wait", "tcp_established", "name", "keep_last", "keep_within_s")
+    __slots__ = ("target", "stop", "wait", "tcp_established", "name", "keep_last", "keep_within_s", "fail_on_in_flight")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +284,7 @@ class CheckpointRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     KEEP_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
+    FAIL_ON_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     target: str
     stop: bool
     wait: WaitFor
@@ -289,7 +292,8 @@ class CheckpointRequest(_message.Message):
     name: str
     keep_last: int
     keep_within_s: float
-    def __init__(self, target: _Optional[str] = ..., stop: _Optional[bool] = ..., wait: _Optional[_Union[WaitFor, str]] = ..., tcp_established: _Optional[bool] = ..., name: _Optional[str] = ..., keep_last: _Optional[int] = ..., keep_within_s: _Optional[float] = ...) -> None: ...
+    fail_on_in_flight: bool
+    def __init__(self, target: _Optional[str] = ..., stop: _Optional[bool] = ..., wait: _Optional[_Union[WaitFor, str]] = ..., tcp_established: _Optional[bool] = ..., name: _Optional[str] = ..., keep_last: _Optional[int] = ..., keep_within_s: _Optional[float] = ..., fail_on_in_flight: _Optional[bool] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("checkpoint",)
@@ -389,7 +393,7 @@ class WatchCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token", "plain_restore", "op_id")
+    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token", "plain_restore", "op_id", "fail_on_in_flight")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
     VIA_STORE_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +405,7 @@ class MigrateRequest(_message.Message):
     TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PLAIN_RESTORE_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
+    FAIL_ON_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     target: str
     to: str
     via_store: bool
@@ -412,7 +417,8 @@ class MigrateRequest(_message.Message):
     to_token: str
     plain_restore: bool
     op_id: str
-    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ..., plain_restore: _Optional[bool] = ..., op_id: _Optional[str] = ...) -> None: ...
+    fail_on_in_flight: bool
+    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ..., plain_restore: _Optional[bool] = ..., op_id: _Optional[str] = ..., fail_on_in_flight: _Optional[bool] = ...) -> None: ...
 
 class Phase(_message.Message):
     __slots__ = ("name", "ms")
