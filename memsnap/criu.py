@@ -327,6 +327,8 @@ class Criu:
                 if skip:
                     log.info("pid %d: leaving mounts it does not use out of its image: %s", pid, ", ".join(skip))
                 o.skip_mnt.extend(skip)
+                if mounts.has_job_log(pid):  # (a restore binds a log of its own there: Engine.restore_own_log)
+                    o.external.append(f"mnt[{mounts.JOB_LOG}]:{mounts.LOG_MOUNT_KEY}")
             o.leave_running = opts.leave_running and not opts.leave_stopped
             if opts.skip_in_flight:
                 o.tcp_skip_in_flight = True

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, proc, progress
+from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, mounts, proc, progress
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -552,6 +552,8 @@ class Engine:
             fields["own_mntns"] = own_mount_ns(rec.pid)
         if job is not None:  # (signed: a restore names its job after this, not after the checkpoint's --name)
             fields.setdefault("extra", {})["job_name"] = job.name
+        if "log_mount" not in fields and fields.get("own_mntns") and mounts.has_job_log(rec.pid):
+            fields["log_mount"] = mounts.LOG_MOUNT_KEY  # (Criu.dump made it external under that key)
         return Manifest(id=rec.id, pid=rec.pid, job=rec.job, name=rec.name, uid=rec.owner_uid, files=files,
                         argv=argv, host=self.hostname, kernel=platform.release(),
                         criu_version=self.criu.version(), memsnap_version=__version__, created_ms=rec.created_ms,
@@ -704,6 +706,7 @@ class Engine:
             proc.wait_pid_free(rec.pid, 10)
         work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
+        restore_opts, new_log = self._log_for_mount(rec, man, dict(restore_opts or {}))
         failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
         failpoints.delay("slow-restore-10s", 10.0)  # (tests: several calls meet a restore in flight)
         t2 = time.monotonic()
@@ -730,6 +733,8 @@ class Engine:
         except BaseException:
             if new_pid:
                 proc.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
+            if new_log:
+                Path(new_log).unlink(missing_ok=True)
             raise
         finally:
             with self._lazy_lock:
@@ -738,7 +743,7 @@ class Engine:
         if man.get("parked"):
             _resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
         try:
-            job = self._record_restored(rec, man, new_pid, server, work, gpu_map)
+            job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log)
         except BaseException:
             proc.kill_tree(new_pid)
             self.observe("restore", "error", time.monotonic() - t0)
@@ -749,7 +754,7 @@ class Engine:
                              fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
 
     def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
-                        gpu_map: Any) -> JobRecord:
+                         gpu_map: Any, log_path: str = "") -> JobRecord:
         """Brings a restored tree's GPU state back and records it as a job (the caller kills it on error)."""
         if failpoints.armed("record-restored-fails"):
             raise OSError("failpoint record-restored-fails: the catalog could not be written")
@@ -765,7 +770,7 @@ class Engine:
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=restored_job_name(rec, man), pid=new_pid,
                         pid_start=_start_or_zero(new_pid), owner_uid=rec.owner_uid,
-                        argv=list(man.get("argv", [])), log_path=str(man.get("log_path", "")),
+                        argv=list(man.get("argv", [])), log_path=log_path or str(man.get("log_path", "")),
                         started_ms=now_ms(), restored_from=rec.id)
         self.catalog.add_job(job)
         self.catalog.update_checkpoint(rec.id, last_used_ms=now_ms())
@@ -1191,6 +1196,12 @@ class Engine:
         the parent log. Two restores of one checkpoint never write into one file; the old log stays as it
         was. Images whose job had no log (not started by memsnap) restore as before.
 
+        A job with a private /tmp writes its log through a bind mount in its own mount namespace (log_mount):
+        the restore binds its new log there (_log_for_mount). Any other job gets its new log as the file
+        every fd of the old one reopens (CRIU's inherit_fd); one in its own mount namespace without that mount
+        keeps its log (an fd handed in from the daemon's namespace would sit on a mount the job's namespace
+        does not own, and CRIU could not dump the job again).
+
         moved: a job that moved here (RestoreReceived). Its log was the source's, in another daemon's state dir (on
         another node it need not even exist): it gets one in this daemon's log dir, under the same name, and the
         job records where it came from (moved_from: SOURCE_HOST/SOURCE_JOB)."""
@@ -1198,24 +1209,15 @@ class Engine:
         parent = str(rec.meta.get("log_path") or "")
         log_dir = self.launcher.log_dir.resolve()
         moved_from = f"{rec.meta.get('host') or '?'}/{rec.job or rec.id}" if moved else ""
-        # A job in its own mount namespace keeps its log: an fd handed in from the daemon's namespace would
-        # sit on a mount the job's namespace does not own, and CRIU could not dump the job again.
-        if not parent or (Path(parent).resolve().parent != log_dir and not moved) or rec.meta.get("own_mntns"):
+        if not parent or (Path(parent).resolve().parent != log_dir and not moved) or rec.meta.get("own_mntns") \
+                or rec.meta.get("log_mount"):
             res = self.restore(caller, key, **kw)
             if moved_from:
                 self.catalog.update_job(res.job.id, moved_from=moved_from)
                 res.job.moved_from = moved_from
             return res
-        # Named after the first job of the chain, not the parent: the name stays the same length however many
-        # generations a job lives through (a name that grew by one parent per restore hit ENAMETOOLONG at the 6th).
-        root = Path(parent).stem.split(".restore-", 1)[0]
-        path = log_dir / f"{root}.restore-{rec.id}-{secrets.token_hex(3)}.log"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
+        path, fd = self._open_new_log(rec, parent, moved_from)
         try:
-            if rec.owner_uid:
-                os.fchown(fd, rec.owner_uid, -1)
-            came = f"moved here from {moved_from} ({rec.id})" if moved else f"restored from {rec.id}"
-            os.write(fd, f"# memsnap: {came}; earlier output: {parent}\n".encode())
             opts = dict(kw.pop("restore_opts", None) or {})
             # CRIU names a regular file by its path without the leading '/'; every fd the job had on its
             # log (stdout and stderr) gets the new file instead.
@@ -1229,6 +1231,41 @@ class Engine:
         self.catalog.update_job(res.job.id, log_path=str(path), **({"moved_from": moved_from} if moved else {}))
         res.job.log_path, res.job.moved_from = str(path), moved_from
         return res
+
+    def _open_new_log(self, rec: CheckpointRecord, parent: str, moved_from: str = "") -> tuple[Path, int]:
+        """A new log for a restored (or moved) copy of rec, in this node's log dir, owned by the job's uid, that
+        starts with a line naming where it came from; its path and an open fd."""
+        # Named after the first job of the chain, not the parent: the name stays the same length however many
+        # generations a job lives through (a name that grew by one parent per restore hit ENAMETOOLONG at the 6th).
+        root = Path(parent).stem.split(".restore-", 1)[0] if parent else (rec.job or rec.id)
+        path = self.launcher.log_dir.resolve() / f"{root}.restore-{rec.id}-{secrets.token_hex(3)}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            if rec.owner_uid:
+                os.fchown(fd, rec.owner_uid, -1)
+            came = f"moved here from {moved_from} ({rec.id})" if moved_from else f"restored from {rec.id}"
+            os.write(fd, f"# memsnap: {came}; earlier output: {parent or '-'}\n".encode())
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return path, fd
+
+    def _log_for_mount(self, rec: CheckpointRecord, man: dict[str, Any],
+                       opts: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """For an image whose job log is a bind mount (its private /tmp): a new log of this node's own, bound
+        there by CRIU (opts["external"]); the options and the new log's path ("" for any other image)."""
+        key = str(man.get("log_mount") or "")
+        if not key:
+            return opts, ""
+        if key != mounts.LOG_MOUNT_KEY:
+            raise FailedPrecondition(f"checkpoint {rec.id} names a job log mount {_clip(key, 40)!r} this memsnap "
+                                     "does not know; restore it with the memsnap version that made it")
+        moved_from = f"{man.get('host') or '?'}/{rec.job or rec.id}" if rec.marks.move_incoming else ""
+        path, fd = self._open_new_log(rec, str(man.get("log_path") or ""), moved_from)
+        os.close(fd)
+        opts["external"] = [*opts.get("external", []), f"mnt[{key}]:{path}"]
+        return opts, str(path)
 
 
 def restored_job_name(rec: CheckpointRecord, man: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from memsnap import jobinit
-from memsnap.mounts import PRIVATE_TMP_SOURCE
+from memsnap.mounts import JOB_LOG, PRIVATE_TMP_SOURCE
 from memsnap.proc import (
     ProcessNotFound,
     alive,
@@ -53,21 +53,30 @@ ROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 
 # Run as root in a job's new mount namespace (its own /proc, its private /tmp), before setpriv (python -I -S:
 # no shell, and only ROOT_ENV, so nothing the caller sends runs as root): the files the job holds must be
-# opened inside that namespace (CRIU cannot dump an fd on a mount of another namespace), so stdin and the job
-# log (argv: LOG_PATH LOG_FD TMP -- CMD...) are reopened there at the same fd numbers; with TMP "private", a
-# tmpfs of its own goes on /tmp (mode 1777, like the host's); then CMD is exec'd.
+# opened inside that namespace (CRIU cannot dump an fd on a mount of another namespace). argv: LOG_PATH LOG_FD
+# TMP -- CMD... With TMP "private", a tmpfs of its own goes on /tmp (mode 1777, like the host's), and the job
+# log is bound onto JOB_LOG there (memsnap.mounts): its output goes through that mount, which a restore or a
+# move points at a new log of the node's own. stdin and the log are reopened at the same fd numbers; then CMD.
 _SETUP_MNTNS = """import ctypes, os, sys
 path, fd, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if tmp == "private":
+    libc = ctypes.CDLL(None, use_errno=True)
+    def mount(src, dst, fstype, flags, data):
+        if libc.mount(src, dst, fstype, flags, data) != 0:
+            sys.exit(f"memsnap: cannot mount {dst.decode()} for the job: " + os.strerror(ctypes.get_errno()))
+    log = os.open(path, os.O_PATH | os.O_NOFOLLOW)
+    mount(b"@SOURCE@", b"/tmp", b"tmpfs", 0x2 | 0x4, b"mode=1777")
+    os.mkdir(os.path.dirname("@LOG@"), 0o755)
+    os.close(os.open("@LOG@", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    mount(f"/proc/self/fd/{log}".encode(), b"@LOG@", None, 0x1000, None)  # MS_BIND
+    os.close(log)
+    path = "@LOG@"
 for p, flags, to in ((path, os.O_WRONLY | os.O_APPEND, fd), ("/dev/null", os.O_RDONLY, 0)):
     new = os.open(p, flags | os.O_NOFOLLOW)
     os.dup2(new, to)
     os.close(new)
-if tmp == "private":
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"@SOURCE@", b"/tmp", b"tmpfs", 0x2 | 0x4, b"mode=1777") != 0:
-        sys.exit("memsnap: cannot mount a private /tmp: " + os.strerror(ctypes.get_errno()))
 os.execv(sys.argv[5], sys.argv[5:])
-""".replace("@SOURCE@", PRIVATE_TMP_SOURCE)
+""".replace("@SOURCE@", PRIVATE_TMP_SOURCE).replace("@LOG@", JOB_LOG)
 
 # Run as root (ROOT_ENV only) before unshare when the job has a memory limit: enters the cgroup
 # (argv: CGROUP_PROCS CMD...), then execs CMD.

@@ -61,9 +61,10 @@ class Manifest:
     gpus: list[dict[str, Any]] = field(default_factory=list)  # CUDA processes: model, uuid, device bytes
     pages_remote: bool = False  # the first half of a lazy move: the memory stayed on the source
     received_at: dict[str, Any] | None = None  # {"host", "unix_ms"} when it came from another node
+    log_mount: str = ""  # the key of the job log's bind mount (memsnap.mounts.LOG_MOUNT_KEY), if it has one
     extra: dict[str, Any] = field(default_factory=dict)  # keys this memsnap does not know, kept as they are
 
-    _OPTIONAL = ("pages_remote", "received_at")  # written only when set (older readers never saw them)
+    _OPTIONAL = ("pages_remote", "received_at", "log_mount")  # written only when set (older readers never saw them)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
@@ -98,7 +99,8 @@ class Manifest:
     def catalog_meta(self) -> dict[str, Any]:
         """What the catalog keeps of it (CheckpointRecord.meta), whichever way the image arrived."""
         meta: dict[str, Any] = {k: getattr(self, k) for k in ("argv", "host", "criu_version", "own_pidns",
-                                                              "own_mntns", "log_path", "gpus", "freezing_ms")}
+                                                              "own_mntns", "log_path", "gpus", "freezing_ms",
+                                                              "log_mount")}
         if self.pages_remote:
             meta["pages_remote"] = True
         st = self.extra.get("storage")

@@ -25,6 +25,10 @@ from pathlib import Path
 
 # The source of the tmpfs a job gets as its private /tmp (memsnap.jobs): told apart from a host's tmpfs.
 PRIVATE_TMP_SOURCE = "memsnap-tmp"
+# Where a job with a private /tmp finds its log: the node's log file bound onto this path (memsnap.jobs). The
+# image records that bind mount as external under LOG_MOUNT_KEY, and a restore binds a new log file there.
+JOB_LOG = "/tmp/.memsnap/log"
+LOG_MOUNT_KEY = "memsnap-log"
 _ALWAYS = {"/", "/run", "/run/lock", "/tmp", "/var/tmp"}
 _SYSTEM_TREES = ("/dev", "/sys", "/proc")
 
@@ -136,6 +140,14 @@ def left_out(mounts: list[Mount], ours: list[Mount], used: set[int]) -> list[str
             parent = by_id[parent].parent
     # Every one by name: CRIU leaves out just the mounts named, not those below them.
     return [m.point for m in mounts if m.id not in keep and m.point != "/"]
+
+
+def has_job_log(pid: int) -> bool:
+    """Whether pid's namespace has the job log bind mount (a job started with a private /tmp)."""
+    try:
+        return any(m.point == JOB_LOG for m in mountinfo(pid))
+    except OSError:
+        return False
 
 
 def to_leave_out(pids: list[int]) -> list[str]:

@@ -110,3 +110,23 @@ def test_a_restore_needs_no_host_mount_that_went_away_and_that_the_job_never_use
     assert r.returncode == 0, r.stderr
     n = len(jvm_rounds(job["log"]))
     wait_for(lambda: len(jvm_rounds(job["log"])) >= n + 3, 60, what="the restored JVM to go on")
+
+
+def test_each_restore_of_a_job_with_its_own_tmp_writes_a_log_of_its_own(daemon, jobs_to_kill):
+    # Its output goes through a bind mount in its namespace (/tmp/.memsnap/log): every restore binds a new log
+    # there, so two copies of one checkpoint never write into one file, and the old log stays as it was.
+    job = _run(daemon, jobs_to_kill, jvm_argv(8, 100))
+    wait_for(lambda: len(jvm_rounds(job["log"])) >= 2, 60, what="the JVM to print rounds")
+    ck = json.loads(daemon.ctl("--json", "checkpoint", job["job"], "--stop", check=True).stdout)
+    old = Path(job["log"]).read_text()
+    logs = []
+    for _ in range(2):
+        r = _restore(daemon, ck["id"], jobs_to_kill)
+        assert r.returncode == 0, r.stderr
+        listed = json.loads(daemon.ctl("--json", "jobs", check=True).stdout)
+        logs.append(next(j["log_path"] for j in listed if j["id"] == json.loads(r.stdout)["job"]))
+    assert len(set(logs)) == 2 and job["log"] not in logs
+    for log in logs:
+        wait_for(lambda log=log: "round" in Path(log).read_text(), 60, what=f"the copy logging to {log} to go on")
+        assert Path(log).read_text().startswith(f"# memsnap: restored from {ck['id']}")
+    assert Path(job["log"]).read_text() == old
