@@ -246,6 +246,7 @@ class Engine:
         job = self.catalog.get_job(target)
         if job is None:
             job = self._job_by_name(caller, target)
+        self._authorize_uid(caller, job.owner_uid, f"job {job.id}")  # before its pid or state is told
         if job.ended or not proc.alive(job.pid, job.pid_start):
             raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
         refuse_uncheckpointable(job.pid)
