@@ -20,6 +20,7 @@ from memsnap.engine import ROOT, Caller, DumpHooks, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.guard.policy import CRITICAL
 from memsnap.move.plan import MoveRequest, MoveResult
+from memsnap.resolve import note_for_target
 from memsnap.retention import Policy, series_of, series_of_job
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
@@ -211,11 +212,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.ifname("move_ip_dev_target", request.move_ip_dev_target)
         v.token("to_token", request.to_token)
         req = MoveRequest(**{f.name: getattr(request, f.name) for f in dataclasses.fields(MoveRequest)})
+        note = note_for_target(self.engine.catalog.jobs(), request.target,  # (said only once the move is done)
+                               lambda j: caller.is_root or j.owner_uid == caller.uid, "moved")
         with progress.begin(_op_id(request), "migrate", caller.uid):
             res: MoveResult = self.migrator.migrate(caller, req)
         return pb.MigrateResponse(target_pid=res.target_pid, checkpoint_id=res.checkpoint_id,
                                   phases=[pb.Phase(name=n, ms=int(ms)) for n, ms in res.phases],
-                                  downtime_ms=res.downtime_ms, bytes_sent=res.bytes_sent, target_job=res.target_job)
+                                  downtime_ms=res.downtime_ms, bytes_sent=res.bytes_sent, target_job=res.target_job,
+                                  note=note)
 
     @translate
     def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],

@@ -440,7 +440,20 @@ def checkpoint_cmd(obj: Ctx, target: str, stop: bool, wait_for: str, tcp_establi
     d = ckpt_dict(ck)
     if d["state"] == "failed":
         raise Failure("FAILED_PRECONDITION", f"checkpoint {ck.id} failed: {ck.last_error}")
+    say_in_job(obj, d, target, ck.job, "" if name else ck.name, ck.pid, "checkpointed")
     obj.emit(d, _ckpt_summary(d))
+
+
+def say_in_job(obj: Ctx, data: dict[str, Any], target: str, job_id: str, job_name: str, job_pid: int,
+               done: str) -> None:
+    """A pid inside a job named the whole job (memsnap.resolve): says so on stderr, and as "note" in the JSON."""
+    from memsnap.resolve import in_job_note
+
+    note = in_job_note(target, job_id, job_name, job_pid, done)
+    if note:
+        data["note"] = note
+        if not obj.json:
+            click.echo(note, err=True)
 
 
 def _follow_drain(c: MemsnapClient, ckpt_id: str, bar: Progress) -> None:
@@ -618,7 +631,7 @@ def stop_cmd(obj: Ctx, jobs: tuple[str, ...], timeout: float) -> None:
     with obj.client() as c:
         for key in jobs:
             r = c.stop_job(key, timeout_s=timeout, timeout=timeout + 30)
-            _emit_stopped(obj, r, "stopped")
+            _emit_stopped(obj, r, "stopped", key)
 
 
 @cli.command("kill")
@@ -629,16 +642,17 @@ def kill_cmd(obj: Ctx, jobs: tuple[str, ...]) -> None:
     """Kill jobs at once (SIGKILL to the whole tree)."""
     with obj.client() as c:
         for key in jobs:
-            _emit_stopped(obj, c.stop_job(key, kill=True), "killed")
+            _emit_stopped(obj, c.stop_job(key, kill=True), "killed", key)
 
 
-def _emit_stopped(obj: Ctx, r: pb.StopJobResponse, verb: str) -> None:
+def _emit_stopped(obj: Ctx, r: pb.StopJobResponse, verb: str, key: str) -> None:
     j = r.job
     how = "killed after the timeout" if r.killed and verb == "stopped" else verb
     human = (f"{j.id} ({j.name}) {how} in {human_ms(r.stop_ms)}" if r.stop_ms or r.killed
              else f"{j.id} ({j.name}) was not running")
-    obj.emit({"job": j.id, "name": j.name, "pid": int(j.pid), "killed": r.killed, "stop_ms": int(r.stop_ms)},
-             human)
+    d = {"job": j.id, "name": j.name, "pid": int(j.pid), "killed": r.killed, "stop_ms": int(r.stop_ms)}
+    say_in_job(obj, d, key, j.id, j.name, int(j.pid), verb)
+    obj.emit(d, human)
 
 
 @cli.command("rm")

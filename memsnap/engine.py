@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, mounts, proc, progress
+from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, mounts, proc, progress, resolve
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -240,7 +240,13 @@ class Engine:
             if not proc.alive(pid):
                 raise NotFound(f"no process with pid {pid}; check the pid with 'ps' or 'memsnapctl jobs'")
             refuse_uncheckpointable(pid)
-            return pid, self.catalog.job_by_pid(pid)
+            job = self.catalog.job_by_pid(pid) or resolve.job_containing(self.catalog.jobs(), pid)
+            if job is not None:  # (a pid inside a job: the whole job, its root, once the caller may act on it)
+                self._authorize_uid(caller, job.owner_uid, f"pid {pid}")
+                if job.pid != pid:
+                    log.info("pid %d is in job %s: acting on the whole job", pid, job.id, extra={"job": job.id})
+                return job.pid, job
+            return pid, None
         if target.lstrip("-").isdigit():
             raise InvalidArgument(f"{_clip(target)!r} is not a valid PID")
         job = self.catalog.get_job(target)
@@ -1063,6 +1069,9 @@ class Engine:
             raise InvalidArgument("no job given; pass a job id, name or pid ('memsnapctl jobs' lists them)")
         cands = [j for j in self.catalog.jobs() if key in (j.id, j.name, str(j.pid))
                  and (caller.is_root or j.owner_uid == caller.uid)]
+        if not cands and key.isascii() and key.isdigit() and int(key) < 1 << 22:  # a pid inside a job: the job
+            inside = resolve.job_containing(self.catalog.jobs(), int(key))
+            cands = [inside] if inside and (caller.is_root or inside.owner_uid == caller.uid) else []
         if not cands:
             raise NotFound(f"no job {key!r}; 'memsnapctl jobs' lists the jobs")
         return max(cands, key=lambda j: (j.id == key, self._job_running(j), j.started_ms))

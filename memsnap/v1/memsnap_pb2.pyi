@@ -429,20 +429,22 @@ class Phase(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ms: _Optional[int] = ...) -> None: ...
 
 class MigrateResponse(_message.Message):
-    __slots__ = ("target_pid", "checkpoint_id", "phases", "downtime_ms", "bytes_sent", "target_job")
+    __slots__ = ("target_pid", "checkpoint_id", "phases", "downtime_ms", "bytes_sent", "target_job", "note")
     TARGET_PID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TARGET_JOB_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     target_pid: int
     checkpoint_id: str
     phases: _containers.RepeatedCompositeFieldContainer[Phase]
     downtime_ms: int
     bytes_sent: int
     target_job: str
-    def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_job: _Optional[str] = ...) -> None: ...
+    note: str
+    def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_job: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ImageChunk(_message.Message):
     __slots__ = ("checkpoint_id", "file", "offset", "data", "blake3", "file_done", "manifest", "expected_bytes")

@@ -33,6 +33,7 @@ def test_checkpoint_of_a_pid_inside_a_job_checkpoints_the_whole_job(daemon: Daem
     assert r.returncode == 0, r.stderr
     assert _note(child, job.id, "pgrep-ckpt", "checkpointed") in r.stderr
     ck = json.loads(daemon.ctl("--json", "checkpoint", str(child), check=True).stdout)
+    assert ck["note"] == _note(child, job.id, "pgrep-ckpt", "checkpointed")
     assert ck["job"] == job.id and ck["pid"] == job.pid and ck["state"] in ("staged", "draining", "durable")
     assert len(ticks(job.log, job.pid)) >= 2 and psutil.pid_exists(child)  # it runs on
 
@@ -72,12 +73,12 @@ def test_migrate_of_a_pid_inside_a_job_moves_the_whole_job(pair, jobs_to_kill):
     a, b = pair.a, pair.b
     job = _counter(a, jobs_to_kill, 8, "pgrep-move")
     child = _program(job["pid"])
-    last = ticks(job["log"], job["pid"])[-1]
     r = _migrate(a, str(child), "--to", b.address)
     assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:]
-    assert _note(child, job["id"], "pgrep-move", "moved") in r.stderr
     out = json.loads(r.stdout)
+    assert out["note"] == _note(child, job["id"], "pgrep-move", "moved")
     jobs_to_kill.append(out["target_pid"])
+    last = ticks(job["log"], job["pid"])[-1]
     wait_for(lambda: ticks(job["log"], out["target_pid"]), 20, what="the moved job to tick")
     assert ticks(job["log"], out["target_pid"])[0].n == last.n + 1
     _keeps_ticking_with(job, out["target_pid"], job["digest"], fresh=3)
