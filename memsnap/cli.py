@@ -47,7 +47,7 @@ Exit status:
   4  permission denied, not authenticated
   5  daemon or storage unavailable, deadline exceeded
   6  data loss (an image failed its integrity check)
-  7  out of resources (memory tier full)
+  7  out of resources (memory tier full, a quota reached)
   8  operation failed (CRIU refused, wrong state: the message says why)
   9  conflict (busy, already exists)
   130 interrupted"""
@@ -292,6 +292,7 @@ def status_cmd(obj: Ctx) -> None:
     d = _to_dict(s)
     for k in ("tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "drain_queue_bytes"):
         d[k] = int(d.get(k, 0))
+    d["usage"] = [{k: int(v) for k, v in u.items()} for u in d.get("usage", [])]
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(s.checkpoints_by_state.items())) or "none"
     human = "\n".join([
         f"memsnapd {s.version} on {s.hostname} (kernel {s.kernel}), CRIU {s.criu_version}",
@@ -306,8 +307,19 @@ def status_cmd(obj: Ctx) -> None:
           if s.drains_paused else []),
         *([f"moves    {len(s.moves_in_doubt)} in doubt (stopped here until the target answers): "
            + ", ".join(s.moves_in_doubt)] if s.moves_in_doubt else []),
+        *[f"usage    uid {u.uid}: {usage_line(u)}" for u in s.usage],
     ])
     obj.emit(d, human)
+
+
+def usage_line(u: pb.QuotaUsage) -> str:
+    """'tier 300.0 MiB of 1.0 GiB, store 2.0 GiB, jobs 1 of 2, checkpoints 3 of 3' (of: its [quota] limit)."""
+    def part(what: str, field: str, fmt: Callable[[int], str]) -> str:
+        lim = f" of {fmt(getattr(u, field + '_limit'))}" if u.HasField(field + "_limit") else ""
+        return f"{what} {fmt(getattr(u, field))}{lim}"
+
+    return ", ".join([part("tier", "tier_bytes", human_bytes), part("store", "store_bytes", human_bytes),
+                      part("jobs", "jobs", str), part("checkpoints", "checkpoints", str)])
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

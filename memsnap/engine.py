@@ -384,13 +384,7 @@ class Engine:
         self._authorize_uid(caller, owner, f"pid {pid}")
         t_start = time.monotonic()
         with self.exclusive(pid), background.gate().foreground("dump"):
-            try:
-                # (a private /tmp's files go into the image too)
-                estimate = int((proc.tree_rss(pid) + proc.private_tmp_bytes(pid)) * (1 + self.cfg.reserve_margin)) \
-                    + _RESERVE_SLACK
-            except proc.ProcessNotFound as exc:
-                raise NotFound(str(exc)) from exc
-            reservation = self.reserve(estimate)
+            reservation = self.reserve(self.dump_estimate(pid))
             try:
                 rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, hooks)
             except Exception:
@@ -402,6 +396,14 @@ class Engine:
         if self.drain is not None:
             self.drain.enqueue(rec.id)
         return rec
+
+    def dump_estimate(self, pid: int) -> int:
+        """The tier room a dump of pid's tree reserves: its resident memory, plus a margin."""
+        try:  # (a private /tmp's files go into the image too)
+            return int((proc.tree_rss(pid) + proc.private_tmp_bytes(pid)) * (1 + self.cfg.reserve_margin)) \
+                + _RESERVE_SLACK
+        except proc.ProcessNotFound as exc:
+            raise NotFound(str(exc)) from exc
 
     def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
