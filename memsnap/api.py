@@ -23,7 +23,7 @@ from memsnap.guard.policy import CRITICAL
 from memsnap.move.plan import MoveRequest, MoveResult
 from memsnap.quota import Quotas
 from memsnap.resolve import note_for_target
-from memsnap.retention import Policy, series_of, series_of_job
+from memsnap.retention import Policy, not_ours, series_of, series_of_job
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 from memsnap.v1 import peer_pb2, peer_pb2_grpc
@@ -195,9 +195,11 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                          context: grpc.ServicerContext) -> pb.DeleteCheckpointResponse:
         caller = caller_of(context)
         ckpt = v.ckpt_id("id", request.id)
+        theirs = not_ours(self.engine.get(caller, ckpt), self.engine.node)  # (the engine deletes it then)
         self.engine.delete(caller, ckpt)
         log.info("checkpoint deleted", extra={"checkpoint_id": ckpt, "uid": caller.uid})
-        return pb.DeleteCheckpointResponse()
+        return pb.DeleteCheckpointResponse(note=f"forgot {ckpt} on this node; its stored copy stays: {theirs}"
+                                           if theirs else "")
 
     @translate
     def EvictCheckpoint(self, request: pb.EvictCheckpointRequest,
@@ -280,7 +282,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                              kept=[pb.GcKept(id=k, reason=why) for k, why in sorted(rep.kept.items())],
                              checkpoint_bytes=rep.checkpoint_bytes, swept=rep.swept, sweep_note=rep.sweep_note,
                              chunks_swept=rep.sweep.deleted, chunk_bytes_freed=rep.sweep.bytes_freed,
-                             chunks_in_grace=rep.sweep.kept_in_grace, duration_ms=rep.duration_ms)
+                             chunks_in_grace=rep.sweep.kept_in_grace, duration_ms=rep.duration_ms,
+                             forgotten=[pb.GcKept(id=k, reason=why) for k, why in sorted(rep.forgotten.items())])
 
     def _gc(self) -> Any:
         gc = getattr(self.engine, "gc", None)

@@ -593,8 +593,8 @@ def delete_cmd(obj: Ctx, checkpoint_ids: tuple[str, ...]) -> None:
     """Delete checkpoints from the tier, the store and the catalog."""
     with obj.client() as c:
         for ckpt in checkpoint_ids:
-            c.delete(ckpt)
-            obj.emit({"deleted": ckpt}, f"deleted {ckpt}")
+            note = c.delete(ckpt).note  # (another node's stored copy stays: only this node's row went)
+            obj.emit({"deleted": ckpt, **({"note": note} if note else {})}, note or f"deleted {ckpt}")
 
 
 @cli.command("evict")
@@ -707,8 +707,10 @@ def gc_cmd(obj: Ctx, dry_run: bool) -> None:
     with obj.client() as c:
         r = c.gc(dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
+    theirs = {g.id: g.reason for g in r.forgotten}  # (only this node's row: the stored copy is another node's)
     lines = [f"{verb} {k.id} ({k.name or k.job or k.pid}, {age(k.created_unix_ms)} old, "
-             f"{human_bytes(k.stored_bytes)} stored)" for k in r.deleted]
+             + (f"here only: its stored copy stays, {theirs[k.id]})" if k.id in theirs else
+                f"{human_bytes(k.stored_bytes)} stored)") for k in r.deleted]
     kept = [f"kept {g.id}: {g.reason}" for g in r.kept]
     whole = f" ({human_bytes(r.checkpoint_bytes)} of whole-file copies)" if r.checkpoint_bytes else ""
     summary = [f"{verb} {len(r.deleted)} checkpoints{whole}, kept {len(r.kept)}"]
@@ -723,7 +725,7 @@ def gc_cmd(obj: Ctx, dry_run: bool) -> None:
               "checkpoint_bytes": int(r.checkpoint_bytes), "swept": r.swept, "sweep_note": r.sweep_note,
               "chunks_swept": int(r.chunks_swept), "chunk_bytes_freed": int(r.chunk_bytes_freed),
               "chunks_in_grace": int(r.chunks_in_grace), "bytes_freed": int(r.checkpoint_bytes + r.chunk_bytes_freed),
-              "duration_ms": int(r.duration_ms)},
+              "duration_ms": int(r.duration_ms), "forgotten": [{"id": g.id, "reason": g.reason} for g in r.forgotten]},
              "\n".join([*lines, *summary]), "\n".join([*lines, *kept, *summary]))
 
 

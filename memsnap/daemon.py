@@ -94,7 +94,7 @@ class Daemon:
             raise SystemExit(f"memsnapd: {exc}") from exc
         self.engine = Engine(
             EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin,
-                         private_tmp=cfg.daemon.private_tmp),
+                         private_tmp=cfg.daemon.private_tmp, node_name=cfg.daemon.node_name),
             self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),
             observe=self._observe,
         )
@@ -117,7 +117,8 @@ class Daemon:
                 tier = MemoryTier(self.cfg.guard.spill_dir, 0, "tmpfs")
             except safefs.UnsafePath as exc:
                 raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
-            spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin),
+            spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin,
+                                        node_name=self.cfg.daemon.node_name),
                            self.catalog, tier, self.criu, key, gpu=self.engine.gpu,
                            drain=build_drain(self.cfg, self.catalog, tier, key, self.metrics) if self.drain else None,
                            observe=self._observe)

@@ -395,8 +395,10 @@ class DeleteCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class DeleteCheckpointResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("note",)
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    note: str
+    def __init__(self, note: _Optional[str] = ...) -> None: ...
 
 class EvictCheckpointRequest(_message.Message):
     __slots__ = ("id",)
@@ -631,7 +633,7 @@ class GcKept(_message.Message):
     def __init__(self, id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GcResponse(_message.Message):
-    __slots__ = ("dry_run", "deleted", "kept", "checkpoint_bytes", "swept", "sweep_note", "chunks_swept", "chunk_bytes_freed", "chunks_in_grace", "duration_ms")
+    __slots__ = ("dry_run", "deleted", "kept", "checkpoint_bytes", "swept", "sweep_note", "chunks_swept", "chunk_bytes_freed", "chunks_in_grace", "duration_ms", "forgotten")
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     DELETED_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
@@ -642,6 +644,7 @@ class GcResponse(_message.Message):
     CHUNK_BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_IN_GRACE_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     dry_run: bool
     deleted: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
     kept: _containers.RepeatedCompositeFieldContainer[GcKept]
@@ -652,4 +655,5 @@ class GcResponse(_message.Message):
     chunk_bytes_freed: int
     chunks_in_grace: int
     duration_ms: int
-    def __init__(self, dry_run: _Optional[bool] = ..., deleted: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[GcKept, _Mapping]]] = ..., checkpoint_bytes: _Optional[int] = ..., swept: _Optional[bool] = ..., sweep_note: _Optional[str] = ..., chunks_swept: _Optional[int] = ..., chunk_bytes_freed: _Optional[int] = ..., chunks_in_grace: _Optional[int] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+    forgotten: _containers.RepeatedCompositeFieldContainer[GcKept]
+    def __init__(self, dry_run: _Optional[bool] = ..., deleted: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[GcKept, _Mapping]]] = ..., checkpoint_bytes: _Optional[int] = ..., swept: _Optional[bool] = ..., sweep_note: _Optional[str] = ..., chunks_swept: _Optional[int] = ..., chunk_bytes_freed: _Optional[int] = ..., chunks_in_grace: _Optional[int] = ..., duration_ms: _Optional[int] = ..., forgotten: _Optional[_Iterable[_Union[GcKept, _Mapping]]] = ...) -> None: ...
