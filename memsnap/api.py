@@ -7,6 +7,7 @@ import functools
 import logging
 import re
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import grpc
@@ -20,7 +21,9 @@ from memsnap.engine import ROOT, Caller, DumpHooks, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.guard.policy import CRITICAL
 from memsnap.move.plan import MoveRequest, MoveResult
-from memsnap.retention import Policy, series_of, series_of_job
+from memsnap.quota import Quotas
+from memsnap.resolve import note_for_target
+from memsnap.retention import Policy, not_ours, series_of, series_of_job
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
 from memsnap.v1 import peer_pb2, peer_pb2_grpc
@@ -90,12 +93,17 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     """The memsnap.v1.Memsnap service over an Engine."""
 
     def __init__(self, engine: Engine, status_extra: Callable[[], dict[str, Any]] | None = None,
-                 migrator: Any = None) -> None:
+                 migrator: Any = None, quota: Quotas | None = None) -> None:
         # migrator: the daemon's memsnap.move.Mover (Any: api must not import the move package, which
         # imports api's converters).
         self.engine = engine
         self.status_extra = status_extra or (lambda: {})
         self.migrator = migrator
+        self.quota = quota  # [quota] (memsnap.quota): None = no limits
+
+    def _admit(self, admit: Callable[[Quotas], AbstractContextManager[None]]) -> AbstractContextManager[None]:
+        """A quota admission (memsnap.quota) around a job, checkpoint or restore; nothing without quotas."""
+        return nullcontext() if self.quota is None else admit(self.quota)
 
     @translate
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
@@ -110,6 +118,9 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         if op is not None:
             resp.progress.CopyFrom(pb.Progress(op_id=op.op_id, kind=op.kind, phase=op.phase, done_bytes=op.done_bytes(),
                                                total_bytes=op.total_bytes, started_unix_ms=op.started_unix_ms))
+        for uid, used, limits in self.quota.report(caller) if self.quota is not None else ():
+            resp.usage.append(pb.QuotaUsage(uid=uid, **dataclasses.asdict(used),
+                                            **{f"{r}_limit": lim.value for r, lim in limits.items()}))
         return resp
 
     @translate
@@ -120,12 +131,13 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         # (unset: the node decides)
         spaces = {k: getattr(request, k) if request.HasField(k) else None for k in ("own_proc", "private_tmp")}
         keep = _keep_rules(request)
-        if request.memory_limit_bytes or request.priority or request.critical or request.on_limit:
-            resp = self._run_guarded(caller, request, argv, env, spaces)
-        else:
-            job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
-                                      **spaces)
-            resp = pb.RunJobResponse(job=job_pb(job, True))
+        with self._admit(lambda q: q.admit_job(caller)):
+            if request.memory_limit_bytes or request.priority or request.critical or request.on_limit:
+                resp = self._run_guarded(caller, request, argv, env, spaces)
+            else:
+                job = self.engine.run_job(caller, argv, v.name("name", request.name), v.cwd(request.cwd), env,
+                                          own_proc=spaces["own_proc"], private_tmp=spaces["private_tmp"])
+                resp = pb.RunJobResponse(job=job_pb(job, True))
         if keep is not None:
             self._gc().set_policy(series_of_job(resp.job.owner_uid, resp.job.name, resp.job.id), *keep)
         return resp
@@ -143,8 +155,9 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.enum("wait", request.wait, pb.WaitFor.values())
         keep = _keep_rules(request)
         strict = DumpHooks(dump_opts={"skip_in_flight": False}) if request.fail_on_in_flight else None
-        rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
-                                     tcp_established=request.tcp_established, name=request.name, hooks=strict)
+        with self._admit(lambda q: q.admit_checkpoint(caller, request.target)):
+            rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
+                                         tcp_established=request.tcp_established, name=request.name, hooks=strict)
         if keep is not None:
             self._gc().set_policy(series_of(rec), *keep)
         if request.wait == pb.WAIT_FOR_DURABLE:
@@ -155,7 +168,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
         caller = caller_of(context)
         v.key("checkpoint_id", request.checkpoint_id)
-        with progress.begin(_op_id(request), "restore", caller.uid):
+        with progress.begin(_op_id(request), "restore", caller.uid), \
+                self._admit(lambda q: q.admit_restore(caller, request.checkpoint_id, request.lazy)):
             res = self.engine.restore_own_log(caller, request.checkpoint_id, lazy=request.lazy,
                                               gpu_map=v.gpu_map(request.gpu_map) or None,
                                               tcp_established=request.tcp_established)
@@ -181,9 +195,11 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                          context: grpc.ServicerContext) -> pb.DeleteCheckpointResponse:
         caller = caller_of(context)
         ckpt = v.ckpt_id("id", request.id)
+        theirs = not_ours(self.engine.get(caller, ckpt), self.engine.node)  # (the engine deletes it then)
         self.engine.delete(caller, ckpt)
         log.info("checkpoint deleted", extra={"checkpoint_id": ckpt, "uid": caller.uid})
-        return pb.DeleteCheckpointResponse()
+        return pb.DeleteCheckpointResponse(note=f"forgot {ckpt} on this node; its stored copy stays: {theirs}"
+                                           if theirs else "")
 
     @translate
     def EvictCheckpoint(self, request: pb.EvictCheckpointRequest,
@@ -211,11 +227,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.ifname("move_ip_dev_target", request.move_ip_dev_target)
         v.token("to_token", request.to_token)
         req = MoveRequest(**{f.name: getattr(request, f.name) for f in dataclasses.fields(MoveRequest)})
+        note = note_for_target(self.engine.catalog.jobs(), request.target,  # (said only once the move is done)
+                               lambda j: caller.is_root or j.owner_uid == caller.uid, "moved")
         with progress.begin(_op_id(request), "migrate", caller.uid):
             res: MoveResult = self.migrator.migrate(caller, req)
         return pb.MigrateResponse(target_pid=res.target_pid, checkpoint_id=res.checkpoint_id,
                                   phases=[pb.Phase(name=n, ms=int(ms)) for n, ms in res.phases],
-                                  downtime_ms=res.downtime_ms, bytes_sent=res.bytes_sent, target_job=res.target_job)
+                                  downtime_ms=res.downtime_ms, bytes_sent=res.bytes_sent, target_job=res.target_job,
+                                  note=note)
 
     @translate
     def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],
@@ -263,7 +282,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                              kept=[pb.GcKept(id=k, reason=why) for k, why in sorted(rep.kept.items())],
                              checkpoint_bytes=rep.checkpoint_bytes, swept=rep.swept, sweep_note=rep.sweep_note,
                              chunks_swept=rep.sweep.deleted, chunk_bytes_freed=rep.sweep.bytes_freed,
-                             chunks_in_grace=rep.sweep.kept_in_grace, duration_ms=rep.duration_ms)
+                             chunks_in_grace=rep.sweep.kept_in_grace, duration_ms=rep.duration_ms,
+                             forgotten=[pb.GcKept(id=k, reason=why) for k, why in sorted(rep.forgotten.items())])
 
     def _gc(self) -> Any:
         gc = getattr(self.engine, "gc", None)

@@ -47,7 +47,7 @@ Exit status:
   4  permission denied, not authenticated
   5  daemon or storage unavailable, deadline exceeded
   6  data loss (an image failed its integrity check)
-  7  out of resources (memory tier full)
+  7  out of resources (memory tier full, a quota reached)
   8  operation failed (CRIU refused, wrong state: the message says why)
   9  conflict (busy, already exists)
   130 interrupted"""
@@ -292,6 +292,7 @@ def status_cmd(obj: Ctx) -> None:
     d = _to_dict(s)
     for k in ("tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "drain_queue_bytes"):
         d[k] = int(d.get(k, 0))
+    d["usage"] = [{k: int(v) for k, v in u.items()} for u in d.get("usage", [])]
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(s.checkpoints_by_state.items())) or "none"
     human = "\n".join([
         f"memsnapd {s.version} on {s.hostname} (kernel {s.kernel}), CRIU {s.criu_version}",
@@ -306,8 +307,19 @@ def status_cmd(obj: Ctx) -> None:
           if s.drains_paused else []),
         *([f"moves    {len(s.moves_in_doubt)} in doubt (stopped here until the target answers): "
            + ", ".join(s.moves_in_doubt)] if s.moves_in_doubt else []),
+        *[f"usage    uid {u.uid}: {usage_line(u)}" for u in s.usage],
     ])
     obj.emit(d, human)
+
+
+def usage_line(u: pb.QuotaUsage) -> str:
+    """'tier 300.0 MiB of 1.0 GiB, store 2.0 GiB, jobs 1 of 2, checkpoints 3 of 3' (of: its [quota] limit)."""
+    def part(what: str, field: str, fmt: Callable[[int], str]) -> str:
+        lim = f" of {fmt(getattr(u, field + '_limit'))}" if u.HasField(field + "_limit") else ""
+        return f"{what} {fmt(getattr(u, field))}{lim}"
+
+    return ", ".join([part("tier", "tier_bytes", human_bytes), part("store", "store_bytes", human_bytes),
+                      part("jobs", "jobs", str), part("checkpoints", "checkpoints", str)])
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -440,7 +452,20 @@ def checkpoint_cmd(obj: Ctx, target: str, stop: bool, wait_for: str, tcp_establi
     d = ckpt_dict(ck)
     if d["state"] == "failed":
         raise Failure("FAILED_PRECONDITION", f"checkpoint {ck.id} failed: {ck.last_error}")
+    say_in_job(obj, d, target, ck.job, "" if name else ck.name, ck.pid, "checkpointed")
     obj.emit(d, _ckpt_summary(d))
+
+
+def say_in_job(obj: Ctx, data: dict[str, Any], target: str, job_id: str, job_name: str, job_pid: int,
+               done: str) -> None:
+    """A pid inside a job named the whole job (memsnap.resolve): says so on stderr, and as "note" in the JSON."""
+    from memsnap.resolve import in_job_note
+
+    note = in_job_note(target, job_id, job_name, job_pid, done)
+    if note:
+        data["note"] = note
+        if not obj.json:
+            click.echo(note, err=True)
 
 
 def _follow_drain(c: MemsnapClient, ckpt_id: str, bar: Progress) -> None:
@@ -568,8 +593,8 @@ def delete_cmd(obj: Ctx, checkpoint_ids: tuple[str, ...]) -> None:
     """Delete checkpoints from the tier, the store and the catalog."""
     with obj.client() as c:
         for ckpt in checkpoint_ids:
-            c.delete(ckpt)
-            obj.emit({"deleted": ckpt}, f"deleted {ckpt}")
+            note = c.delete(ckpt).note  # (another node's stored copy stays: only this node's row went)
+            obj.emit({"deleted": ckpt, **({"note": note} if note else {})}, note or f"deleted {ckpt}")
 
 
 @cli.command("evict")
@@ -618,7 +643,7 @@ def stop_cmd(obj: Ctx, jobs: tuple[str, ...], timeout: float) -> None:
     with obj.client() as c:
         for key in jobs:
             r = c.stop_job(key, timeout_s=timeout, timeout=timeout + 30)
-            _emit_stopped(obj, r, "stopped")
+            _emit_stopped(obj, r, "stopped", key)
 
 
 @cli.command("kill")
@@ -629,16 +654,17 @@ def kill_cmd(obj: Ctx, jobs: tuple[str, ...]) -> None:
     """Kill jobs at once (SIGKILL to the whole tree)."""
     with obj.client() as c:
         for key in jobs:
-            _emit_stopped(obj, c.stop_job(key, kill=True), "killed")
+            _emit_stopped(obj, c.stop_job(key, kill=True), "killed", key)
 
 
-def _emit_stopped(obj: Ctx, r: pb.StopJobResponse, verb: str) -> None:
+def _emit_stopped(obj: Ctx, r: pb.StopJobResponse, verb: str, key: str) -> None:
     j = r.job
     how = "killed after the timeout" if r.killed and verb == "stopped" else verb
     human = (f"{j.id} ({j.name}) {how} in {human_ms(r.stop_ms)}" if r.stop_ms or r.killed
              else f"{j.id} ({j.name}) was not running")
-    obj.emit({"job": j.id, "name": j.name, "pid": int(j.pid), "killed": r.killed, "stop_ms": int(r.stop_ms)},
-             human)
+    d = {"job": j.id, "name": j.name, "pid": int(j.pid), "killed": r.killed, "stop_ms": int(r.stop_ms)}
+    say_in_job(obj, d, key, j.id, j.name, int(j.pid), verb)
+    obj.emit(d, human)
 
 
 @cli.command("rm")
@@ -681,8 +707,10 @@ def gc_cmd(obj: Ctx, dry_run: bool) -> None:
     with obj.client() as c:
         r = c.gc(dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
+    theirs = {g.id: g.reason for g in r.forgotten}  # (only this node's row: the stored copy is another node's)
     lines = [f"{verb} {k.id} ({k.name or k.job or k.pid}, {age(k.created_unix_ms)} old, "
-             f"{human_bytes(k.stored_bytes)} stored)" for k in r.deleted]
+             + (f"here only: its stored copy stays, {theirs[k.id]})" if k.id in theirs else
+                f"{human_bytes(k.stored_bytes)} stored)") for k in r.deleted]
     kept = [f"kept {g.id}: {g.reason}" for g in r.kept]
     whole = f" ({human_bytes(r.checkpoint_bytes)} of whole-file copies)" if r.checkpoint_bytes else ""
     summary = [f"{verb} {len(r.deleted)} checkpoints{whole}, kept {len(r.kept)}"]
@@ -697,7 +725,7 @@ def gc_cmd(obj: Ctx, dry_run: bool) -> None:
               "checkpoint_bytes": int(r.checkpoint_bytes), "swept": r.swept, "sweep_note": r.sweep_note,
               "chunks_swept": int(r.chunks_swept), "chunk_bytes_freed": int(r.chunk_bytes_freed),
               "chunks_in_grace": int(r.chunks_in_grace), "bytes_freed": int(r.checkpoint_bytes + r.chunk_bytes_freed),
-              "duration_ms": int(r.duration_ms)},
+              "duration_ms": int(r.duration_ms), "forgotten": [{"id": g.id, "reason": g.reason} for g in r.forgotten]},
              "\n".join([*lines, *summary]), "\n".join([*lines, *kept, *summary]))
 
 

@@ -64,9 +64,13 @@ def register(cli: click.Group) -> None:
             r = follow(c, f"moving {target} to {to}", call, obj.json)
         phases = {p.name: int(p.ms) for p in r.phases}
         steps = ", ".join(f"{k} {v} ms" for k, v in phases.items())
-        obj.emit({"target_pid": int(r.target_pid), "target_job": r.target_job, "checkpoint": r.checkpoint_id,
-                  "downtime_ms": int(r.downtime_ms), "bytes_sent": int(r.bytes_sent), "phases": phases,
-                  "to": to},
+        d = {"target_pid": int(r.target_pid), "target_job": r.target_job, "checkpoint": r.checkpoint_id,
+             "downtime_ms": int(r.downtime_ms), "bytes_sent": int(r.bytes_sent), "phases": phases, "to": to}
+        if r.note:  # a pid inside a job moved the whole job (memsnap.resolve)
+            d["note"] = r.note
+            if not obj.json:
+                click.echo(r.note, err=True)
+        obj.emit(d,
                  f"moved {target} to {to}: job {r.target_job} pid {r.target_pid}, "
                  + (f"resumed after {human_ms(r.downtime_ms)}, all memory there after "
                     f"{human_ms(int(r.downtime_ms) + phases.get('pages', phases.get('paging', 0)))}"

@@ -135,9 +135,9 @@ class MemsnapClient:
         resp = self._call("GetCheckpoint", pb.GetCheckpointRequest(id=ckpt_id), timeout)
         return resp.checkpoint  # type: ignore[attr-defined,no-any-return]
 
-    def delete(self, ckpt_id: str, timeout: float = 60.0) -> None:
-        """Deletes a checkpoint everywhere."""
-        self._call("DeleteCheckpoint", pb.DeleteCheckpointRequest(id=ckpt_id), timeout)
+    def delete(self, ckpt_id: str, timeout: float = 60.0) -> pb.DeleteCheckpointResponse:
+        """Deletes a checkpoint everywhere (a stored copy another node owns stays: note says so)."""
+        return self._call("DeleteCheckpoint", pb.DeleteCheckpointRequest(id=ckpt_id), timeout)  # type: ignore[return-value]
 
     def evict(self, ckpt_id: str, timeout: float = 60.0) -> pb.CheckpointInfo:
         """Drops the tier copy of a durable checkpoint."""

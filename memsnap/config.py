@@ -490,6 +490,27 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
+class QuotaConfig:
+    """[quota]: what each uid may use (memsnap.quota, docs/quota.md), checked before any work starts. These apply
+    to every uid but root; a [quota.uid.UID] table sets a uid's own (root's too), key by key. "" = no limit."""
+
+    tier_bytes: int | None = _opt(None, _size, 'bytes of its checkpoints\' memory tier copies (K/M/G suffix); "" = '
+                                  "no limit")
+    store_bytes: int | None = _opt(None, _size, 'bytes its durable checkpoints wrote to the store; "" = no limit')
+    jobs: int | None = _opt(None, _count_or_unset, 'running jobs; "" = no limit')
+    checkpoints: int | None = _opt(None, _count_or_unset, 'checkpoints it may restore (staged, draining, durable); '
+                                   '"" = no limit')
+
+
+@dataclass(frozen=True)
+class UidQuota:
+    """[quota.uid.UID]: one uid's own limits, only the keys it sets (the others: [quota]'s, none for root)."""
+
+    uid: int
+    limits: tuple[tuple[str, int | None], ...]
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole effective memsnapd configuration."""
 
@@ -501,6 +522,8 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    quota: QuotaConfig = field(default_factory=QuotaConfig)
+    quota_uids: tuple[UidQuota, ...] = ()  # [quota.uid.UID] tables, by uid
     peers: tuple[PeerConfig, ...] = ()
 
     def peer(self, to: str) -> PeerConfig | None:
@@ -537,6 +560,7 @@ SECTIONS: dict[str, type[Any]] = {
     "security": SecurityConfig,
     "guard": GuardConfig,
     "retention": RetentionConfig,
+    "quota": QuotaConfig,
 }
 
 
@@ -569,6 +593,7 @@ def load_config(path: str | None = None, overrides: Mapping[str, object] | None 
     source, data = _read_file(path)
     raw: dict[str, dict[str, tuple[object, str]]] = {name: {} for name in SECTIONS}
     peers = _build_peers(source, data.pop("peers", []))
+    uids = _build_quota_uids(source, data["quota"].pop("uid", {}) if isinstance(data.get("quota"), dict) else {})
     for section, table in data.items():
         if section not in SECTIONS:
             raise ConfigError(f"{source}: {section}: unknown section")
@@ -584,7 +609,7 @@ def load_config(path: str | None = None, overrides: Mapping[str, object] | None 
             raise ConfigError(f"{OVERRIDE_SOURCE}: {dotted}: unknown key")
         raw[section][key] = (value, OVERRIDE_SOURCE)
     sections = {name: _build(name, SECTIONS[name], raw[name]) for name in SECTIONS}
-    config = Config(**sections, peers=peers)
+    config = Config(**sections, quota_uids=uids, peers=peers)
     _check(config, raw)
     return config
 
@@ -607,6 +632,23 @@ def _build_peers(source: str, tables: object) -> tuple[PeerConfig, ...]:
                 raise ConfigError(f"{source}: {where}.address: {peer.address!r} is listed twice")
         peers.append(peer)
     return tuple(peers)
+
+
+def _build_quota_uids(source: str, tables: object) -> tuple[UidQuota, ...]:
+    """[quota.uid.UID] tables: UID a number (SO_PEERCRED gives uids, and a user renamed in /etc/passwd must not
+    change what it may use), each key one of [quota]'s."""
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{source}: quota.uid: expected [quota.uid.UID] tables, such as [quota.uid.1000]")
+    out = []
+    for uid, table in sorted(tables.items(), key=lambda kv: str(kv[0])):
+        where = f"quota.uid.{uid}"
+        if not (isinstance(uid, str) and uid.isascii() and uid.isdigit() and int(uid) <= (1 << 32) - 2):
+            raise ConfigError(f"{source}: {where}: expected a numeric uid, such as [quota.uid.1000]")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {where}: expected a [{where}] table")
+        given = _build(where, QuotaConfig, {k: (v, source) for k, v in table.items()})
+        out.append(UidQuota(int(uid), tuple((k, getattr(given, k)) for k in table)))
+    return tuple(sorted(out, key=lambda q: q.uid))
 
 
 def _build(name: str, cls: type[Any], values: dict[str, tuple[object, str]]) -> Any:
@@ -697,5 +739,8 @@ def _render(config: Config) -> str:
         lines += ["", "[[peers]]"]
         lines += [f"{f.name} = {_toml_value(getattr(peer, f.name))}  # {f.metadata['doc']}"
                   for f in dataclasses.fields(peer)]
+    for q in config.quota_uids:  # (absent keys: [quota]'s; "" = no limit for this uid)
+        lines += ["", f"[quota.uid.{q.uid}]"] + [f"{k} = {_toml_value(v) if v is not None else chr(34) * 2}"
+                                                 for k, v in q.limits]
     lines.append(f"# hmac key in use: {config.hmac_key_path}")
     return "\n".join(lines) + "\n"

@@ -25,11 +25,12 @@ from memsnap.catalog import Catalog
 from memsnap.config import Config, ConfigError, load_config
 from memsnap.criu import Criu, CriuError
 from memsnap.drain import build_drain
-from memsnap.engine import Engine, EngineConfig
+from memsnap.engine import ROOT, Engine, EngineConfig
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
 from memsnap.move import Mover
 from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
+from memsnap.quota import Quotas
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.tier import MemoryTier, MountSpec, TierMountError
@@ -93,12 +94,13 @@ class Daemon:
             raise SystemExit(f"memsnapd: {exc}") from exc
         self.engine = Engine(
             EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin,
-                         private_tmp=cfg.daemon.private_tmp),
+                         private_tmp=cfg.daemon.private_tmp, node_name=cfg.daemon.node_name),
             self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),
             observe=self._observe,
         )
         self.engine.guard = self.guard = self._make_guard(state, key)
         self.engine.gc = self.gc = self._make_gc()
+        self.quota = Quotas(cfg.quota, cfg.quota_uids, self.engine)  # [quota]: what each uid may use
         self.notifier = Notifier.from_env(unset=True)
         self._stopped = threading.Event()
         self._servers: list[Any] = []
@@ -115,7 +117,8 @@ class Daemon:
                 tier = MemoryTier(self.cfg.guard.spill_dir, 0, "tmpfs")
             except safefs.UnsafePath as exc:
                 raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
-            spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin),
+            spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin,
+                                        node_name=self.cfg.daemon.node_name),
                            self.catalog, tier, self.criu, key, gpu=self.engine.gpu,
                            drain=build_drain(self.cfg, self.catalog, tier, key, self.metrics) if self.drain else None,
                            observe=self._observe)
@@ -168,7 +171,7 @@ class Daemon:
             self.drain.start(self.engine.pending_drains())
 
         migrator.recover()
-        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator)
+        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator, quota=self.quota)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       # a second server on our port must fail, not share it
@@ -212,6 +215,7 @@ class Daemon:
             if migrator is not None:
                 self.metrics.moves_in_doubt.set_function(lambda: float(len(migrator.moves_in_doubt())))
             self.metrics.bind_store(self.gc.totals)
+            self.metrics.bind_quota(lambda: self.quota.report(ROOT))
             if self.drain is not None:
                 self.metrics.bind_drain_queue(lambda: float(self.drain.queue_stats()[0]),
                                               lambda: float(self.drain.queue_stats()[1]))

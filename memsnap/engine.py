@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, mounts, proc, progress
+from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, mounts, proc, progress, resolve
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -48,6 +48,7 @@ from memsnap.errors import (
     TierExhausted,
 )
 from memsnap.manifest import Manifest
+from memsnap.retention import not_ours
 from memsnap.tier import MemoryTier, TierFull, publish_image
 
 log = logging.getLogger("memsnap.engine")
@@ -160,6 +161,7 @@ class EngineConfig:
     extra_dump_opts: dict[str, Any] = field(default_factory=dict)
     # Jobs get a /tmp of their own unless they ask for the host's (memsnap.mounts; README "Private /tmp").
     private_tmp: bool = True
+    node_name: str = ""  # daemon.node_name: who made a stored copy (retention.not_ours); "" = the host name
 
 
 class Engine:
@@ -178,6 +180,7 @@ class Engine:
         # observe(kind, result, seconds): metrics hook ("checkpoint", "ok", 1.2), or a phase ("phase:freeze", ...)
         self.observe = observe or (lambda kind, result, seconds: None)
         self.hostname = socket.gethostname()
+        self.node = cfg.node_name or self.hostname
         self.launcher = jobs.Launcher(cfg.state_dir / "jobs")
         if cfg.private_tmp and _below_tmp(self.launcher.log_dir):
             # (a job's log must stay reachable by path in its own mount namespace, for CRIU)
@@ -240,12 +243,19 @@ class Engine:
             if not proc.alive(pid):
                 raise NotFound(f"no process with pid {pid}; check the pid with 'ps' or 'memsnapctl jobs'")
             refuse_uncheckpointable(pid)
-            return pid, self.catalog.job_by_pid(pid)
+            job = self.catalog.job_by_pid(pid) or resolve.job_containing(self.catalog.jobs(), pid)
+            if job is not None:  # (a pid inside a job: the whole job, its root, once the caller may act on it)
+                self._authorize_uid(caller, job.owner_uid, f"pid {pid}")
+                if job.pid != pid:
+                    log.info("pid %d is in job %s: acting on the whole job", pid, job.id, extra={"job": job.id})
+                return job.pid, job
+            return pid, None
         if target.lstrip("-").isdigit():
             raise InvalidArgument(f"{_clip(target)!r} is not a valid PID")
         job = self.catalog.get_job(target)
         if job is None:
             job = self._job_by_name(caller, target)
+        self._authorize_uid(caller, job.owner_uid, f"job {job.id}")  # before its pid or state is told
         if job.ended or not proc.alive(job.pid, job.pid_start):
             raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
         refuse_uncheckpointable(job.pid)
@@ -377,13 +387,7 @@ class Engine:
         self._authorize_uid(caller, owner, f"pid {pid}")
         t_start = time.monotonic()
         with self.exclusive(pid), background.gate().foreground("dump"):
-            try:
-                # (a private /tmp's files go into the image too)
-                estimate = int((proc.tree_rss(pid) + proc.private_tmp_bytes(pid)) * (1 + self.cfg.reserve_margin)) \
-                    + _RESERVE_SLACK
-            except proc.ProcessNotFound as exc:
-                raise NotFound(str(exc)) from exc
-            reservation = self.reserve(estimate)
+            reservation = self.reserve(self.dump_estimate(pid))
             try:
                 rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, hooks)
             except Exception:
@@ -395,6 +399,14 @@ class Engine:
         if self.drain is not None:
             self.drain.enqueue(rec.id)
         return rec
+
+    def dump_estimate(self, pid: int) -> int:
+        """The tier room a dump of pid's tree reserves: its resident memory, plus a margin."""
+        try:  # (a private /tmp's files go into the image too)
+            return int((proc.tree_rss(pid) + proc.private_tmp_bytes(pid)) * (1 + self.cfg.reserve_margin)) \
+                + _RESERVE_SLACK
+        except proc.ProcessNotFound as exc:
+            raise NotFound(str(exc)) from exc
 
     def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
@@ -554,6 +566,7 @@ class Engine:
             fields.setdefault("extra", {})["job_name"] = job.name
         if "log_mount" not in fields and fields.get("own_mntns") and mounts.has_job_log(rec.pid):
             fields["log_mount"] = mounts.LOG_MOUNT_KEY  # (Criu.dump made it external under that key)
+        fields.setdefault("extra", {})["node"] = self.node  # (signed: the node that may delete its stored copy)
         return Manifest(id=rec.id, pid=rec.pid, job=rec.job, name=rec.name, uid=rec.owner_uid, files=files,
                         argv=argv, host=self.hostname, kernel=platform.release(),
                         criu_version=self.criu.version(), memsnap_version=__version__, created_ms=rec.created_ms,
@@ -613,11 +626,12 @@ class Engine:
                             name, m.get("id"), m.get("name"), m.get("uid"))
                 continue
             man = Manifest.from_dict(m)
+            home = str(man.extra.get("node") or man.host or "?")  # its stored copy is that node's to delete
             rec = CheckpointRecord(id=man.id, state=DURABLE, pid=int(man.pid), owner_uid=m_owner,
                                    created_ms=int(man.created_ms), job=str(man.job), name=name,
                                    size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms),
-                                   dump_ms=int(man.dump_ms), in_tier=False, in_store=True,
-                                   durable_ms=now_ms(), meta=man.catalog_meta())
+                                   dump_ms=int(man.dump_ms), in_tier=False, in_store=True, durable_ms=now_ms(),
+                                   meta={**man.catalog_meta(), **({"home": home} if home != self.node else {})})
             self.catalog.add_checkpoint(rec)
             log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.get("host"))
             return rec
@@ -847,7 +861,8 @@ class Engine:
         return [r for r in self.catalog.checkpoints(job=job) if caller.is_root or r.owner_uid == caller.uid]
 
     def delete(self, caller: Caller, ckpt_id: str) -> None:
-        """Removes a checkpoint everywhere: tier, store and catalog."""
+        """Removes a checkpoint everywhere: tier, store and catalog (a stored copy another node owns stays, only
+        the row here goes: retention.not_ours)."""
         rec = self.get(caller, ckpt_id)
         if rec.state == DUMPING:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
@@ -856,9 +871,9 @@ class Engine:
             self._delete_copies(rec)
 
     def _delete_copies(self, rec: CheckpointRecord) -> None:
-        """Store copy, tier copy (and a park image's spill copy), then the catalog row; the caller holds
-        _ckpt_lock(rec.id)."""
-        if rec.in_store and self.drain is not None:
+        """Store copy (when this node owns it: retention.not_ours), tier copy (and a park image's spill copy),
+        then the catalog row; the caller holds _ckpt_lock(rec.id)."""
+        if rec.in_store and self.drain is not None and not not_ours(rec, self.node):
             self.drain.delete(rec)
         self.tier.remove(rec.id)
         spill = getattr(self.guard, "spill", None)  # a park image in guard.spill_dir lives in that tier
@@ -1062,6 +1077,9 @@ class Engine:
             raise InvalidArgument("no job given; pass a job id, name or pid ('memsnapctl jobs' lists them)")
         cands = [j for j in self.catalog.jobs() if key in (j.id, j.name, str(j.pid))
                  and (caller.is_root or j.owner_uid == caller.uid)]
+        if not cands and key.isascii() and key.isdigit() and int(key) < 1 << 22:  # a pid inside a job: the job
+            inside = resolve.job_containing(self.catalog.jobs(), int(key))
+            cands = [inside] if inside and (caller.is_root or inside.owner_uid == caller.uid) else []
         if not cands:
             raise NotFound(f"no job {key!r}; 'memsnapctl jobs' lists the jobs")
         return max(cands, key=lambda j: (j.id == key, self._job_running(j), j.started_ms))

@@ -27,6 +27,12 @@ class TierExhausted(MemsnapError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class QuotaExceeded(MemsnapError):
+    """The caller's uid is at a limit of [quota] (memsnap.quota); nothing was started."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class FailedPrecondition(MemsnapError):
     """CRIU, the kernel or the checkpoint's state does not allow the operation."""
 

@@ -2,7 +2,9 @@
 
 One run: (1) the retention policy (memsnap.retention) picks checkpoints of this node's catalog to delete;
 each goes through the engine's delete path (store copy, tier copy, catalog) under its checkpoint lock, and
-only if, at that moment, nothing uses it (a restore, a move, a park, a drain). (2) For root only, the
+only if, at that moment, nothing uses it (a restore, a move, a park, a drain). A stored copy another node owns
+(retention.not_ours: the node its job moved to, else the one that made it) stays: only the row here goes,
+reported as forgotten. (2) For root only, the
 chunk sweep of the whole store: mark = the chunks every stored manifest references (every node's, since
 nodes share a store) plus those of drains in flight here; sweep = unreferenced chunks older than the
 grace period, with no drain of any node running (the store locks of memsnap.store.chunkgc). A crash
@@ -23,7 +25,7 @@ from memsnap import background
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.engine import ROOT, Caller
 from memsnap.errors import FailedPrecondition, MemsnapError
-from memsnap.retention import Ckpt, Plan, Policy, chunked, plan, sizes
+from memsnap.retention import Ckpt, Plan, Policy, chunked, not_ours, plan, sizes
 from memsnap.store import chunkgc
 from memsnap.store.chunkgc import SweepResult
 
@@ -53,6 +55,7 @@ class GcReport:
     sweep_failed: bool = False
     sweep_deferred: bool = False  # drains into the store kept running: the next run sweeps
     duration_ms: int = 0
+    forgotten: dict[str, str] = field(default_factory=dict)  # deleted here only: id -> whose stored copy it is
 
 
 # Why a checkpoint stays whatever the policy says (also re-checked under its lock, just before deletion).
@@ -157,7 +160,10 @@ class Collector:
                 rep.kept[ckpt_id] = why
                 continue
             rep.deleted.append(rec)
-            if not chunked(rec):  # a chunked one's chunks are freed by the sweep, if no one else has them
+            theirs = not_ours(rec, self.engine.node) if rec.in_store else ""  # (the engine kept its stored copy)
+            if theirs:
+                rep.forgotten[ckpt_id] = theirs
+            elif not chunked(rec):  # a chunked one's chunks are freed by the sweep, if no one else has them
                 rep.checkpoint_bytes += sizes(rec)[1]
         if not caller.is_root:
             rep.sweep_note = "the chunk sweep covers the whole store: root only"

@@ -176,6 +176,11 @@ class Metrics:
 
         self.store_dedup_ratio.set_function(ratio)
 
+    def bind_quota(self, report: Callable[[], list[tuple[int, Any, dict[str, Any]]]]) -> None:
+        """memsnap_quota_used / memsnap_quota_limit per uid and resource, from report() at scrape time
+        (memsnap.quota.Quotas.report: (uid, usage, limits))."""
+        self.registry.register(_QuotaCollector(report))
+
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""
         return generate_latest(self.registry)
@@ -202,6 +207,31 @@ class _BackgroundCollector:
         c.add_metric(["waiting"], float(snap["drain_waits"]))
         c.add_metric(["overridden"], float(snap["drain_pause_overrides"]))
         yield c
+
+
+class _QuotaCollector:
+    """What each uid uses of the tier, the store, jobs and checkpoints, and its limits ([quota])."""
+
+    RESOURCES = ("tier_bytes", "store_bytes", "jobs", "checkpoints")
+
+    def __init__(self, report: Callable[[], list[tuple[int, Any, dict[str, Any]]]]) -> None:
+        self.report = report
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        used = GaugeMetricFamily("memsnap_quota_used", "What a uid uses on this node (resource: tier_bytes, "
+                                 "store_bytes, jobs, checkpoints; docs/quota.md).", labels=["uid", "resource"])
+        limit = GaugeMetricFamily("memsnap_quota_limit", "A uid's limit ([quota]); absent: no limit.",
+                                  labels=["uid", "resource"])
+        for uid, usage, limits in self.report():
+            for r in self.RESOURCES:
+                used.add_metric([str(uid), r], float(getattr(usage, r)))
+                if r in limits:
+                    limit.add_metric([str(uid), r], float(limits[r].value))
+        yield used
+        yield limit
 
 
 class MetricsServer:

@@ -170,6 +170,18 @@ def chunked(rec: Sized) -> bool:
     return (rec.meta.get("store") or {}).get("format") == "chunked"
 
 
+def not_ours(rec: Ckpt, here: str) -> str:
+    """"" when this node (named here) may delete rec's stored copy, else whose it is. One rule for every node that
+    shares a store: the node its job moved to (a move's source keeps its row, marked moved_to), else the node that
+    made it (meta "home", set when a node adopts another's checkpoint from the store); a node that does not own
+    the stored copy only forgets its own row."""
+    moved_to = rec.meta.get("moved_to")
+    if moved_to:
+        return f"its job moved to {moved_to}, which deletes it"
+    home = rec.meta.get("home")
+    return f"{home} made it and deletes it" if home and home != here else ""
+
+
 @dataclass
 class Plan:
     """What gc does: the ids to delete (oldest first) and why each other checkpoint stays."""
@@ -221,5 +233,5 @@ def _why_kept(r: Ckpt, pol: Policy, newest_durable: str | None, counted: int, no
     return in_use(r)
 
 
-__all__ = ["Ckpt", "Plan", "Policy", "chunked", "format_duration", "parse_duration", "plan", "series_of",
-           "series_of_job", "sizes"]
+__all__ = ["Ckpt", "Plan", "Policy", "chunked", "format_duration", "not_ours", "parse_duration", "plan",
+           "series_of", "series_of_job", "sizes"]

@@ -568,16 +568,17 @@ class Guard:
                 cands = [g for g in self._jobs.values() if g.job_id in named]
         if not cands:
             raise NotFound(f"no guarded job {key[:200]!r}; 'memsnapctl jobs' lists parked jobs")
+        if not caller.is_root and all(g.owner_uid != caller.uid for g in cands):  # (before its state is told)
+            from memsnap.errors import PermissionDenied
+            raise PermissionDenied(f"uid {caller.uid} may not resume job {cands[-1].job_id} of uid "
+                                   f"{cands[-1].owner_uid}; run as its owner or as root")
+        cands = [g for g in cands if caller.is_root or g.owner_uid == caller.uid]
         parked = [g for g in cands if g.state == PARKED]
         if not parked:
             g = cands[-1]
             raise FailedPrecondition(f"job {g.job_id} is {g.state}, not parked"
                                      + (f" (resumed as {g.resumed_as})" if g.resumed_as else ""))
-        g = max(parked, key=lambda x: x.parked_ms)
-        if not caller.is_root and caller.uid != g.owner_uid:
-            from memsnap.errors import PermissionDenied
-            raise PermissionDenied(f"uid {caller.uid} may not resume job {g.job_id} of uid {g.owner_uid}")
-        return g
+        return max(parked, key=lambda x: x.parked_ms)
 
     def resume(self, key: str, caller: Any = None, new_limit: int = 0, auto: str = "") -> Any:
         """Restores a parked job into its memory cgroup (with new_limit if given) and lets it run on."""

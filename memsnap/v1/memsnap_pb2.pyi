@@ -38,7 +38,7 @@ class StatusRequest(_message.Message):
     def __init__(self, op_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard", "store_id", "progress", "drains_paused", "drains_paused_since_unix_ms", "drains_paused_reason", "drains_held", "drain_pauses", "drain_waits", "drain_pause_overrides", "drains_paused_seconds", "tier_fs")
+    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard", "store_id", "progress", "drains_paused", "drains_paused_since_unix_ms", "drains_paused_reason", "drains_held", "drain_pauses", "drain_waits", "drain_pause_overrides", "drains_paused_seconds", "tier_fs", "usage")
     class CheckpointsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class StatusResponse(_message.Message):
     DRAIN_PAUSE_OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     DRAINS_PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     version: str
     criu_version: str
     hostname: str
@@ -100,7 +101,30 @@ class StatusResponse(_message.Message):
     drain_pause_overrides: int
     drains_paused_seconds: float
     tier_fs: str
-    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ..., store_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., drains_paused: _Optional[bool] = ..., drains_paused_since_unix_ms: _Optional[int] = ..., drains_paused_reason: _Optional[str] = ..., drains_held: _Optional[_Iterable[str]] = ..., drain_pauses: _Optional[int] = ..., drain_waits: _Optional[int] = ..., drain_pause_overrides: _Optional[int] = ..., drains_paused_seconds: _Optional[float] = ..., tier_fs: _Optional[str] = ...) -> None: ...
+    usage: _containers.RepeatedCompositeFieldContainer[QuotaUsage]
+    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ..., store_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., drains_paused: _Optional[bool] = ..., drains_paused_since_unix_ms: _Optional[int] = ..., drains_paused_reason: _Optional[str] = ..., drains_held: _Optional[_Iterable[str]] = ..., drain_pauses: _Optional[int] = ..., drain_waits: _Optional[int] = ..., drain_pause_overrides: _Optional[int] = ..., drains_paused_seconds: _Optional[float] = ..., tier_fs: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[QuotaUsage, _Mapping]]] = ...) -> None: ...
+
+class QuotaUsage(_message.Message):
+    __slots__ = ("uid", "tier_bytes", "store_bytes", "jobs", "checkpoints", "tier_bytes_limit", "store_bytes_limit", "jobs_limit", "checkpoints_limit")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    JOBS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    tier_bytes: int
+    store_bytes: int
+    jobs: int
+    checkpoints: int
+    tier_bytes_limit: int
+    store_bytes_limit: int
+    jobs_limit: int
+    checkpoints_limit: int
+    def __init__(self, uid: _Optional[int] = ..., tier_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., tier_bytes_limit: _Optional[int] = ..., store_bytes_limit: _Optional[int] = ..., jobs_limit: _Optional[int] = ..., checkpoints_limit: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("op_id", "kind", "phase", "done_bytes", "total_bytes", "started_unix_ms")
@@ -371,8 +395,10 @@ class DeleteCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class DeleteCheckpointResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("note",)
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    note: str
+    def __init__(self, note: _Optional[str] = ...) -> None: ...
 
 class EvictCheckpointRequest(_message.Message):
     __slots__ = ("id",)
@@ -429,20 +455,22 @@ class Phase(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ms: _Optional[int] = ...) -> None: ...
 
 class MigrateResponse(_message.Message):
-    __slots__ = ("target_pid", "checkpoint_id", "phases", "downtime_ms", "bytes_sent", "target_job")
+    __slots__ = ("target_pid", "checkpoint_id", "phases", "downtime_ms", "bytes_sent", "target_job", "note")
     TARGET_PID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TARGET_JOB_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     target_pid: int
     checkpoint_id: str
     phases: _containers.RepeatedCompositeFieldContainer[Phase]
     downtime_ms: int
     bytes_sent: int
     target_job: str
-    def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_job: _Optional[str] = ...) -> None: ...
+    note: str
+    def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_job: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ImageChunk(_message.Message):
     __slots__ = ("checkpoint_id", "file", "offset", "data", "blake3", "file_done", "manifest", "expected_bytes")
@@ -605,7 +633,7 @@ class GcKept(_message.Message):
     def __init__(self, id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GcResponse(_message.Message):
-    __slots__ = ("dry_run", "deleted", "kept", "checkpoint_bytes", "swept", "sweep_note", "chunks_swept", "chunk_bytes_freed", "chunks_in_grace", "duration_ms")
+    __slots__ = ("dry_run", "deleted", "kept", "checkpoint_bytes", "swept", "sweep_note", "chunks_swept", "chunk_bytes_freed", "chunks_in_grace", "duration_ms", "forgotten")
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     DELETED_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
@@ -616,6 +644,7 @@ class GcResponse(_message.Message):
     CHUNK_BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_IN_GRACE_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     dry_run: bool
     deleted: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
     kept: _containers.RepeatedCompositeFieldContainer[GcKept]
@@ -626,4 +655,5 @@ class GcResponse(_message.Message):
     chunk_bytes_freed: int
     chunks_in_grace: int
     duration_ms: int
-    def __init__(self, dry_run: _Optional[bool] = ..., deleted: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[GcKept, _Mapping]]] = ..., checkpoint_bytes: _Optional[int] = ..., swept: _Optional[bool] = ..., sweep_note: _Optional[str] = ..., chunks_swept: _Optional[int] = ..., chunk_bytes_freed: _Optional[int] = ..., chunks_in_grace: _Optional[int] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+    forgotten: _containers.RepeatedCompositeFieldContainer[GcKept]
+    def __init__(self, dry_run: _Optional[bool] = ..., deleted: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[GcKept, _Mapping]]] = ..., checkpoint_bytes: _Optional[int] = ..., swept: _Optional[bool] = ..., sweep_note: _Optional[str] = ..., chunks_swept: _Optional[int] = ..., chunk_bytes_freed: _Optional[int] = ..., chunks_in_grace: _Optional[int] = ..., duration_ms: _Optional[int] = ..., forgotten: _Optional[_Iterable[_Union[GcKept, _Mapping]]] = ...) -> None: ...
