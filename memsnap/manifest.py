@@ -99,10 +99,11 @@ class Manifest:
     def catalog_meta(self) -> dict[str, Any]:
         """What the catalog keeps of it (CheckpointRecord.meta), whichever way the image arrived."""
         meta: dict[str, Any] = {k: getattr(self, k) for k in ("argv", "host", "criu_version", "own_pidns",
-                                                              "own_mntns", "log_path", "gpus", "freezing_ms",
-                                                              "log_mount")}
+                                                              "own_mntns", "log_path", "gpus", "freezing_ms")}
         if self.pages_remote:
             meta["pages_remote"] = True
+        if self.log_mount:
+            meta["log_mount"] = self.log_mount
         st = self.extra.get("storage")
         if isinstance(st, dict) and st.get("layout") == "chunked":  # a stored manifest of a chunked image
             meta["store"] = {"format": "chunked", **{k: int(st.get(k, 0) or 0)
