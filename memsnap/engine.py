@@ -564,6 +564,9 @@ class Engine:
             fields["own_mntns"] = own_mount_ns(rec.pid)
         if job is not None:  # (signed: a restore names its job after this, not after the checkpoint's --name)
             fields.setdefault("extra", {})["job_name"] = job.name
+            guarded = self.guard.settings_of(job.id) if self.guard is not None else None
+            if guarded:  # (a restore, here or on another node, guards it the same way: Guard.restored)
+                fields["extra"]["guard"] = guarded
         if "log_mount" not in fields and fields.get("own_mntns") and mounts.has_job_log(rec.pid):
             fields["log_mount"] = mounts.LOG_MOUNT_KEY  # (Criu.dump made it external under that key)
         fields.setdefault("extra", {})["node"] = self.node  # (signed: the node that may delete its stored copy)
@@ -788,6 +791,11 @@ class Engine:
                         started_ms=now_ms(), restored_from=rec.id)
         self.catalog.add_job(job)
         self.catalog.update_checkpoint(rec.id, last_used_ms=now_ms())
+        if self.guard is not None:  # a guarded job stays guarded, here or on the node it moved to
+            try:
+                self.guard.restored(job, rec, man)
+            except Exception as exc:
+                log.warning("could not guard restored job %s again: %s", job.id, exc, extra={"job": job.id})
         return job
 
     def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int = -1) -> Any:

@@ -89,6 +89,28 @@ class MemoryCgroups:
         """The cgroup as the kernel shows it in /proc/PID/cgroup (and CRIU records it)."""
         return "/" + str(cg.relative_to(self.root))
 
+    def of_pid(self, pid: int) -> Path | None:
+        """The job cgroup (below parent) that pid is in, or None (another cgroup, or gone)."""
+        want = "memory" if self.version == 1 else ""
+        try:
+            lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            _, ctrls, rel = line.split(":", 2)
+            if (want in ctrls.split(",")) if want else ctrls == "":
+                cg = self.root / rel.lstrip("/")
+                return cg if cg.parent == self.parent and cg.is_dir() else None
+        return None
+
+    def enter(self, cg: Path, pids: list[int]) -> None:
+        """Moves pids into the cgroup."""
+        for pid in pids:
+            try:
+                (cg / "cgroup.procs").write_text(str(pid))
+            except OSError as exc:
+                raise CgroupError(f"cannot move pid {pid} into {cg}: {exc.strerror}") from exc
+
     def create(self, name: str, limit: int) -> Path:
         """A job cgroup with the limit (and no OOM kill where the version allows)."""
         cg = self.path(name)

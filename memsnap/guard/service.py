@@ -147,6 +147,52 @@ class Guard:
                  "critical" if priority >= CRITICAL else priority, on_limit, extra={"job": job_id})
         return g
 
+    def settings_of(self, job_id: str) -> dict[str, Any] | None:
+        """What a checkpoint of a guarded job carries wherever it is restored (its manifest's "guard")."""
+        g = self._jobs.get(job_id)
+        if g is None:
+            return None
+        return {"limit": g.limit, "priority": g.priority, "on_limit": g.on_limit}
+
+    def restored(self, job: Any, rec: Any, man: dict[str, Any]) -> None:
+        """A guarded job came back, from any restore here or a move to this node: the new job is guarded as it
+        was, in the memory cgroup CRIU put it into (recreated without a limit if it was gone: its limit is set
+        first) or a new one. A parked job restored this way counts as resumed. The guard's own resume does its
+        own bookkeeping."""
+        with self._lock:
+            src = self._jobs.get(rec.job) if rec.job else None
+            if job.id in self._jobs or (src is not None and src.job_id in self._busy):
+                return
+        s = self.settings_of(src.job_id) if src is not None else man.get("guard")
+        if not isinstance(s, dict):
+            return
+        try:
+            limit, priority = int(s.get("limit", 0)), int(s.get("priority", 0))
+            on_limit = str(s.get("on_limit", "park")) if s.get("on_limit") in ("park", "kill") else "park"
+        except (TypeError, ValueError):
+            log.warning("%s: its checkpoint's guard settings do not read (%r); not guarded", job.id, s)
+            return
+        cgroup = ""
+        if limit and self.cg is not None:
+            try:
+                cg = self.cg.of_pid(job.pid)
+                if cg is None:  # (not in a job cgroup of ours: a new one, and the tree moves in)
+                    cg = self.cg.create("j-" + secrets.token_hex(6), limit)
+                    self.cg.enter(cg, [p.pid for p in jobs.tree(job.pid)])
+                else:
+                    now = self.cg.sample(cg).limit
+                    if now < limit or now >= 1 << 60:  # (recreated without one; never lowered: an admin raised it)
+                        self.cg.set_limit(cg, limit)
+                    else:
+                        limit = now
+                cgroup = str(cg)
+            except (CgroupError, jobs.ProcessNotFound) as exc:
+                log.warning("%s: cannot put it in a memory cgroup with its limit (%s); guarded without one",
+                            job.id, exc, extra={"job": job.id})
+        self.adopt(job.id, job.owner_uid, limit, priority, on_limit, cgroup)
+        if src is not None and src.state == PARKED and src.checkpoint == rec.id:
+            self._set(src.job_id, state=RESUMED, resumed_as=job.id)
+
     def forget_cgroup(self, cgroup: str) -> None:
         """Removes a cgroup that a failed launch left empty."""
         if self.cg is not None and cgroup:
@@ -262,25 +308,11 @@ class Guard:
             out.append((g, job))
         return out
 
-    def _adopt_plain_restores(self) -> None:
-        """A parked job restored with plain `memsnapctl restore` (not resume) is guarded again, with its limit."""
-        with self._lock:
-            parked = {g.checkpoint: g for g in self._jobs.values() if g.state == PARKED and g.job_id not in self._busy}
-        if not parked:
-            return
-        for j in self.engine.catalog.jobs():
-            g = parked.get(j.restored_from)
-            if g is not None and j.id not in self._jobs and not j.ended and jobs.alive(j.pid, j.pid_start):
-                # the new job first: whoever reads resumed_as (jobs.json, ListJobs) finds it guarded
-                self.adopt(j.id, g.owner_uid, g.limit, g.priority, g.on_limit, g.cgroup)
-                self._set(g.job_id, state=RESUMED, resumed_as=j.id)
-
     def _check_limits(self, fired: set[str], t_event: float, pressured: frozenset[str] | set[str] = frozenset()
                       ) -> None:
         """Parks (or kills, or in observe mode logs) each guarded job at its limit, or whose watcher fired:
         memory.oom_control (v1: its tasks wait at the limit), memory.events (v2), or memory.pressure_level (v1:
         the kernel's reclaim warning, the ids in pressured)."""
-        self._adopt_plain_restores()
         if self.cg is None:
             return
         for g, _job in self._running():

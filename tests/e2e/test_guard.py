@@ -399,3 +399,20 @@ def test_node_pressure_parks_lowest_priority_first_never_critical_and_auto_resum
         jobs_to_kill.append(rows[new]["pid"])
         assert_continues(orig["log"], orig["pid"], rows[new]["pid"])
     assert d.log.read_text().count("pressure low for") == 2  # both came back by auto-resume
+
+
+def test_a_guarded_job_stays_guarded_after_a_restore_and_is_parked_at_its_limit_there(
+        daemon: DaemonProc, jobs_to_kill: list[int]) -> None:
+    # A job started with --memory-limit sits in its own memory cgroup (OOM kill off: at the limit it waits). Its
+    # restored copy went back into that cgroup unguarded: at the limit it waited for ever, parked by nobody.
+    job = run_job(daemon, "--memory-limit", "160M", "--name", "guarded-restored",
+                  argv=counter_argv(16, 0.5, "--grow-mib", "8", "--grow-max-mib", "400"))
+    jobs_to_kill.append(job["pid"])
+    cgroup = guard_jobs(daemon)[job["job"]]["cgroup"]
+    ck = json.loads(daemon.ctl("--json", "checkpoint", job["job"], "--stop", check=True).stdout)
+    out = json.loads(daemon.ctl("--json", "restore", ck["id"], check=True).stdout)
+    jobs_to_kill.append(out["pid"])
+    assert guard_jobs(daemon)[out["job"]]["limit"] == 160 * M
+    assert memory_cgroup_of(out["pid"]) == "/" + str(Path(cgroup).relative_to(V1))
+    row = wait_state(daemon, out["job"], "parked")
+    assert "memory limit" in row["parked_reason"]
