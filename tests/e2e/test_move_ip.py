@@ -225,12 +225,13 @@ class Scene:
         return max(y - x for x, y in zip(stamps, stamps[1:], strict=False))
 
 
-def _run_server(a: NsDaemon, tmp_path: Path, name: str, code: str, jobs_to_kill: list[int], cwd: str = "") -> Any:
+def _run_server(a: NsDaemon, tmp_path: Path, name: str, code: str, jobs_to_kill: list[int], cwd: str = "",
+                private_tmp: bool | None = None) -> Any:
     """Runs `code` as a managed job on node A (in cwd) and waits until it listens."""
     server = tmp_path / f"{name}.py"
     server.write_text(code)
     with a.client() as c:
-        job = c.run([sys.executable, str(server)], name=name, cwd=cwd)
+        job = c.run([sys.executable, str(server)], name=name, cwd=cwd, private_tmp=private_tmp)
     jobs_to_kill.append(int(job.pid))
     wait_for(lambda: "listening" in Path(job.log_path).read_text(), 20, what="the server to listen")
     return job
@@ -264,7 +265,11 @@ def scene(lan, tmp_path, jobs_to_kill, request) -> Iterator[Scene]:
     try:
         a.start()
         b.start()
-        job = _run_server(a, tmp_path, "streamer", SERVER, jobs_to_kill, cwd=str(cwd))
+        # (blind target: the job keeps the host's mount namespace, where node B's daemon hides its cwd; a job with
+        # a mount namespace of its own would see the directory under the daemon's mount all the same)
+        blind = getattr(request, "param", "") == "blind-target"
+        job = _run_server(a, tmp_path, "streamer", SERVER, jobs_to_kill, cwd=str(cwd),
+                          private_tmp=False if blind else None)
         got = tmp_path / "client.out"
         cscript = tmp_path / "client.py"
         cscript.write_text(CLIENT)

@@ -28,6 +28,7 @@ from tests.helpers import (
     DaemonProc,
     Tick,
     counter_argv,
+    job_output,
     kill_job,
     start_digest,
     ticks,
@@ -164,13 +165,12 @@ def test_two_concurrent_restores_of_one_image_both_resume(daemon, jobs_to_kill):
     pids = [int(json.loads(o[0])["pid"]) for o in outs]
     jobs_to_kill.extend(pids)
     assert len(set(pids)) == 2
-    # Both copies print the same lines (pid 1 in their own /proc): each tick after the image, twice. They
-    # write into one log at the same moments, so two lines may interleave ("…freshtick 5 …"): count every
-    # "tick N PID DIGEST" in the text, not whole lines.
+    # Both copies print the same lines (pid 1 in their own /proc): each tick after the image, twice, each copy
+    # into a log of its own (its private /tmp's log mount: memsnap.mounts). Count every "tick N PID DIGEST".
     want = [last + 1, last + 2, last + 3]
 
     def seen() -> list[tuple[int, str]]:
-        found = re.findall(r"tick (\d+) \d+ ([0-9a-f]{16})", Path(job["log"]).read_text(errors="replace"))
+        found = re.findall(r"tick (\d+) \d+ ([0-9a-f]{16})", job_output(job["log"]))
         return [(int(n), d) for n, d in found if int(n) > last]
 
     wait_for(lambda: all([n for n, _ in seen()].count(n) == 2 for n in want), 20, what="both copies to tick")
