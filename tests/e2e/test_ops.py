@@ -53,8 +53,10 @@ def test_sd_notify_ready_only_when_serving_then_watchdog_and_stopping(make_daemo
     t.start()
     try:
         d.start()
-        wait_for(lambda: sum(m == "WATCHDOG=1" for m in got[got.index("READY=1"):] if "READY=1" in got) >= 3,
-                 20, what="three watchdog pings after READY=1")
+        def pings_after_ready() -> int:  # (0 until READY=1 came: a poll before it must not raise)
+            return sum(m == "WATCHDOG=1" for m in got[got.index("READY=1"):]) if "READY=1" in got else 0
+
+        wait_for(lambda: pings_after_ready() >= 3, 20, what="three watchdog pings after READY=1")
         assert serving_at_ready == [True]
         ready_at = got.index("READY=1")
         assert all(not m.startswith("READY") for m in got[:ready_at])
