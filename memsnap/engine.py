@@ -967,7 +967,7 @@ class Engine:
             "version": __version__, "criu_version": self.criu.version(), "hostname": self.hostname,
             "kernel": platform.release(), "tier_dir": str(self.tier.root),
             "tier_used_bytes": self.tier.used_bytes(), "tier_free_bytes": self.tier.free_bytes(),
-            "tier_capacity_bytes": self.tier.capacity_bytes(), "jobs_running": running,
+            "tier_capacity_bytes": self.tier.capacity_bytes(), "jobs_running": running, "net_ns": proc.net_ns_id(),
             "checkpoints": sum(counts.values()), "checkpoints_by_state": counts,
         }
 

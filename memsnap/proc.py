@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 
@@ -156,3 +157,40 @@ def caller_groups(pid: int, uid: int, gid: int) -> list[int] | None:
     if not uids or not gids or uids[0] != uid or gids[0] != gid:
         return None
     return groups
+
+
+def net_ns_id() -> str:
+    """This process's network namespace, unique across hosts and boots: 'BOOT_ID:NETNS_INODE'."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""
+
+
+def tcp_listeners(pid: int) -> list[int]:
+    """The TCP ports the tree of pid listens on (its sockets in LISTEN state, IPv4 and IPv6)."""
+    inodes: set[str] = set()
+    procs = tree(pid)
+    for p in procs:
+        try:
+            for fd in os.listdir(f"/proc/{p.pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{p.pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    ports: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and f[9] in inodes:  # 0A: TCP_LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)

@@ -199,6 +199,14 @@ class Mover:
             except ClientError as exc:
                 raise move_error(exc.code.name, f"migration failed at preflight: target {req.to} said "
                              f"{exc.code.name}: {exc.message}; the job was not touched") from exc
+            listening = proc.tcp_listeners(pid) if st.net_ns and st.net_ns == proc.net_ns_id() else []
+            if listening:
+                # One host, one network: the stopped copy here holds the ports, so the copy there cannot bind them.
+                raise FailedPrecondition(
+                    f"migration failed at preflight: {req.to[:200]} shares this node's network (one network "
+                    f"namespace), and the job listens on TCP port {', '.join(map(str, listening))}: its copy there "
+                    "could not take the port while this one holds it; move it to a node with a network of its own. "
+                    "The job was not touched")
             if st.tier_free_bytes < estimate + RESERVE_SLACK:
                 raise TierExhausted(
                     f"migration failed at preflight: the target's tier has {st.tier_free_bytes >> 20} MiB "

@@ -245,3 +245,19 @@ def test_status_reports_versions_tier_and_counts(daemon):
     assert "checkpoints_by_state" in s and "jobs_running" in s
     human = daemon.ctl("status", check=True).stdout
     assert "CRIU 4." in human and "free of" in human
+
+
+def test_a_job_in_a_nested_user_namespace_is_refused_in_one_line_and_runs_on(daemon, jobs_to_kill):
+    # CRIU cannot dump a nested user namespace: the error says so, the job runs on, nothing is left behind.
+    with daemon.client() as c:
+        job = c.run(["unshare", "--user", "--map-root-user", sys.executable, "-c",
+                     "import time\nwhile True: print('alive', flush=True); time.sleep(0.1)"])
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: "alive" in Path(job.log_path).read_text(), 20, what="the job to run")
+    r = daemon.ctl("checkpoint", job.id)
+    assert r.returncode != 0 and "user namespace of its own" in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    n = Path(job.log_path).read_text().count("alive")
+    wait_for(lambda: Path(job.log_path).read_text().count("alive") > n + 3, 10, what="the job to run on")
+    listed = json.loads(daemon.ctl("--json", "list", "--job", job.id, check=True).stdout)
+    assert all(c["state"] == "failed" for c in listed) and not (daemon.tier / listed[0]["id"]).exists()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from tests.helpers import (
     DaemonProc,
     Pair,
     assert_node_healthy,
+    free_port,
     kill_target_then_expect_rollback,
     metrics_port,
     migrate_in_background,
@@ -478,3 +481,24 @@ def test_a_target_gone_at_the_commit_leaves_the_move_in_doubt_until_it_answers(f
             _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
     finally:
         dst.cleanup()
+
+
+def test_a_tcp_listener_cannot_move_to_a_daemon_on_the_same_network_and_is_left_untouched(pair, jobs_to_kill):
+    # Both daemons of the pair share this host's network namespace: the job's stopped copy would hold its port,
+    # so the copy on the target could never bind it (and clients would queue in the stopped one meanwhile).
+    a, b = pair.a, pair.b
+    port = free_port()
+    code = (f"import socket, time\ns = socket.socket()\ns.bind(('127.0.0.1', {port}))\ns.listen()\n"
+            "print('listening', flush=True)\nwhile True: time.sleep(0.1)\n")
+    with a.client() as c:
+        job = c.run([sys.executable, "-c", code], name="listener")
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: "listening" in Path(job.log_path).read_text(), 20, what="the listener")
+    r = _migrate(a, job.id, "--to", b.address)
+    assert r.returncode != 0 and "shares this node's network" in r.stderr and str(port) in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0  # one line
+    assert psutil.Process(int(job.pid)).status() != psutil.STATUS_STOPPED
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    for d in (a, b):
+        assert not [c for c in json.loads(d.ctl("--json", "list", "--job", job.id, check=True).stdout)
+                    if c["state"] in RESTORABLE_STATES]
