@@ -188,6 +188,8 @@ _HINTS = (
     (re.compile(r"Address already in use"), "a port the job had open is taken on this node"),
     (re.compile(r"Connected TCP socket"), "the job has established TCP connections: pass --tcp-established to "
                                           "keep them (a restore then needs --tcp-established too)"),
+    (re.compile(r"conflicting lock"), "another process holds a lock the job held on one of its files (on a move "
+                                      "between nodes that share the file: the job's own stopped original)"),
     (re.compile(r"nested user namespace"), "the job runs in a user namespace of its own (nested): CRIU cannot "
                                            "checkpoint that on this node"),
     (re.compile(r"In-flight connection"), "a connection was still in a listener's accept queue: leave such "

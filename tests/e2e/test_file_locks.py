@@ -14,6 +14,7 @@ import struct
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import REPO, DaemonProc, job_output, wait_for
@@ -67,3 +68,34 @@ def test_a_restored_sqlite_wal_writer_keeps_its_locks_and_a_second_connection_le
     count, top = check.execute("SELECT COUNT(*), MAX(n) FROM t").fetchone()
     check.close()
     assert count == top >= n
+
+
+_LOCKER = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+print('locked', flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.usefixtures("no_copy_outlives_the_test")
+def test_a_move_whose_copy_cannot_take_a_lock_its_stopped_original_holds_fails_at_once_and_runs_on(
+        pair, jobs_to_kill, tmp_path):
+    # The two daemons share this host's files: the job's stopped copy on the source holds its lock on the file
+    # until the target says the moved copy runs, so the copy there cannot take it. CRIU waited for it for ever.
+    locked = tmp_path / "locked"
+    job = json.loads(pair.a.ctl("--json", "run", "--", sys.executable, "-c", _LOCKER, str(locked),
+                                check=True).stdout)
+    jobs_to_kill.append(int(job["pid"]))
+    wait_for(lambda: "locked" in Path(job["log"]).read_text(), 20, what="the lock")
+    r = pair.a.ctl("--json", "migrate", job["job"], "--to", pair.b.address, timeout=120)
+    assert r.returncode != 0 and "migration failed at restore on the target" in r.stderr, r.stderr
+    assert "conflicting lock" in r.stderr and "resumed on this node" in r.stderr, r.stderr
+    fd = os.open(locked, os.O_RDWR)
+    try:
+        query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        assert struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, query))[0] != fcntl.F_UNLCK  # still its
+    finally:
+        os.close(fd)
+    assert psutil.Process(int(job["pid"])).status() != psutil.STATUS_STOPPED

@@ -285,11 +285,15 @@ class Nginx(Program):
 
 
 class Sqlite(Program):
+    """The database lives in the job's private /tmp, so it travels with the job (a file both nodes of this one
+    host could see would be locked by the stopped source while the target restores: such a move fails by
+    design, tests/e2e/test_file_locks.py). It is read through /proc/PID/root."""
+
     parkable = True
     journal = "wal"
 
     def argv(self) -> list[str]:
-        return [sys.executable, str(WORKLOADS / "sqlite_rows.py"), "--db", str(self.base / "rows.db"),
+        return [sys.executable, str(WORKLOADS / "sqlite_rows.py"), "--db", "/tmp/rows.db",
                 "--journal", self.journal, "--grow-file", str(self.base / "grow")]
 
     def committed(self) -> int:
@@ -303,7 +307,7 @@ class Sqlite(Program):
         """integrity_check and every row, read by a second connection while the writer goes on."""
         import sqlite3
 
-        db = sqlite3.connect(f"file:{self.base / 'rows.db'}?mode=ro", uri=True, timeout=30)
+        db = sqlite3.connect(f"file:/proc/{self.pid}/root/tmp/rows.db?mode=ro", uri=True, timeout=30)
         try:
             ok = db.execute("PRAGMA integrity_check").fetchone()[0]
             rows = db.execute("SELECT n, sum FROM t ORDER BY n").fetchall()
