@@ -419,7 +419,9 @@ def _ckpt_summary(d: dict[str, Any]) -> str:
 @click.option("--stop", is_flag=True, help="end the job once the image is safely staged")
 @click.option("--wait", "wait_for", type=click.Choice(["staged", "durable"]), default="staged",
               show_default=True, help="return once the checkpoint is staged or durable")
-@click.option("--tcp-established", is_flag=True, help="also dump established TCP connections")
+@click.option("--tcp-established", is_flag=True,
+              help="also dump established TCP connections (without it a restored copy has them closed: its clients "
+                   "reconnect, as after a restart)")
 @click.option("--skip-in-flight/--fail-on-in-flight", default=True, show_default=True,
               help="leave out connections still in a listener's accept queue (a busy server's: a restore "
                    "resets them for their clients), or fail on one")

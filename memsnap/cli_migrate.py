@@ -21,7 +21,9 @@ def register(cli: click.Group) -> None:
     @click.option("--lazy", is_flag=True, help="post-copy: resume on the target at once, pages follow")
     @click.option("--plain-restore", is_flag=True,
                   help="resume only once all memory is restored (default: resume at once, page in locally)")
-    @click.option("--tcp-established", is_flag=True, help="keep established TCP connections")
+    @click.option("--tcp-established", is_flag=True,
+                  help="keep established TCP connections (without it the moved job has them closed: its clients "
+                       "reconnect)")
     @click.option("--skip-in-flight/--fail-on-in-flight", default=True, show_default=True,
                   help="leave out connections still in a listener's accept queue (a busy server's: their "
                        "clients see a reset), or fail the move on one")

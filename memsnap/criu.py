@@ -72,6 +72,10 @@ class CriuOptions:
     # Dump: the tree has its own mount namespace (memsnapctl run --own-proc). Restore: the image holds
     # one (its manifest's own_mntns, never this node's state). See _common_opts.
     own_mntns: bool = False
+    # Established TCP connections not kept (no tcp_established): dumped without their state, and closed in
+    # the restored copy (its peers see them reset, as after a restart). A restore of an image dumped so
+    # must say it too (CRIU refuses it otherwise).
+    tcp_close: bool = False
     log_level: int = 2
 
 
@@ -457,6 +461,8 @@ def _common_opts(img_fd: int, wd_fd: int, log_file: str, opts: DumpOptions | Res
     o = rpc.Opts(images_dir_fd=img_fd, work_dir_fd=wd_fd, log_file=log_file, log_level=opts.log_level,
                  tcp_established=opts.tcp_established, shell_job=opts.shell_job, ext_unix_sk=opts.ext_unix_sk,
                  file_locks=opts.file_locks, notify_scripts=notify is not None, external=opts.external)
+    if opts.tcp_close or (isinstance(opts, DumpOptions) and not opts.tcp_established):
+        o.tcp_close = True
     if opts.tcp_established and opts.network_lock_skip:
         o.network_lock = rpc.SKIP
     elif opts.tcp_established and opts.network_lock_nft:

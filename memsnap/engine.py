@@ -517,7 +517,8 @@ class Engine:
                                     (hooks.file_table() if hooks.file_table else None)
                                     or manifest.describe_files(staging),
                                     frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
-                                    dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt)
+                                    dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt,
+                                    tcp_close=not opts.tcp_established)
             man.extra.update(hooks.manifest)  # signed too (memsnap.guard: parked)
             size = publish_image(self.tier, self.catalog, self.key, staging, man, keep_meta=rec.meta,
                                  failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
@@ -733,6 +734,7 @@ class Engine:
             try:
                 new_pid = self.criu.restore(images, work, RestoreOptions(
                     tcp_established=tcp_established, shell_job=False, lazy_pages=lazy,
+                    tcp_close=not tcp_established or bool(man.get("tcp_close")),
                     own_mntns=bool(man.get("own_mntns", False)), **(restore_opts or {})), notify=notify)
             except CriuError as exc:
                 if server is not None:

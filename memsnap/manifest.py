@@ -62,9 +62,11 @@ class Manifest:
     pages_remote: bool = False  # the first half of a lazy move: the memory stayed on the source
     received_at: dict[str, Any] | None = None  # {"host", "unix_ms"} when it came from another node
     log_mount: str = ""  # the key of the job log's bind mount (memsnap.mounts.LOG_MOUNT_KEY), if it has one
+    tcp_close: bool = False  # dumped without its TCP connections' state: a restore closes them
     extra: dict[str, Any] = field(default_factory=dict)  # keys this memsnap does not know, kept as they are
 
-    _OPTIONAL = ("pages_remote", "received_at", "log_mount")  # written only when set (older readers never saw them)
+    # written only when set (older readers never saw them)
+    _OPTIONAL = ("pages_remote", "received_at", "log_mount", "tcp_close")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
