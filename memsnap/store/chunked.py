@@ -30,12 +30,12 @@ import zstandard
 
 from memsnap import failpoints, manifest, safefs
 from memsnap.errors import IntegrityFailure
+from memsnap.store.cache import ChunkCache
 from memsnap.store.chunkgc import ChunkIndex, StoreGc
 from memsnap.store.chunks import (
     BUNDLE_NAME,
     DEFAULT_AVG,
     LAYOUT,
-    ChunkCache,
     ChunkError,
     Chunking,
     ChunkReader,
