@@ -18,7 +18,6 @@ the next cut point are the same objects as before.
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import mmap
 import re
@@ -31,8 +30,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 import blake3
 import zstandard
 
+from memsnap.store.bad_objects import BAD
 from memsnap.store.base import Bytes, StoreWriter
-from memsnap.store.errors import StoreCorrupt, StoreError, StoreNotFound
+from memsnap.store.errors import BadObject, StoreError, StoreNotFound
+from memsnap.store.parse import MANIFEST_MAX, clip, is_count, load_json
 
 if TYPE_CHECKING:
     from memsnap.store.cache import ChunkCache
@@ -48,12 +49,13 @@ BUNDLE_NAME = "bundle"
 LAYOUT = "chunked"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_CKPT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # = memsnap.validate.ID_RE
 _M64 = (1 << 64) - 1
 _K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93
 
 
-class ChunkError(StoreCorrupt):
-    """A chunk or chunked manifest is not what its id / signed manifest says (tampered or corrupt)."""
+class ChunkError(BadObject):
+    """A chunk, pack or chunked manifest is not what its id / signed manifest says (tampered or corrupt)."""
 
 
 class ChunkStore(Protocol):
@@ -227,7 +229,8 @@ def is_chunked(stored: dict[str, Any]) -> bool:
 
 def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
     """name -> Layout of a (signature-verified) chunked manifest, checked for consistency (else ChunkError):
-    safe names, the same file set as "files", valid ids, chunks that tile each file exactly."""
+    safe names, the same file set as "files", valid ids, chunks that tile each file exactly. Total: any JSON
+    value gives a result or ChunkError (gc marks with manifests no key verified)."""
     files = stored.get("files")
     storage = stored.get("storage")
     if not isinstance(files, dict) or not isinstance(storage, dict) or not isinstance(storage.get("files"), dict):
@@ -241,26 +244,31 @@ def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
     out: dict[str, Layout] = {}
     for name, meta in files.items():
         if "/" in name or name.startswith(".") or not name or name == "manifest.json":
-            raise ChunkError(f"integrity check failed: bad entry {name!r} in stored manifest")
-        size = meta.get("size")
+            raise ChunkError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
+        size = meta.get("size") if isinstance(meta, dict) else None
         s = sfiles[name]
-        if not isinstance(size, int) or size < 0 or not isinstance(s, dict):
-            raise ChunkError(f"integrity check failed: bad entry {name!r} in stored manifest")
+        if not is_count(size) or not isinstance(s, dict):
+            raise ChunkError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
         if "bundle" in s:
-            off, n = s["bundle"]
-            if not (isinstance(off, int) and off >= 0 and n == size):
-                raise ChunkError(f"integrity check failed: bad bundle slice of {name!r} in stored manifest")
-            out[name] = Layout(size, bundle=(off, n))
+            b = s["bundle"]
+            if not (isinstance(b, list) and len(b) == 2 and is_count(b[0]) and b[1] == size):
+                raise ChunkError(f"integrity check failed: bad bundle slice of {clip(name, 100)!r} in stored "
+                                 "manifest")
+            out[name] = Layout(size, bundle=(b[0], size))
             continue
+        items = s.get("chunks", [])
+        if not isinstance(items, list):
+            raise ChunkError(f"integrity check failed: bad chunk list of {clip(name, 100)!r} in stored manifest")
         refs, pos = [], 0
-        for item in s.get("chunks", []):
+        for item in items:
             cid, off, n, loc = _ref_item(item, packs)
-            if not is_chunk_id(cid) or off != pos or not isinstance(n, int) or n <= 0:
-                raise ChunkError(f"integrity check failed: bad chunk list of {name!r} in stored manifest")
+            if not is_chunk_id(cid) or off != pos or not is_count(n) or n <= 0:
+                raise ChunkError(f"integrity check failed: bad chunk list of {clip(name, 100)!r} in stored "
+                                 "manifest")
             refs.append(ChunkRef(cid, off, n, loc))
             pos += n
         if pos != size:
-            raise ChunkError(f"integrity check failed: the chunks of {name!r} do not add up to its size")
+            raise ChunkError(f"integrity check failed: the chunks of {clip(name, 100)!r} do not add up to its size")
         out[name] = Layout(size, chunks=tuple(refs))
     return out
 
@@ -272,7 +280,7 @@ def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, in
         return item[0], item[1], item[2], None
     if isinstance(item, list) and len(item) == 6:
         p, poff, plen = item[3:]
-        if all(isinstance(v, int) for v in (p, poff, plen)) and 0 <= p < len(packs) and poff >= 0 and plen > 0:
+        if all(is_count(v) for v in (p, poff, plen)) and p < len(packs) and plen > 0:
             return item[0], item[1], item[2], (packs[p], poff, plen)
     raise ChunkError("integrity check failed: bad chunk entry in stored manifest")
 
@@ -280,13 +288,13 @@ def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, in
 def bundle_ref(stored_manifest: dict[str, Any]) -> ChunkRef | None:
     """The chunk holding a chunked manifest's bundle of small files (None: no bundle, or one of its own:
     <checkpoint>/bundle, the format before packs)."""
-    st = stored_manifest.get("storage", {})
-    b = st.get("bundle")
+    st = stored_manifest.get("storage")
+    b = st.get("bundle") if isinstance(st, dict) else None
     if not isinstance(b, dict) or "chunk" not in b:
         return None
-    packs = st.get("packs", [])
+    packs = st.get("packs", []) if isinstance(st, dict) else []
     cid, off, n, loc = _ref_item(b["chunk"], packs if isinstance(packs, list) else [])
-    if not is_chunk_id(cid) or off != 0 or n != b.get("raw_bytes") or not isinstance(n, int) or n <= 0:
+    if not is_chunk_id(cid) or off != 0 or n != b.get("raw_bytes") or not is_count(n) or n <= 0:
         raise ChunkError("integrity check failed: bad bundle entry in stored manifest")
     return ChunkRef(cid, 0, n, loc)
 
@@ -310,8 +318,9 @@ def referenced_chunks(stored_manifest: dict[str, Any]) -> set[str]:
 
 def sizes(stored_manifest: dict[str, Any]) -> dict[str, int]:
     """logical_bytes, stored_bytes and new_bytes of a stored manifest (0s when it has none)."""
-    st = stored_manifest.get("storage", {})
-    return {k: int(st.get(k, 0) or 0) for k in ("logical_bytes", "stored_bytes", "new_bytes")}
+    st = stored_manifest.get("storage")
+    st = st if isinstance(st, dict) else {}
+    return {k: v if is_count(v := st.get(k)) else 0 for k in ("logical_bytes", "stored_bytes", "new_bytes")}
 
 
 # -- random access to a stored chunked image ---------------------------------------------------------------
@@ -414,7 +423,7 @@ class ChunkReader:
             if self._bundle is not None:
                 return self._bundle
         b = self.manifest["storage"].get("bundle")
-        if not b:
+        if not b or not isinstance(b, dict):
             raise ChunkError("integrity check failed: the stored manifest has no bundle")
         ref = bundle_ref(self.manifest)
         if ref is not None:
@@ -427,10 +436,11 @@ class ChunkReader:
             raise ChunkError("integrity check failed: bad bundle key in stored manifest")
         with self.store.open_reader(key) as f:
             stored = f.read()
-        if len(stored) != b.get("stored_bytes") or blake3.blake3(stored).hexdigest() != b.get("stored_blake3"):
+        if len(stored) != b.get("stored_bytes") or blake3.blake3(stored).hexdigest() != b.get("stored_blake3") \
+                or not is_count(b.get("raw_bytes")):
             raise ChunkError(f"integrity check failed: the bundle of {self.manifest['id']} does not match "
                              "its manifest")
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(1, int(b["raw_bytes"]))) \
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(1, b["raw_bytes"])) \
             if stored[:4] == ZSTD_MAGIC else stored
         with self._lock:
             self.fetched_bytes += len(stored)
@@ -453,9 +463,36 @@ def _overlapping(refs: tuple[ChunkRef, ...], start: int, end: int) -> Iterator[C
 
 
 def load_stored_manifest(store: ChunkStore, ckpt_id: str) -> dict[str, Any]:
-    """The parsed (NOT verified) stored manifest of a checkpoint."""
-    with store.open_reader(f"{ckpt_id}/manifest.json") as f:
-        data = json.loads(f.read())
-    if not isinstance(data, dict):
-        raise ChunkError(f"stored manifest of {ckpt_id} is not an object")
+    """The parsed (NOT verified) stored manifest of a checkpoint; BadObject (kind "manifest", reported:
+    memsnap.store.bad_objects) for any bytes that are not a JSON object (memsnap.store.parse)."""
+    key = f"{ckpt_id}/manifest.json"
+    with store.open_reader(key) as f:
+        data = f.read(MANIFEST_MAX + 1)
+    try:
+        return load_json(data, "manifest", key, MANIFEST_MAX, clip(key, 150))
+    except BadObject as exc:
+        BAD.report_error(exc, store.describe())
+        raise
+
+
+def manifest_bytes(ckpt_id: str, text: str) -> bytes:
+    """A stored manifest to write, refused (StoreError) past MANIFEST_MAX: no reader would accept it, so it
+    never becomes durable."""
+    data = text.encode()
+    if len(data) > MANIFEST_MAX:
+        raise StoreError(f"the manifest of {ckpt_id} would have {len(data)} bytes, more than a reader accepts "
+                         f"({MANIFEST_MAX}); drain it with a larger [store] chunk_size")
     return data
+
+
+def indexed_ids(store: ChunkStore, keys: list[str]) -> list[str]:
+    """The checkpoint ids that name-index entries (_index/<name>/<id>) list, newest first; an entry that names
+    no id (anyone who writes the store may plant one) is reported and skipped."""
+    ids = []
+    for key in keys:
+        cid = key.rsplit("/", 1)[-1]
+        if _CKPT_ID.match(cid):
+            ids.append(cid)
+        else:
+            BAD.report("name-index", key, "names no checkpoint id", store.describe())
+    return sorted(ids, reverse=True)

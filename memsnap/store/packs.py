@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 from memsnap.store.base import StoreWriter
 from memsnap.store.chunks import ChunkError, ChunkStore, is_chunk_id, pack_key
-from memsnap.store.errors import StoreError
+from memsnap.store.errors import BadObject, StoreError
+from memsnap.store.parse import clip, is_count, load_json
 
 PACK_MAGIC = b"MSPACK\x00\x01"
 FOOTER = struct.Struct("<Q8s")
@@ -52,28 +53,37 @@ def _footer(index: bytes) -> bytes:
 
 def parse_tail(tail: bytes, size: int, pid: str) -> list[Entry] | int:
     """The entries of a pack from its last bytes (tail) and its size; an int when the index is longer than
-    tail: the bytes to read. ChunkError for a pack whose footer or index is not one."""
+    tail: the bytes to read. Total: any bytes either parse or raise ChunkError (a BadObject of kind "pack")
+    naming the pack."""
+    key = pack_key(pid)
     if len(tail) < FOOTER.size or size < FOOTER.size:
-        raise ChunkError(f"integrity check failed: pack {pid} is too short")
+        raise ChunkError(f"integrity check failed: pack {pid} is too short", "pack", key)
     n, magic = FOOTER.unpack(tail[-FOOTER.size:])
     if magic != PACK_MAGIC or n > min(INDEX_MAX, size - FOOTER.size):
-        raise ChunkError(f"integrity check failed: pack {pid} has no pack footer")
+        raise ChunkError(f"integrity check failed: pack {pid} has no pack footer", "pack", key)
     if n + FOOTER.size > len(tail):
         return int(n + FOOTER.size)
     body = size - FOOTER.size - n  # where the index starts: every chunk lies before it
+    what = f"the index of pack {pid}"
     try:
-        data = json.loads(tail[len(tail) - FOOTER.size - n: len(tail) - FOOTER.size])
-        items = data["chunks"] if isinstance(data, dict) and data.get("v") == 1 else None
-        out: list[Entry] = []
-        for cid, off, slen, rlen in items if isinstance(items, list) else ():
-            if not (is_chunk_id(cid) and all(isinstance(v, int) for v in (off, slen, rlen))
-                    and 0 <= off and 0 < slen and off + slen <= body and rlen > 0):
-                raise ValueError(f"bad entry {cid!r}")
-            out.append((cid, off, slen, rlen))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ChunkError(f"integrity check failed: the index of pack {pid} is not valid ({exc})") from exc
-    if items is None:
-        raise ChunkError(f"integrity check failed: the index of pack {pid} is not valid")
+        data = load_json(bytes(tail[len(tail) - FOOTER.size - n: len(tail) - FOOTER.size]), "pack", key,
+                         INDEX_MAX, what)
+    except BadObject as exc:
+        raise ChunkError(f"integrity check failed: {exc}", "pack", key, exc.reason) from None
+    items = data.get("chunks")
+    if data.get("v") != 1 or not isinstance(items, list):
+        raise ChunkError(f"integrity check failed: {what} is not valid (no v1 chunk list)", "pack", key)
+    out: list[Entry] = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 4 and is_chunk_id(item[0])
+                and all(is_count(v) for v in item[1:])):
+            raise ChunkError(f"integrity check failed: {what} is not valid (bad entry {clip(item, 100)})",
+                             "pack", key)
+        cid, off, slen, rlen = item
+        if not (0 < slen and off + slen <= body and rlen > 0):
+            raise ChunkError(f"integrity check failed: {what} is not valid (entry {cid} lies outside the pack)",
+                             "pack", key)
+        out.append((cid, off, slen, rlen))
     return out
 
 
