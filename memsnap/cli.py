@@ -299,6 +299,7 @@ def status_cmd(obj: Ctx) -> None:
         f"tier     {s.tier_dir}: {human_bytes(s.tier_used_bytes)} used, {human_bytes(s.tier_free_bytes)} free "
         f"of {human_bytes(s.tier_capacity_bytes)}" + (f"; {s.tier_fs}" if s.tier_fs else ""),
         f"store    {s.store}",
+        *_bad_objects_lines(s),
         *([f"guard    {s.guard}"] if s.guard else []),
         f"jobs     {s.jobs_running} running",
         f"ckpts    {s.checkpoints} ({by_state}); drain queue {s.drain_queue_depth} "
@@ -320,6 +321,14 @@ def usage_line(u: pb.QuotaUsage) -> str:
 
     return ", ".join([part("tier", "tier_bytes", human_bytes), part("store", "store_bytes", human_bytes),
                       part("jobs", "jobs", str), part("checkpoints", "checkpoints", str)])
+
+
+def _bad_objects_lines(s: pb.StatusResponse) -> list[str]:
+    """What drains and gc skip in the store (objects memsnap did not write): the count, the newest three."""
+    if not s.store_bad_object_count:
+        return []
+    return [f"         {s.store_bad_object_count} objects in the store skipped as not memsnap's (-o json lists "
+            "20):", *(f"           {line}" for line in s.store_bad_objects[:3])]
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

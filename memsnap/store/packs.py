@@ -55,36 +55,36 @@ def parse_tail(tail: bytes, size: int, pid: str) -> list[Entry] | int:
     """The entries of a pack from its last bytes (tail) and its size; an int when the index is longer than
     tail: the bytes to read. Total: any bytes either parse or raise ChunkError (a BadObject of kind "pack")
     naming the pack."""
-    key = pack_key(pid)
     if len(tail) < FOOTER.size or size < FOOTER.size:
-        raise ChunkError(f"integrity check failed: pack {pid} is too short", "pack", key)
+        raise _bad(pid, "is too short")
     n, magic = FOOTER.unpack(tail[-FOOTER.size:])
     if magic != PACK_MAGIC or n > min(INDEX_MAX, size - FOOTER.size):
-        raise ChunkError(f"integrity check failed: pack {pid} has no pack footer", "pack", key)
+        raise _bad(pid, "has no pack footer")
     if n + FOOTER.size > len(tail):
         return int(n + FOOTER.size)
     body = size - FOOTER.size - n  # where the index starts: every chunk lies before it
-    what = f"the index of pack {pid}"
     try:
-        data = load_json(bytes(tail[len(tail) - FOOTER.size - n: len(tail) - FOOTER.size]), "pack", key,
-                         INDEX_MAX, what)
+        data = load_json(bytes(tail[len(tail) - FOOTER.size - n: len(tail) - FOOTER.size]), "pack", pack_key(pid),
+                         INDEX_MAX)
     except BadObject as exc:
-        raise ChunkError(f"integrity check failed: {exc}", "pack", key, exc.reason) from None
+        raise _bad(pid, f"has an index that {exc.reason}") from None
     items = data.get("chunks")
     if data.get("v") != 1 or not isinstance(items, list):
-        raise ChunkError(f"integrity check failed: {what} is not valid (no v1 chunk list)", "pack", key)
+        raise _bad(pid, "has an index with no v1 chunk list")
     out: list[Entry] = []
     for item in items:
         if not (isinstance(item, list) and len(item) == 4 and is_chunk_id(item[0])
                 and all(is_count(v) for v in item[1:])):
-            raise ChunkError(f"integrity check failed: {what} is not valid (bad entry {clip(item, 100)})",
-                             "pack", key)
+            raise _bad(pid, f"has a bad index entry {clip(item, 100)}")
         cid, off, slen, rlen = item
         if not (0 < slen and off + slen <= body and rlen > 0):
-            raise ChunkError(f"integrity check failed: {what} is not valid (entry {cid} lies outside the pack)",
-                             "pack", key)
+            raise _bad(pid, f"has an index entry outside the pack ({cid})")
         out.append((cid, off, slen, rlen))
     return out
+
+
+def _bad(pid: str, reason: str) -> ChunkError:
+    return ChunkError(f"integrity check failed: pack {pid} {reason}", "pack", pack_key(pid), reason)
 
 
 def read_pack_index(store: ChunkStore, pid: str) -> list[Entry]:
