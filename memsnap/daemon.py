@@ -232,11 +232,14 @@ class Daemon:
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
 
     def _interceptors(self) -> list[Any]:
-        """TCP authentication and roles (memsnap.auth); it also refuses the reserved auth header on any socket."""
+        """TCP authentication and roles (memsnap.auth; it also refuses the reserved auth header on any socket),
+        then, innermost, request decoding: bytes that are no request message get INVALID_ARGUMENT, not
+        grpcio's INTERNAL (memsnap.rpc_decode)."""
         from memsnap.auth import RemoteConfigError, interceptors
+        from memsnap.rpc_decode import DecodeInterceptor
 
         try:
-            return interceptors(self.cfg)
+            return [*interceptors(self.cfg), DecodeInterceptor()]
         except RemoteConfigError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
 
