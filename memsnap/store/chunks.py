@@ -196,8 +196,12 @@ def get_chunk(store: ChunkStore, cid: str, raw_len: int,
     if loc is not None:
         stored = store.read_range(pack_key(loc[0]), loc[1], loc[2])
     else:
+        most = raw_len + (raw_len >> 7) + 4096  # (zstd's worst case; a planted 100 GB file is never read whole)
         with store.open_reader(chunk_key(cid)) as f:
-            stored = f.read()
+            stored = f.read(most + 1)
+        if len(stored) > most:
+            raise ChunkError(f"integrity check failed: chunk {cid} is larger than any encoding of it", "chunk",
+                             chunk_key(cid))
     return decode_chunk(stored, cid, raw_len), stored
 
 
@@ -435,7 +439,7 @@ class ChunkReader:
         if b.get("key") != key:
             raise ChunkError("integrity check failed: bad bundle key in stored manifest")
         with self.store.open_reader(key) as f:
-            stored = f.read()
+            stored = f.read(b["stored_bytes"] + 1 if is_count(b.get("stored_bytes")) else 0)
         if len(stored) != b.get("stored_bytes") or blake3.blake3(stored).hexdigest() != b.get("stored_blake3") \
                 or not is_count(b.get("raw_bytes")):
             raise ChunkError(f"integrity check failed: the bundle of {self.manifest['id']} does not match "

@@ -63,3 +63,29 @@ def test_a_drain_skips_a_planted_pack_once_and_a_sweep_deletes_it(tmp_path: Path
     res = sweep(store, set(), grace_s=0.0)
     assert res.deleted == 0 and res.bytes_freed > 0 and not (store.root / pack_key(pid)).exists()
     assert BAD.listed() == []
+
+
+def test_a_planted_huge_loose_chunk_or_bundle_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
+    import os
+
+    import blake3
+
+    from memsnap.store.chunks import ChunkError, ChunkReader, chunk_key, get_chunk
+
+    store = PosixStore(tmp_path / "store", create=True)
+    raw = b"x" * 4096
+    cid = blake3.blake3(raw).hexdigest()
+    path = store.root / chunk_key(cid)
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(8 << 30)  # (sparse: 8 GiB that memory would not hold)
+    with pytest.raises(ChunkError, match="larger than any encoding"):
+        get_chunk(store, cid, len(raw))
+    bundle = store.root / "ck-1" / "bundle"
+    bundle.parent.mkdir()
+    os.link(path, bundle)
+    m = {"id": "ck-1", "files": {}, "storage": {"layout": "chunked", "files": {},
+                                               "bundle": {"key": "ck-1/bundle", "raw_bytes": 10, "stored_bytes": 10,
+                                                          "stored_blake3": "0" * 64}}}
+    with pytest.raises(ChunkError, match="does not match"):
+        ChunkReader(store, m).bundle()
