@@ -40,6 +40,7 @@ from memsnap.store.packs import FOOTER, PACK_MAGIC, parse_tail, read_pack_index
 
 SETTINGS = settings(max_examples=120, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SLOW = settings(SETTINGS, max_examples=40)  # (a temp dir or a drain each: the whole file stays under ~20 s)
 KEY = b"k" * 32
 CID = "a" * 64
 PID = "b" * 64
@@ -238,7 +239,7 @@ def test_a_valid_stored_manifest_with_any_subtree_replaced_is_read_or_refused(da
     _use_stored(data.draw(tree_mutated(_stored_manifest())))
 
 
-@SETTINGS
+@SLOW
 @given(st.one_of(st.binary(max_size=300), DEEP, mutated(VALID_MANIFEST),
                  tree_mutated(_stored_manifest()).map(lambda v: json.dumps(v).encode())))
 def test_a_tier_manifest_of_any_bytes_reads_or_is_refused_and_verifying_it_is_total(raw: bytes) -> None:
@@ -259,7 +260,7 @@ def test_a_tier_manifest_of_any_bytes_reads_or_is_refused_and_verifying_it_is_to
                 pass
 
 
-@SETTINGS
+@SLOW
 @given(st.binary(max_size=400), st.one_of(st.binary(max_size=200), DEEP, JSON.map(lambda v: json.dumps(v).encode())))
 def test_the_nodes_chunk_index_files_of_any_bytes_load(index: bytes, state: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,7 +271,7 @@ def test_the_nodes_chunk_index_files_of_any_bytes_load(index: bytes, state: byte
         assert len(idx) >= 0 and isinstance(idx.packs(), set)
 
 
-@SETTINGS
+@SLOW
 @given(st.lists(st.one_of(st.binary(max_size=100), DEEP, JSON.map(lambda v: json.dumps(v).encode()),
                           JSON.map(lambda v: json.dumps({"id": "ck-1", "files": v}).encode())),
                 max_size=4))
@@ -290,7 +291,7 @@ def _drain_over(objects: dict[str, bytes]) -> Any:
     return DrainService(FakeStore(objects), None, None, KEY, Codec())  # type: ignore[arg-type]
 
 
-@SETTINGS
+@SLOW
 @given(st.one_of(st.binary(max_size=300), DEEP, mutated(VALID_MANIFEST)))
 def test_a_restore_or_an_adoption_by_name_meets_any_stored_manifest_with_a_status_code(raw: bytes) -> None:
     drain = _drain_over({"ck-1/manifest.json": raw, "_index/train/ck-1": b"", "_index/train/..": b""})
@@ -302,7 +303,7 @@ def test_a_restore_or_an_adoption_by_name_meets_any_stored_manifest_with_a_statu
             pass
 
 
-@SETTINGS
+@SLOW
 @given(st.lists(st.one_of(st.binary(max_size=200), DEEP, mutated(VALID_MANIFEST)),
                 min_size=1, max_size=3))
 def test_gcs_mark_skips_any_bytes_in_other_manifests_and_keeps_the_good_ones_chunks(raws: list[bytes]) -> None:
