@@ -256,7 +256,9 @@ class StoreSweeper:
             try:
                 stored = self.chunks.load_stored_manifest(store, ckpt_id)
                 fmt = stored.get("format")
-                if type(fmt) is int and fmt > max(KNOWN_FORMATS):
+                if type(fmt) is int and fmt > max(KNOWN_FORMATS):  # (named in status too: it stops every sweep)
+                    BAD.report("manifest", key, f"declares format {fmt}, newer than this memsnap knows: no sweep "
+                               "until memsnap is upgraded here or it is deleted", store.describe())
                     raise SweepRefused(f"the stored manifest of {ckpt_id} has format {fmt}, newer than this memsnap "
                                        "knows: the sweep stopped before deleting anything; upgrade memsnap on this "
                                        "node (or delete that checkpoint from the store)")

@@ -89,3 +89,22 @@ def test_a_planted_huge_loose_chunk_or_bundle_is_refused_without_reading_it_whol
                                                           "stored_blake3": "0" * 64}}}
     with pytest.raises(ChunkError, match="does not match"):
         ChunkReader(store, m).bundle()
+
+
+def test_a_manifest_of_a_newer_format_stops_the_sweep_and_is_named_while_garbage_is_skipped(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from memsnap.gc import StoreSweeper, SweepRefused
+    from memsnap.store import chunks
+
+    store = PosixStore(tmp_path / "store", create=True)
+    for ckpt, body in (("ck-garbage", b"[[[not json"), ("ck-new", json.dumps({"format": 3, "files": {}}).encode())):
+        (store.root / ckpt).mkdir()
+        (store.root / ckpt / "manifest.json").write_bytes(body)
+    BAD.clear()
+    sweeper = StoreSweeper(SimpleNamespace(store=store), 0.0, chunks)
+    with pytest.raises(SweepRefused, match="format 3, newer than this memsnap knows"):
+        sweeper.mark(set())
+    assert [line.split(":")[0] for line in BAD.listed()] == ["manifest ck-new/manifest.json",
+                                                            "manifest ck-garbage/manifest.json"]
+    assert sweeper.mark({"ck-new"}) == set()  # (without it: the garbage is skipped, the mark completes)
