@@ -486,7 +486,7 @@ def say_in_job(obj: Ctx, data: dict[str, Any], target: str, job_id: str, job_nam
     if note:
         data["note"] = note
         if not obj.json:
-            click.echo(note, err=True)
+            click.echo(printable(note), err=True)
 
 
 def _follow_drain(c: MemsnapClient, ckpt_id: str, bar: Progress) -> None:
