@@ -14,7 +14,19 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from memsnap.cli_fmt import Progress, age, human_bytes, human_ms, table, timestamp, to_json, to_yaml
+from memsnap.cli_fmt import (
+    Progress,
+    age,
+    human_bytes,
+    human_ms,
+    printable,
+    printable_lines,
+    printable_stream,
+    table,
+    timestamp,
+    to_json,
+    to_yaml,
+)
 
 if TYPE_CHECKING:
     from memsnap.client import MemsnapClient, Target
@@ -148,16 +160,16 @@ class Ctx:
 
         return MemsnapClient(self.target)
 
-    def emit(self, data: Any, human: str | None = None, wide: str | None = None) -> None:
-        """JSON/YAML for scripts, text for people (wide: the table with more columns)."""
+    def emit(self, data: Any, human: str | list[str] | None = None, wide: str | list[str] | None = None) -> None:
+        """JSON/YAML for scripts (exact), text for people (wide: the table with more columns): a list is one
+        line an item; whatever users named in it is escaped (cli_fmt.printable), so a row stays one line."""
         if self.output == "yaml":
             click.echo(to_yaml(data))
         elif self.output == "json" or human is None:
             click.echo(to_json(data))
-        elif self.output == "wide" and wide is not None:
-            click.echo(wide)
         else:
-            click.echo(human)
+            text = wide if self.output == "wide" and wide is not None else human
+            click.echo(printable_lines(text) if isinstance(text, str) else "\n".join(map(printable, text)))
 
     def progress(self, label: str) -> Progress | None:
         """A progress display on stderr: a bar on a terminal; plain lines for people otherwise; nothing
@@ -294,11 +306,12 @@ def status_cmd(obj: Ctx) -> None:
         d[k] = int(d.get(k, 0))
     d["usage"] = [{k: int(v) for k, v in u.items()} for u in d.get("usage", [])]
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(s.checkpoints_by_state.items())) or "none"
-    human = "\n".join([
+    human = [
         f"memsnapd {s.version} on {s.hostname} (kernel {s.kernel}), CRIU {s.criu_version}",
         f"tier     {s.tier_dir}: {human_bytes(s.tier_used_bytes)} used, {human_bytes(s.tier_free_bytes)} free "
         f"of {human_bytes(s.tier_capacity_bytes)}" + (f"; {s.tier_fs}" if s.tier_fs else ""),
         f"store    {s.store}",
+        *_bad_objects_lines(s),
         *([f"guard    {s.guard}"] if s.guard else []),
         f"jobs     {s.jobs_running} running",
         f"ckpts    {s.checkpoints} ({by_state}); drain queue {s.drain_queue_depth} "
@@ -308,7 +321,7 @@ def status_cmd(obj: Ctx) -> None:
         *([f"moves    {len(s.moves_in_doubt)} in doubt (stopped here until the target answers): "
            + ", ".join(s.moves_in_doubt)] if s.moves_in_doubt else []),
         *[f"usage    uid {u.uid}: {usage_line(u)}" for u in s.usage],
-    ])
+    ]
     obj.emit(d, human)
 
 
@@ -320,6 +333,14 @@ def usage_line(u: pb.QuotaUsage) -> str:
 
     return ", ".join([part("tier", "tier_bytes", human_bytes), part("store", "store_bytes", human_bytes),
                       part("jobs", "jobs", str), part("checkpoints", "checkpoints", str)])
+
+
+def _bad_objects_lines(s: pb.StatusResponse) -> list[str]:
+    """What drains and gc skip in the store (objects memsnap did not write): the count, the newest three."""
+    if not s.store_bad_object_count:
+        return []
+    return [f"         {s.store_bad_object_count} objects in the store skipped as not memsnap's (-o json lists "
+            "20):", *(f"           {line}" for line in s.store_bad_objects[:3])]
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -467,7 +488,7 @@ def say_in_job(obj: Ctx, data: dict[str, Any], target: str, job_id: str, job_nam
     if note:
         data["note"] = note
         if not obj.json:
-            click.echo(note, err=True)
+            click.echo(printable(note), err=True)
 
 
 def _follow_drain(c: MemsnapClient, ckpt_id: str, bar: Progress) -> None:
@@ -577,7 +598,7 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
     for g in k.gpus:
         lines.append(f"gpu         {g.model} {g.uuid} driver {g.driver_version} "
                      f"{human_bytes(g.device_bytes)} (pid {g.pid})")
-    obj.emit(d, "\n".join(lines))
+    obj.emit(d, lines)
 
 
 def _stored_line(k: pb.CheckpointInfo) -> str:
@@ -696,7 +717,7 @@ def prune_cmd(obj: Ctx, dry_run: bool) -> None:
     lines.append(f"{verb} {len(r.jobs)} jobs and {len(r.checkpoints)} failed checkpoints, "
                  f"{human_bytes(r.log_bytes)} of logs")
     obj.emit({"dry_run": dry_run, "jobs": [j.id for j in r.jobs], "checkpoints": [k.id for k in r.checkpoints],
-              "log_bytes": int(r.log_bytes)}, "\n".join(lines))
+              "log_bytes": int(r.log_bytes)}, lines)
 
 
 @cli.command("gc")
@@ -728,7 +749,7 @@ def gc_cmd(obj: Ctx, dry_run: bool) -> None:
               "chunks_swept": int(r.chunks_swept), "chunk_bytes_freed": int(r.chunk_bytes_freed),
               "chunks_in_grace": int(r.chunks_in_grace), "bytes_freed": int(r.checkpoint_bytes + r.chunk_bytes_freed),
               "duration_ms": int(r.duration_ms), "forgotten": [{"id": g.id, "reason": g.reason} for g in r.forgotten]},
-             "\n".join([*lines, *summary]), "\n".join([*lines, *kept, *summary]))
+             [*lines, *summary], [*lines, *kept, *summary])
 
 
 def _duration_arg(text: str | None, hint: str) -> float | None:
@@ -764,12 +785,18 @@ def logs_cmd(obj: Ctx, job: str, follow: bool, tail_bytes: int) -> None:
 
 def _log_chunks(c: MemsnapClient, job: str, follow: bool, tail_bytes: int) -> Iterator[bytes]:
     first = bool(tail_bytes)  # a tail starts mid-line: begin at the next whole line
+    head = not tail_bytes  # memsnap's own header line ("# memsnap: restored from ..."): printed escaped
     for m in c.job_logs(job, follow=follow, tail_bytes=tail_bytes):
         data = m.data
         if first and data:
             first = False
             cut = data.find(b"\n")
             data = data[cut + 1:] if cut >= 0 else data
+        if head and data:
+            head = False
+            line, nl, rest = data.partition(b"\n")
+            if line.startswith(b"# memsnap: ") and nl:  # (the job's own output stays as the job wrote it)
+                data = printable(line.decode("utf-8", "replace")).encode() + nl + rest
         if data:
             yield data
 
@@ -833,7 +860,7 @@ def fail(code: str, message: str, output: str = "table") -> NoReturn:
     if output in ("json", "yaml"):
         click.echo(to_json({"error": {"code": code, "message": message, "exit_code": f.exit_code}}), err=True)
     else:
-        click.echo(f"memsnapctl: {code}: {message}", err=True)
+        click.echo(f"memsnapctl: {code}: {printable(message)}", err=True)
     sys.exit(f.exit_code)
 
 
@@ -877,7 +904,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         if output in ("json", "yaml"):
             fail("USAGE", exc.format_message(), output)
-        exc.show()
+        exc.show(file=printable_stream(sys.stderr))  # (click quotes what was typed: a name, a command)
         sys.exit(2 if isinstance(exc, click.UsageError) else exc.exit_code)
     except (click.Abort, KeyboardInterrupt):
         if output not in ("json", "yaml"):

@@ -6,8 +6,53 @@ Only the standard library: memsnapctl imports this before it knows whether it ne
 from __future__ import annotations
 
 import json
+import re
 import time
-from typing import Any
+from typing import IO, Any, cast
+
+# What a terminal acts on instead of printing: C0 controls (newline, CR, ESC, ...), DEL, C1 (0x80-0x9f: CSI, OSC
+# in 8-bit form), and Unicode's bidirectional overrides, isolates, marks and line separators.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return _SHORT.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def printable(text: object) -> str:
+    """text as one line a terminal shows as it is: the controls in it escaped (a newline as \\n, ESC as \\x1b,
+    a bidi override as \\u202e). Everything a user named (job names, commands, paths, CRIU's and the daemon's
+    messages) goes through it on its way to a human; -o json and -o yaml keep the exact strings (escaped
+    their own way)."""
+    s = str(text)
+    return _UNPRINTABLE.sub(_escape, s) if _UNPRINTABLE.search(s) else s
+
+
+def printable_lines(text: str) -> str:
+    """printable() of each line of text: its newlines stay, every other control is escaped."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
+def printable_stream(stream: Any) -> IO[Any]:
+    """stream, writing printable_lines() of what it is given (for click's own messages, which quote input)."""
+    return cast(IO[Any], _PrintableStream(stream))
+
+
+class _PrintableStream:
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return int(self._stream.write(printable_lines(text)))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return bool(self._stream.isatty())
 
 
 def human_bytes(n: float) -> str:
@@ -60,7 +105,9 @@ def timestamp(unix_ms: int) -> str:
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
-    """Left-aligned columns separated by two spaces, header in capitals."""
+    """Left-aligned columns separated by two spaces, header in capitals; one line per row, every cell
+    printable()."""
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join(fmt.format(*[str(c) for c in r]).rstrip() for r in [header, *rows])
@@ -79,7 +126,7 @@ def _yaml_scalar(v: Any) -> str:
     if isinstance(v, (int, float)):
         return str(v)
     s = str(v)
-    plain = s and s.strip() == s and not any(c in s for c in ":#{}[],&*!|>'\"%@`\n") \
+    plain = s and s.strip() == s and not any(c in s for c in ":#{}[],&*!|>'\"%@`\n") and not _UNPRINTABLE.search(s) \
         and s.lower() not in ("true", "false", "null", "yes", "no", "~") and not _numeric(s) \
         and s[0] not in "-?"
     return s if plain else json.dumps(s)
@@ -154,8 +201,8 @@ class Progress:
         bar = "#" * int(frac * 30)
         speed = f" {human_bytes(rate)}/s" if rate > 0 and frac < 1 else ""
         tail = f"  {note}" if note else ""
-        return (f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {human_bytes(done)}/{human_bytes(total)}"
-                f"{speed}{eta} {state}{tail}")
+        return printable(f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {human_bytes(done)}/{human_bytes(total)}"
+                         f"{speed}{eta} {state}{tail}")
 
     def update(self, done: float, total: float, state: str, note: str = "") -> None:
         """Shows one update."""
@@ -175,7 +222,7 @@ class Progress:
     def spin(self, what: str) -> None:
         """An update without a byte count: elapsed time only (terminals only)."""
         if self.tty:
-            self.stream.write(f"\r{what} ... {human_s(time.monotonic() - self.t0)}\033[K")
+            self.stream.write(f"\r{printable(what)} ... {human_s(time.monotonic() - self.t0)}\033[K")
             self.stream.flush()
             self._drew = True
 

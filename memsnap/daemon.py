@@ -33,6 +33,7 @@ from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.quota import Quotas
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
+from memsnap.store.bad_objects import BAD
 from memsnap.tier import MemoryTier, MountSpec, TierMountError
 from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc, peer_pb2, peer_pb2_grpc
 from memsnap.version import VersionAction
@@ -82,6 +83,7 @@ class Daemon:
             # One daemon per state dir, socket and port: checked before anything else is touched.
             self._instance_lock = single_instance(state, Path(cfg.daemon.socket), cfg.daemon.listen)
             self.metrics = Metrics()
+            BAD.subscribe(self.metrics.count_bad_object)  # (objects in the store drains and gc skip)
             self.catalog = Catalog(state)
             t = cfg.tier
             node = t.numa_node if t.kind == "numa" else -1
@@ -153,6 +155,7 @@ class Daemon:
                                  "guard": self.guard.describe(), "tier_fs": self.tier.describe()}
         if self.drain is not None:
             extra["drain_queue_depth"], extra["drain_queue_bytes"] = self.drain.queue_stats()
+            extra["store_bad_objects"], extra["store_bad_object_count"] = BAD.listed(), len(BAD)
         if self.migrator is not None:
             extra["moves_in_doubt"] = self.migrator.moves_in_doubt()
         return extra
@@ -229,11 +232,14 @@ class Daemon:
         log.info("memsnapd ready on %s", self.cfg.daemon.socket)
 
     def _interceptors(self) -> list[Any]:
-        """TCP authentication and roles (memsnap.auth); it also refuses the reserved auth header on any socket."""
+        """TCP authentication and roles (memsnap.auth; it also refuses the reserved auth header on any socket),
+        then, innermost, request decoding: bytes that are no request message get INVALID_ARGUMENT, not
+        grpcio's INTERNAL (memsnap.rpc_decode)."""
         from memsnap.auth import RemoteConfigError, interceptors
+        from memsnap.rpc_decode import DecodeInterceptor
 
         try:
-            return interceptors(self.cfg)
+            return [*interceptors(self.cfg), DecodeInterceptor()]
         except RemoteConfigError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
 

@@ -30,6 +30,7 @@ from memsnap.store import (
     Codec,
     EncodeResult,
     Store,
+    StoreCorrupt,
     StoreError,
     StoreNotFound,
     StoreUnavailable,
@@ -319,7 +320,7 @@ class DrainService:
             body = {**{k: v for k, v in tier_manifest.items() if k not in ("format", "signature")}, "storage": storage}
             data = json.dumps(manifest.sign(body, self.key, manifest.FORMAT_CHUNKED), indent=1, sort_keys=True)
             with self.store.open_writer(f"{rec.id}/{MANIFEST_NAME}") as w:
-                w.write(data.encode())
+                w.write(chunks.manifest_bytes(rec.id, data))  # (StoreError past what readers accept)
                 failpoints.hit("chunked-manifest-written")  # (written, not yet published)
                 w.commit()
         stats = job.stats.summary()
@@ -364,8 +365,7 @@ class DrainService:
     def stored_manifest(self, rec: CheckpointRecord) -> dict[str, Any]:
         """The stored manifest of a durable checkpoint: signed, bound to rec, its storage listing the same files."""
         try:
-            with self.store.open_reader(f"{rec.id}/{MANIFEST_NAME}") as f:
-                stored = json.loads(f.read())
+            stored = chunks.load_stored_manifest(self.store, rec.id)  # type: ignore[arg-type]
         except StoreNotFound as exc:
             raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
         except StoreUnavailable as exc:
@@ -450,14 +450,13 @@ class DrainService:
             raise Unavailable(f"cannot search the store for {name!r}: {exc}") from exc
         found = []
         refused: list[str] = []
-        for ckpt_id in sorted((k.rsplit("/", 1)[-1] for k in keys), reverse=True):
+        for ckpt_id in chunks.indexed_ids(self.store, keys):  # type: ignore[arg-type]
             try:
-                with self.store.open_reader(f"{ckpt_id}/{MANIFEST_NAME}") as f:
-                    m = json.loads(f.read())
+                m = chunks.load_stored_manifest(self.store, ckpt_id)  # type: ignore[arg-type]
                 manifest.verify_signature(m, self.key)
             except (StoreError, ValueError, manifest.IntegrityError) as exc:
                 log.warning("skipping stored checkpoint %s for %r: %s", ckpt_id, name, exc)
-                if isinstance(exc, manifest.IntegrityError):
+                if isinstance(exc, manifest.IntegrityError | StoreCorrupt):  # (a BadObject: not a manifest)
                     refused.append(f"{ckpt_id}: {exc}")
                 continue
             if m.get("id") == ckpt_id:

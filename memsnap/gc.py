@@ -239,8 +239,13 @@ class StoreSweeper:
         self.chunks = chunks
 
     def mark(self, gone: set[str]) -> set[str]:
-        """The ids of the chunks and packs to keep."""
+        """The ids of the chunks and packs to keep. A manifest that is no manifest memsnap writes (any bytes:
+        memsnap.store.parse) is skipped and reported: it can reference nothing a restore could use. One that
+        declares a newer format, or that cannot be read right now, stops the sweep (its chunks are unknown)."""
+        from memsnap.manifest import KNOWN_FORMATS
         from memsnap.store import MANIFEST_NAME, StoreError, StoreNotFound
+        from memsnap.store.bad_objects import BAD
+        from memsnap.store.errors import BadObject
 
         store = self.drain.store
         keep: set[str] = set()
@@ -250,12 +255,22 @@ class StoreSweeper:
                 continue
             try:
                 stored = self.chunks.load_stored_manifest(store, ckpt_id)
+                fmt = stored.get("format")
+                if type(fmt) is int and fmt > max(KNOWN_FORMATS):  # (named in status too: it stops every sweep)
+                    BAD.report("manifest", key, f"declares format {fmt}, newer than this memsnap knows: no sweep "
+                               "until memsnap is upgraded here or it is deleted", store.describe())
+                    raise SweepRefused(f"the stored manifest of {ckpt_id} has format {fmt}, newer than this memsnap "
+                                       "knows: the sweep stopped before deleting anything; upgrade memsnap on this "
+                                       "node (or delete that checkpoint from the store)")
                 keep |= self.chunks.referenced_chunks(stored) | self.chunks.referenced_packs(stored)
             except StoreNotFound:
                 continue  # deleted meanwhile: its chunks may go
-            except (StoreError, ValueError, TypeError, KeyError) as exc:
+            except (BadObject, ValueError) as exc:  # planted or cut: never a reason to stop every node's gc
+                BAD.report("manifest", key, str(exc), store.describe())
+                continue
+            except StoreError as exc:
                 raise SweepRefused(f"the stored manifest of {ckpt_id} cannot be read ({exc}): the sweep stopped "
-                                   "before deleting anything; fix or delete that checkpoint") from exc
+                                   "before deleting anything; try again when the store answers") from exc
         inflight = getattr(self.drain, "inflight_chunks", None)
         if inflight is not None:
             keep |= set(inflight())

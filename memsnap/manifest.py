@@ -20,6 +20,8 @@ from typing import Any
 import blake3
 
 from memsnap import safefs
+from memsnap.store.errors import BadObject
+from memsnap.store.parse import MANIFEST_MAX, NOT_AN_OBJECT, load_json
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -241,10 +243,16 @@ def _read_at(dfd: int, images_dir: Path) -> dict[str, Any]:
         raise IntegrityError(f"integrity check failed: unreadable manifest in {images_dir}: {exc}") from exc
     try:
         with os.fdopen(fd, "rb") as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError) as exc:
+            raw = f.read(MANIFEST_MAX + 1)
+    except OSError as exc:
         raise IntegrityError(f"integrity check failed: unreadable manifest in {images_dir}: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+    try:
+        data = load_json(raw, "manifest", str(images_dir / MANIFEST), MANIFEST_MAX)
+    except BadObject as exc:  # (any bytes: memsnap.store.parse)
+        raise IntegrityError("integrity check failed: manifest has no file list" if exc.reason == NOT_AN_OBJECT
+                             else f"integrity check failed: unreadable manifest in {images_dir}: it {exc.reason}") \
+            from None
+    if not isinstance(data.get("files"), dict):
         raise IntegrityError("integrity check failed: manifest has no file list")
     return data
 
@@ -274,8 +282,9 @@ def check_binding(manifest: dict[str, Any], ckpt_id: str, job: str, uid: int) ->
     one that lacks them, or has an unknown format, is refused.
     """
     # Format 2 is only ever a stored manifest of a chunked image: one without its chunk lists is not one.
-    if manifest.get("format") not in KNOWN_FORMATS or \
-            (manifest.get("format") == FORMAT_CHUNKED and not isinstance(manifest.get("storage"), dict)):
+    fmt = manifest.get("format")
+    if type(fmt) is not int or fmt not in KNOWN_FORMATS or \
+            (fmt == FORMAT_CHUNKED and not isinstance(manifest.get("storage"), dict)):
         raise IntegrityError(f"integrity check failed: manifest format {manifest.get('format')!r} is not one "
                              f"this memsnap knows ({sorted(KNOWN_FORMATS)})")
     got = (manifest.get("id"), manifest.get("job"), manifest.get("uid"))
@@ -304,7 +313,7 @@ def verify_dir(images_dir: Path, key: bytes, trusted: dict[str, list[int]] | Non
         if extra:
             raise IntegrityError(f"integrity check failed: unexpected files {sorted(extra)[:3]}")
         for name, meta in files.items():
-            if "/" in name or name.startswith(".") or not name or name == MANIFEST:
+            if "/" in name or name.startswith(".") or not name or name == MANIFEST or not isinstance(meta, dict):
                 raise IntegrityError(f"integrity check failed: bad file name {name!r} in manifest")
             with safefs.opened(_open_member(dfd, name, images_dir)) as fd:
                 st = os.fstat(fd)

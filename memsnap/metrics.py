@@ -13,6 +13,7 @@ from prometheus_client.exposition import start_http_server
 PHASES = ("freeze", "dump", "drain", "fetch", "restore", "page_in")  # page_in: lazy restore from the store
 RESULTS = ("ok", "error")
 STORAGE_OPS = ("put", "get", "delete", "list")
+BAD_OBJECT_KINDS = ("pack", "manifest", "sweep-record", "name-index")  # = memsnap.store.bad_objects.KINDS
 # 1 ms .. 10 min, roughly 1-2.5-5 per decade: freezes take ms, drains of big images take minutes.
 PHASE_BUCKETS = (
     0.001,
@@ -125,11 +126,17 @@ class Metrics:
         self.store_logical_bytes = Gauge(
             "memsnap_store_logical_bytes", "Image bytes of this node's durable checkpoints (before compression "
             "and deduplication).", registry=r)
+        self.store_bad_objects = Counter(
+            "memsnap_store_bad_objects_total", "Objects in the store that drains, gc and restores skipped because "
+            "memsnap did not write them (a planted pack, a cut manifest...), each counted once, by kind; "
+            "memsnapctl status names them.", ["kind"], registry=r)
         self.store_dedup_ratio = Gauge(
             "memsnap_store_dedup_ratio", "memsnap_store_logical_bytes / memsnap_store_bytes (compression and "
             "deduplication together; 0 when the store holds nothing).", registry=r)
         for result in (*RESULTS, "deferred"):
             self.gc_runs.labels(result=result)
+        for kind in BAD_OBJECT_KINDS:
+            self.store_bad_objects.labels(kind=kind)
         for kind in ("limit", "node"):
             self.guard_events.labels(kind=kind)
         for result in ("ok", "error", "observed"):
@@ -144,6 +151,10 @@ class Metrics:
         for phase in PHASES:
             self.phase_seconds.labels(phase=phase)
         r.register(_BackgroundCollector())
+
+    def count_bad_object(self, kind: str) -> None:
+        """One more object of kind skipped in the store (memsnap.store.bad_objects)."""
+        self.store_bad_objects.labels(kind=kind).inc()
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record one phase duration; phase is one of PHASES."""

@@ -30,12 +30,12 @@ import zstandard
 
 from memsnap import failpoints, manifest, safefs
 from memsnap.errors import IntegrityFailure
+from memsnap.store.cache import ChunkCache
 from memsnap.store.chunkgc import ChunkIndex, StoreGc
 from memsnap.store.chunks import (
     BUNDLE_NAME,
     DEFAULT_AVG,
     LAYOUT,
-    ChunkCache,
     ChunkError,
     Chunking,
     ChunkReader,
@@ -49,8 +49,9 @@ from memsnap.store.chunks import (
     pack_key,
     put_chunk,
 )
-from memsnap.store.errors import StoreError
+from memsnap.store.errors import BadObject, StoreError
 from memsnap.store.packs import DEFAULT_PACK, Entry, Loc, Packer, pack_id_of
+from memsnap.store.parse import MANIFEST_MAX, is_count, load_json
 from memsnap.store.throttle import Throttle
 
 log = logging.getLogger("memsnap.drain")
@@ -89,7 +90,7 @@ class NodeChunks:
         """Creates the index, the maps file (keeping the maps of keep_ids only) and the cache dir."""
         if self.maps_path is not None:
             self.maps_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            kept = [line for line in _map_lines(self.maps_path) if line.get("id") in keep_ids]
+            kept = [line for line in _map_lines(self.maps_path) if _id_of(line) in keep_ids]
             tmp = self.maps_path.with_name(".tmp-maps")
             tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
             os.chmod(tmp, 0o600)
@@ -137,23 +138,27 @@ class NodeChunks:
 
     def tier_chunks(self, tier_paths: dict[str, Path]) -> TierChunks:
         """Where the tier copies in tier_paths (id -> dir) hold which chunks."""
-        maps = {m["id"]: m["files"] for m in _map_lines(self.maps_path) if m.get("id") in tier_paths} \
+        maps = {m["id"]: m["files"] for m in _map_lines(self.maps_path) if _id_of(m) in tier_paths} \
             if self.maps_path is not None else {}
         return TierChunks({tier_paths[i]: files for i, files in maps.items()})
 
 
+def _id_of(m: dict[str, Any]) -> str:
+    return m["id"] if isinstance(m.get("id"), str) else ""
+
+
 def _map_lines(path: Path) -> list[dict[str, Any]]:
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8", "replace")
     except OSError:
         return []
     out = []
     for line in text.splitlines():
         try:
-            m = json.loads(line)
-        except ValueError:
+            m = load_json(line.encode(), "chunk map", str(path), MANIFEST_MAX)
+        except BadObject:
             continue  # (a line cut short by a crash)
-        if isinstance(m, dict) and isinstance(m.get("files"), dict):
+        if isinstance(m.get("files"), dict):
             out.append(m)
     return out
 
@@ -396,12 +401,12 @@ class TierChunks:
         self.hits = 0
         for path, body in (maps or {}).items():
             for name, refs in body.items():
-                if "/" in name or name.startswith("."):
+                if "/" in name or name.startswith(".") or not isinstance(refs, list):
                     continue
-                for item in refs:
-                    cid, off, n = item[:3]
-                    if is_chunk_id(cid):
-                        self._where.setdefault(cid, (path / name, int(off), int(n)))
+                for item in refs:  # (a hint from this node's own file: every use is verified)
+                    if isinstance(item, list) and len(item) >= 3 and is_chunk_id(item[0]) and is_count(item[1]) \
+                            and is_count(item[2]):
+                        self._where.setdefault(item[0], (path / name, item[1], item[2]))
 
     def has(self, ref: ChunkRef) -> bool:
         hit = self._where.get(ref.id)

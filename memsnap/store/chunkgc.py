@@ -35,9 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memsnap import failpoints
+from memsnap.store.bad_objects import BAD
 from memsnap.store.chunks import CHUNK_PREFIX, PACK_PREFIX, ChunkStore, chunk_id, chunk_key, is_chunk_id
-from memsnap.store.errors import StoreError, StoreNotFound
+from memsnap.store.errors import BadObject, StoreError, StoreNotFound
 from memsnap.store.packs import Loc, pack_id_of, read_pack_index
+from memsnap.store.parse import load_json
 
 log = logging.getLogger("memsnap.chunks")
 
@@ -75,13 +77,15 @@ class ChunkIndex:
         self._lock = threading.Lock()
         side = self._side()
         if self.path is not None and self.path.is_file():
-            for line in self.path.read_text().splitlines():
+            for line in self.path.read_bytes().decode("ascii", "replace").splitlines():
                 self._parse(line.split())
-        try:
-            state = json.loads(side.read_text()) if side is not None and side.is_file() else {}
-            self._applied = {n for n in state.get("applied", []) if isinstance(n, str)}
-            self._synced = float(state.get("synced", 0.0))
-        except (ValueError, TypeError, AttributeError, OSError):
+        try:  # (any bytes: an unreadable state is an index never synced, so its next drain trusts nothing)
+            state = load_json(side.read_bytes(), "index state", str(side), RECORD_MAX) \
+                if side is not None and side.is_file() else {}
+            applied, synced = state.get("applied", []), state.get("synced", 0.0)
+            self._applied = {n for n in applied if isinstance(n, str)} if isinstance(applied, list) else set()
+            self._synced = float(synced) if type(synced) in (int, float) and 0 <= synced < 1e12 else 0.0
+        except (BadObject, OSError):
             self._applied, self._synced = set(), 0.0
 
     def _parse(self, w: list[str]) -> None:
@@ -89,7 +93,7 @@ class ChunkIndex:
             self._packs.add(w[0][1:])
         elif len(w) == 1 and is_chunk_id(w[0]):
             self._ids[w[0]] = None
-        elif len(w) == 4 and is_chunk_id(w[0]) and is_chunk_id(w[1]) and w[2].isdigit() and w[3].isdigit():
+        elif len(w) == 4 and is_chunk_id(w[0]) and is_chunk_id(w[1]) and _digits(w[2]) and _digits(w[3]):
             self._ids[w[0]] = (w[1], int(w[2]), int(w[3]))
         # (anything else: a line cut short by a crash; that chunk is simply not known)
 
@@ -202,27 +206,39 @@ class ChunkIndex:
         os.replace(tmp, path)
 
 
+def _digits(w: str) -> bool:
+    return w.isascii() and w.isdigit() and len(w) < 19
+
+
 # -- the store-wide protocol between drains and sweeps -----------------------------------------------------
 def _is_record(key: str) -> bool:
     name = key[len(RECORDS):] if key.startswith(RECORDS) else ""
     return bool(name) and "/" not in name and name.endswith(".json")
 
 
+def parse_record(data: bytes, key: str) -> tuple[set[str], set[str]]:
+    """The (loose chunk ids, pack ids) a sweep record lists; BadObject (kind "sweep-record") for any bytes
+    that are not a record's JSON."""
+    got = load_json(data, "sweep-record", key, RECORD_MAX)
+    ids, packs = got.get("chunks"), got.get("packs", [])
+    if not isinstance(ids, list) or not isinstance(packs, list):
+        raise BadObject(f"integrity check failed: sweep-record {key} lists no chunks and packs", "sweep-record", key)
+    return {c for c in ids if is_chunk_id(c)}, {p for p in packs if is_chunk_id(p)}
+
+
 def read_record(store: ChunkStore, key: str) -> tuple[set[str], set[str]] | None:
     """The (loose chunk ids, pack ids) a sweep record lists (a record gone lists none); None if it is not a
-    record's JSON."""
+    record (then reported: memsnap.store.bad_objects)."""
     try:
         with store.open_reader(key) as f:
-            data = json.loads(f.read(RECORD_MAX))
+            data = f.read(RECORD_MAX + 1)
     except StoreNotFound:
         return set(), set()
-    except ValueError:
+    try:
+        return parse_record(data, key)
+    except BadObject as exc:
+        BAD.report_error(exc, store.describe())
         return None
-    ids = data.get("chunks") if isinstance(data, dict) else None
-    packs = data.get("packs", []) if isinstance(data, dict) else None
-    if not isinstance(ids, list) or not isinstance(packs, list):
-        return None
-    return {c for c in ids if is_chunk_id(c)}, {p for p in packs if is_chunk_id(p)}
 
 
 class StoreLock:
@@ -287,6 +303,7 @@ class StoreGc:
     process: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     sweep_wait_s: float = SWEEP_WAIT_S
     drain_wait_s: float = DRAIN_WAIT_S
+    bad_packs: set[str] = field(default_factory=set)  # packs whose tail is no pack index: never read again
 
     @staticmethod
     def owner_of(state_dir: str) -> str:
@@ -344,7 +361,7 @@ class StoreGc:
         """Adds the chunks of the packs other drains wrote since the last call (their index, read from each
         pack's tail) to the index: deduplication across nodes. Returns the store operations it took."""
         keys = self.store.list(PACK_PREFIX)
-        known = self.index.packs()
+        known = self.index.packs() | self.bad_packs
         new = [pid for k in keys if (pid := pack_id_of(k)) and pid not in known]
 
         def learn(pid: str) -> None:
@@ -352,7 +369,10 @@ class StoreGc:
                 self.index.add_pack(pid, read_pack_index(self.store, pid))
             except StoreNotFound:
                 pass  # (swept meanwhile)
-            except StoreError as exc:  # (ChunkError too: not a pack's index) its chunks stay unknown here
+            except BadObject as exc:  # not a pack's index (memsnap.store.parse): its chunks stay unknown here
+                self.bad_packs.add(pid)
+                BAD.report_error(exc, self.store.describe())
+            except StoreError as exc:  # (unreachable now: the next drain reads it again)
                 log.warning("pack %s in %s skipped: %s", pid, self.store.describe(), exc)
 
         if new:  # (a new node reads every pack's tail once: 8 at a time)
@@ -434,6 +454,7 @@ def sweep(store: ChunkStore, keep: set[str], grace_s: float, dry_run: bool = Fal
     for _, key, size in doomed:
         if store.delete_keys([key], not_after=cutoff):
             deleted, freed = deleted + counts[key], freed + size
+            BAD.forget(key)  # (a planted pack no manifest references goes like any other)
             failpoints.hit("sweep-deleted-one")
     _prune_records(store, time.time())
     return SweepResult(deleted, freed, in_grace)
@@ -450,6 +471,9 @@ def _chunks_in(store: ChunkStore, oid: str, key: str) -> int:
         return 1
     try:
         return len(read_pack_index(store, oid))
+    except BadObject as exc:  # (swept all the same: no manifest references it)
+        BAD.report_error(exc, store.describe())
+        return 0
     except StoreError:
         return 0
 

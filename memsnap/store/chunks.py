@@ -1,6 +1,7 @@
 """Content-addressed chunks: page-aligned content-defined chunking, chunk objects, reader, cache.
 
-The index of what a store holds and the sweep: memsnap.store.chunkgc.
+The index of what a store holds and the sweep: memsnap.store.chunkgc. The node's chunk cache:
+memsnap.store.cache.
 
 A chunked image (stored manifest format 2, see docs/chunkstore.md) keeps each big file (pages-*.img and any
 file of at least BUNDLE_MAX bytes) as a list of chunks, and the small files of a checkpoint concatenated in
@@ -17,24 +18,25 @@ the next cut point are the same objects as before.
 from __future__ import annotations
 
 import builtins
-import contextlib
-import json
 import logging
 import mmap
-import os
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import blake3
 import zstandard
 
+from memsnap.store.bad_objects import BAD
 from memsnap.store.base import Bytes, StoreWriter
-from memsnap.store.errors import StoreCorrupt, StoreError, StoreNotFound
+from memsnap.store.errors import BadObject, StoreError, StoreNotFound
+from memsnap.store.parse import MANIFEST_MAX, clip, is_count, load_json
+
+if TYPE_CHECKING:
+    from memsnap.store.cache import ChunkCache
 
 log = logging.getLogger("memsnap.chunks")
 
@@ -47,12 +49,13 @@ BUNDLE_NAME = "bundle"
 LAYOUT = "chunked"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_CKPT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # = memsnap.validate.ID_RE
 _M64 = (1 << 64) - 1
 _K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93
 
 
-class ChunkError(StoreCorrupt):
-    """A chunk or chunked manifest is not what its id / signed manifest says (tampered or corrupt)."""
+class ChunkError(BadObject):
+    """A chunk, pack or chunked manifest is not what its id / signed manifest says (tampered or corrupt)."""
 
 
 class ChunkStore(Protocol):
@@ -193,8 +196,12 @@ def get_chunk(store: ChunkStore, cid: str, raw_len: int,
     if loc is not None:
         stored = store.read_range(pack_key(loc[0]), loc[1], loc[2])
     else:
+        most = raw_len + (raw_len >> 7) + 4096  # (zstd's worst case; a planted 100 GB file is never read whole)
         with store.open_reader(chunk_key(cid)) as f:
-            stored = f.read()
+            stored = f.read(most + 1)
+        if len(stored) > most:
+            raise ChunkError(f"integrity check failed: chunk {cid} is larger than any encoding of it", "chunk",
+                             chunk_key(cid))
     return decode_chunk(stored, cid, raw_len), stored
 
 
@@ -226,7 +233,8 @@ def is_chunked(stored: dict[str, Any]) -> bool:
 
 def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
     """name -> Layout of a (signature-verified) chunked manifest, checked for consistency (else ChunkError):
-    safe names, the same file set as "files", valid ids, chunks that tile each file exactly."""
+    safe names, the same file set as "files", valid ids, chunks that tile each file exactly. Total: any JSON
+    value gives a result or ChunkError (gc marks with manifests no key verified)."""
     files = stored.get("files")
     storage = stored.get("storage")
     if not isinstance(files, dict) or not isinstance(storage, dict) or not isinstance(storage.get("files"), dict):
@@ -240,26 +248,31 @@ def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
     out: dict[str, Layout] = {}
     for name, meta in files.items():
         if "/" in name or name.startswith(".") or not name or name == "manifest.json":
-            raise ChunkError(f"integrity check failed: bad entry {name!r} in stored manifest")
-        size = meta.get("size")
+            raise ChunkError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
+        size = meta.get("size") if isinstance(meta, dict) else None
         s = sfiles[name]
-        if not isinstance(size, int) or size < 0 or not isinstance(s, dict):
-            raise ChunkError(f"integrity check failed: bad entry {name!r} in stored manifest")
+        if not is_count(size) or not isinstance(s, dict):
+            raise ChunkError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
         if "bundle" in s:
-            off, n = s["bundle"]
-            if not (isinstance(off, int) and off >= 0 and n == size):
-                raise ChunkError(f"integrity check failed: bad bundle slice of {name!r} in stored manifest")
-            out[name] = Layout(size, bundle=(off, n))
+            b = s["bundle"]
+            if not (isinstance(b, list) and len(b) == 2 and is_count(b[0]) and b[1] == size):
+                raise ChunkError(f"integrity check failed: bad bundle slice of {clip(name, 100)!r} in stored "
+                                 "manifest")
+            out[name] = Layout(size, bundle=(b[0], size))
             continue
+        items = s.get("chunks", [])
+        if not isinstance(items, list):
+            raise ChunkError(f"integrity check failed: bad chunk list of {clip(name, 100)!r} in stored manifest")
         refs, pos = [], 0
-        for item in s.get("chunks", []):
+        for item in items:
             cid, off, n, loc = _ref_item(item, packs)
-            if not is_chunk_id(cid) or off != pos or not isinstance(n, int) or n <= 0:
-                raise ChunkError(f"integrity check failed: bad chunk list of {name!r} in stored manifest")
+            if not is_chunk_id(cid) or off != pos or not is_count(n) or n <= 0:
+                raise ChunkError(f"integrity check failed: bad chunk list of {clip(name, 100)!r} in stored "
+                                 "manifest")
             refs.append(ChunkRef(cid, off, n, loc))
             pos += n
         if pos != size:
-            raise ChunkError(f"integrity check failed: the chunks of {name!r} do not add up to its size")
+            raise ChunkError(f"integrity check failed: the chunks of {clip(name, 100)!r} do not add up to its size")
         out[name] = Layout(size, chunks=tuple(refs))
     return out
 
@@ -271,7 +284,7 @@ def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, in
         return item[0], item[1], item[2], None
     if isinstance(item, list) and len(item) == 6:
         p, poff, plen = item[3:]
-        if all(isinstance(v, int) for v in (p, poff, plen)) and 0 <= p < len(packs) and poff >= 0 and plen > 0:
+        if all(is_count(v) for v in (p, poff, plen)) and p < len(packs) and plen > 0:
             return item[0], item[1], item[2], (packs[p], poff, plen)
     raise ChunkError("integrity check failed: bad chunk entry in stored manifest")
 
@@ -279,13 +292,13 @@ def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, in
 def bundle_ref(stored_manifest: dict[str, Any]) -> ChunkRef | None:
     """The chunk holding a chunked manifest's bundle of small files (None: no bundle, or one of its own:
     <checkpoint>/bundle, the format before packs)."""
-    st = stored_manifest.get("storage", {})
-    b = st.get("bundle")
+    st = stored_manifest.get("storage")
+    b = st.get("bundle") if isinstance(st, dict) else None
     if not isinstance(b, dict) or "chunk" not in b:
         return None
-    packs = st.get("packs", [])
+    packs = st.get("packs", []) if isinstance(st, dict) else []
     cid, off, n, loc = _ref_item(b["chunk"], packs if isinstance(packs, list) else [])
-    if not is_chunk_id(cid) or off != 0 or n != b.get("raw_bytes") or not isinstance(n, int) or n <= 0:
+    if not is_chunk_id(cid) or off != 0 or n != b.get("raw_bytes") or not is_count(n) or n <= 0:
         raise ChunkError("integrity check failed: bad bundle entry in stored manifest")
     return ChunkRef(cid, 0, n, loc)
 
@@ -309,144 +322,9 @@ def referenced_chunks(stored_manifest: dict[str, Any]) -> set[str]:
 
 def sizes(stored_manifest: dict[str, Any]) -> dict[str, int]:
     """logical_bytes, stored_bytes and new_bytes of a stored manifest (0s when it has none)."""
-    st = stored_manifest.get("storage", {})
-    return {k: int(st.get(k, 0) or 0) for k in ("logical_bytes", "stored_bytes", "new_bytes")}
-
-
-# -- the node-local chunk cache and index ------------------------------------------------------------------
-class ChunkCache:
-    """Stored chunk objects kept on this node, least recently used evicted past cap bytes (0 = off).
-
-    Entries are verified on every get (a bad one is dropped), so the cache never has to be trusted.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], cap: int) -> None:
-        self.root, self.cap = Path(root), cap
-        self._lock = threading.Lock()
-        self._lru: OrderedDict[str, int] = OrderedDict()
-        self._bytes = 0
-        self.hits = self.misses = 0
-        if cap <= 0:
-            return
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        found = []
-        with os.scandir(self.root) as entries:  # (one lstat a file)
-            for e in entries:
-                if is_chunk_id(e.name) and e.is_file(follow_symlinks=False):
-                    s = e.stat(follow_symlinks=False)
-                    found.append((s.st_mtime, e.name, s.st_size))
-                elif e.name.startswith(".tmp-"):
-                    (self.root / e.name).unlink(missing_ok=True)
-        for _m, cid, n in sorted(found):
-            self._lru[cid] = n
-            self._bytes += n
-        self._trim()
-
-    def __contains__(self, cid: str) -> bool:
-        with self._lock:
-            return cid in self._lru
-
-    def get(self, cid: str, raw_len: int) -> bytes | None:
-        """The raw bytes of a cached chunk, verified; None when absent (or bad: then dropped)."""
-        buf = bytearray(raw_len)
-        return bytes(buf) if self.read_into(cid, memoryview(buf)) else None
-
-    def read_into(self, cid: str, buf: memoryview) -> bool:
-        """Reads a cached chunk's raw bytes (len(buf) of them) into buf, verified against its id; False when
-        absent (or bad: then dropped). A raw entry is read straight into buf: no allocation, one copy."""
-        if self.cap <= 0:
-            return False
-        with self._lock:
-            known = cid in self._lru
-            if known:
-                self._lru.move_to_end(cid)
-        if not known:
-            self.misses += 1
-            return False
-        try:
-            fd = os.open(self.root / cid, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                size = os.fstat(fd).st_size
-                if size != len(buf) or os.preadv(fd, [buf], 0) != size or buf[:4] == ZSTD_MAGIC:
-                    buf[:] = decode_chunk(os.pread(fd, size + 1, 0), cid, len(buf))  # (a zstd entry: see encode)
-                elif chunk_id(buf) != cid:
-                    raise ChunkError(f"integrity check failed: chunk {cid} does not match its id")
-            finally:
-                os.close(fd)
-        except (OSError, ValueError, ChunkError) as exc:
-            log.warning("chunk cache entry %s dropped: %s", cid, exc)
-            self._drop(cid)
-            self.misses += 1
-            return False
-        self.hits += 1
-        return True
-
-    def put(self, cid: str, stored: bytes) -> None:
-        """Adds a (verified) stored chunk object."""
-        staged = self.stage(cid, stored)
-        if staged is not None:
-            self.commit([staged])
-
-    def stage(self, cid: str, stored: bytes) -> tuple[str, Path, int] | None:
-        """Writes a chunk object under a temp name; it joins the cache at commit() (or goes at discard())."""
-        if self.cap <= 0 or len(stored) > self.cap:
-            return None
-        with self._lock:
-            if cid in self._lru:
-                return None
-        tmp = self.root / f".tmp-{os.getpid()}-{threading.get_ident()}-{cid}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(stored)
-        except OSError as exc:
-            log.warning("cannot cache chunk %s: %s", cid, exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            return None
-        return cid, tmp, len(stored)
-
-    def commit(self, staged: list[tuple[str, Path, int]]) -> None:
-        """Moves staged chunks into the cache."""
-        for cid, tmp, n in staged:
-            try:
-                os.rename(tmp, self.root / cid)
-            except OSError as exc:
-                log.warning("cannot cache chunk %s: %s", cid, exc)
-                continue
-            with self._lock:
-                if cid not in self._lru:
-                    self._lru[cid] = n
-                    self._bytes += n
-        self._trim()
-
-    @staticmethod
-    def discard(staged: list[tuple[str, Path, int]]) -> None:
-        """Removes staged chunks (the restore that fetched them failed)."""
-        for _cid, tmp, _n in staged:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-
-    def _drop(self, cid: str) -> None:
-        with self._lock:
-            self._bytes -= self._lru.pop(cid, 0)
-        with contextlib.suppress(OSError):
-            (self.root / cid).unlink()
-
-    def _trim(self) -> None:
-        while True:
-            with self._lock:
-                if self._bytes <= self.cap or not self._lru:
-                    return
-                cid, n = self._lru.popitem(last=False)
-                self._bytes -= n
-            with contextlib.suppress(OSError):
-                (self.root / cid).unlink()
-
-    @property
-    def size_bytes(self) -> int:
-        """Bytes cached now."""
-        return self._bytes
+    st = stored_manifest.get("storage")
+    st = st if isinstance(st, dict) else {}
+    return {k: v if is_count(v := st.get(k)) else 0 for k in ("logical_bytes", "stored_bytes", "new_bytes")}
 
 
 # -- random access to a stored chunked image ---------------------------------------------------------------
@@ -549,7 +427,7 @@ class ChunkReader:
             if self._bundle is not None:
                 return self._bundle
         b = self.manifest["storage"].get("bundle")
-        if not b:
+        if not b or not isinstance(b, dict):
             raise ChunkError("integrity check failed: the stored manifest has no bundle")
         ref = bundle_ref(self.manifest)
         if ref is not None:
@@ -561,11 +439,12 @@ class ChunkReader:
         if b.get("key") != key:
             raise ChunkError("integrity check failed: bad bundle key in stored manifest")
         with self.store.open_reader(key) as f:
-            stored = f.read()
-        if len(stored) != b.get("stored_bytes") or blake3.blake3(stored).hexdigest() != b.get("stored_blake3"):
+            stored = f.read(b["stored_bytes"] + 1 if is_count(b.get("stored_bytes")) else 0)
+        if len(stored) != b.get("stored_bytes") or blake3.blake3(stored).hexdigest() != b.get("stored_blake3") \
+                or not is_count(b.get("raw_bytes")):
             raise ChunkError(f"integrity check failed: the bundle of {self.manifest['id']} does not match "
                              "its manifest")
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(1, int(b["raw_bytes"]))) \
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(1, b["raw_bytes"])) \
             if stored[:4] == ZSTD_MAGIC else stored
         with self._lock:
             self.fetched_bytes += len(stored)
@@ -588,9 +467,36 @@ def _overlapping(refs: tuple[ChunkRef, ...], start: int, end: int) -> Iterator[C
 
 
 def load_stored_manifest(store: ChunkStore, ckpt_id: str) -> dict[str, Any]:
-    """The parsed (NOT verified) stored manifest of a checkpoint."""
-    with store.open_reader(f"{ckpt_id}/manifest.json") as f:
-        data = json.loads(f.read())
-    if not isinstance(data, dict):
-        raise ChunkError(f"stored manifest of {ckpt_id} is not an object")
+    """The parsed (NOT verified) stored manifest of a checkpoint; BadObject (kind "manifest", reported:
+    memsnap.store.bad_objects) for any bytes that are not a JSON object (memsnap.store.parse)."""
+    key = f"{ckpt_id}/manifest.json"
+    with store.open_reader(key) as f:
+        data = f.read(MANIFEST_MAX + 1)
+    try:
+        return load_json(data, "manifest", key, MANIFEST_MAX, clip(key, 150))
+    except BadObject as exc:
+        BAD.report_error(exc, store.describe())
+        raise
+
+
+def manifest_bytes(ckpt_id: str, text: str) -> bytes:
+    """A stored manifest to write, refused (StoreError) past MANIFEST_MAX: no reader would accept it, so it
+    never becomes durable."""
+    data = text.encode()
+    if len(data) > MANIFEST_MAX:
+        raise StoreError(f"the manifest of {ckpt_id} would have {len(data)} bytes, more than a reader accepts "
+                         f"({MANIFEST_MAX}); drain it with a larger [store] chunk_size")
     return data
+
+
+def indexed_ids(store: ChunkStore, keys: list[str]) -> list[str]:
+    """The checkpoint ids that name-index entries (_index/<name>/<id>) list, newest first; an entry that names
+    no id (anyone who writes the store may plant one) is reported and skipped."""
+    ids = []
+    for key in keys:
+        cid = key.rsplit("/", 1)[-1]
+        if _CKPT_ID.match(cid):
+            ids.append(cid)
+        else:
+            BAD.report("name-index", key, "names no checkpoint id", store.describe())
+    return sorted(ids, reverse=True)

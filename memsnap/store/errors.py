@@ -21,3 +21,13 @@ class StoreNotFound(StoreError):
 
 class StoreCorrupt(StoreError):
     """Stored bytes do not match what was written (size, checksum or stream format)."""
+
+
+class BadObject(StoreCorrupt):
+    """An object in the store is not one memsnap could have written (a pack's index, a manifest, a sweep record):
+    kind and key name it, so that it can be skipped, reported and removed."""
+
+    def __init__(self, message: str, kind: str = "", key: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.key = kind, key
+        self.reason = reason or message  # what is wrong with it, without naming it

@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 from memsnap.store.base import StoreWriter
 from memsnap.store.chunks import ChunkError, ChunkStore, is_chunk_id, pack_key
-from memsnap.store.errors import StoreError
+from memsnap.store.errors import BadObject, StoreError
+from memsnap.store.parse import clip, is_count, load_json
 
 PACK_MAGIC = b"MSPACK\x00\x01"
 FOOTER = struct.Struct("<Q8s")
@@ -52,29 +53,38 @@ def _footer(index: bytes) -> bytes:
 
 def parse_tail(tail: bytes, size: int, pid: str) -> list[Entry] | int:
     """The entries of a pack from its last bytes (tail) and its size; an int when the index is longer than
-    tail: the bytes to read. ChunkError for a pack whose footer or index is not one."""
+    tail: the bytes to read. Total: any bytes either parse or raise ChunkError (a BadObject of kind "pack")
+    naming the pack."""
     if len(tail) < FOOTER.size or size < FOOTER.size:
-        raise ChunkError(f"integrity check failed: pack {pid} is too short")
+        raise _bad(pid, "is too short")
     n, magic = FOOTER.unpack(tail[-FOOTER.size:])
     if magic != PACK_MAGIC or n > min(INDEX_MAX, size - FOOTER.size):
-        raise ChunkError(f"integrity check failed: pack {pid} has no pack footer")
+        raise _bad(pid, "has no pack footer")
     if n + FOOTER.size > len(tail):
         return int(n + FOOTER.size)
     body = size - FOOTER.size - n  # where the index starts: every chunk lies before it
     try:
-        data = json.loads(tail[len(tail) - FOOTER.size - n: len(tail) - FOOTER.size])
-        items = data["chunks"] if isinstance(data, dict) and data.get("v") == 1 else None
-        out: list[Entry] = []
-        for cid, off, slen, rlen in items if isinstance(items, list) else ():
-            if not (is_chunk_id(cid) and all(isinstance(v, int) for v in (off, slen, rlen))
-                    and 0 <= off and 0 < slen and off + slen <= body and rlen > 0):
-                raise ValueError(f"bad entry {cid!r}")
-            out.append((cid, off, slen, rlen))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ChunkError(f"integrity check failed: the index of pack {pid} is not valid ({exc})") from exc
-    if items is None:
-        raise ChunkError(f"integrity check failed: the index of pack {pid} is not valid")
+        data = load_json(bytes(tail[len(tail) - FOOTER.size - n: len(tail) - FOOTER.size]), "pack", pack_key(pid),
+                         INDEX_MAX)
+    except BadObject as exc:
+        raise _bad(pid, f"has an index that {exc.reason}") from None
+    items = data.get("chunks")
+    if data.get("v") != 1 or not isinstance(items, list):
+        raise _bad(pid, "has an index with no v1 chunk list")
+    out: list[Entry] = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 4 and is_chunk_id(item[0])
+                and all(is_count(v) for v in item[1:])):
+            raise _bad(pid, f"has a bad index entry {clip(item, 100)}")
+        cid, off, slen, rlen = item
+        if not (0 < slen and off + slen <= body and rlen > 0):
+            raise _bad(pid, f"has an index entry outside the pack ({cid})")
+        out.append((cid, off, slen, rlen))
     return out
+
+
+def _bad(pid: str, reason: str) -> ChunkError:
+    return ChunkError(f"integrity check failed: pack {pid} {reason}", "pack", pack_key(pid), reason)
 
 
 def read_pack_index(store: ChunkStore, pid: str) -> list[Entry]:

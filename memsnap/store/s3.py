@@ -105,19 +105,20 @@ class S3Store:
         """Bytes [offset, offset+length) of key (shorter at its end): one ranged GET."""
         if length <= 0:
             return b""
-        return self._ranged(key, f"bytes={offset}-{offset + length - 1}")[0]
+        return self._ranged(key, f"bytes={offset}-{offset + length - 1}", length)[0]
 
     def read_tail(self, key: str, length: int) -> tuple[bytes, int]:
         """(the last `length` bytes of key or all of it, its size): one GET of a suffix range."""
-        data, resp = self._ranged(key, f"bytes=-{max(1, length)}")
+        data, resp = self._ranged(key, f"bytes=-{max(1, length)}", max(1, length))
         total = str(resp.get("ContentRange", "")).rpartition("/")[2]
-        return data, int(total) if total.isdigit() else len(data)
+        return data, int(total) if total.isascii() and total.isdigit() else len(data)
 
-    def _ranged(self, key: str, rng: str) -> tuple[bytes, dict[str, Any]]:
+    def _ranged(self, key: str, rng: str, limit: int) -> tuple[bytes, dict[str, Any]]:
+        """One ranged GET; at most limit bytes are read (a server that ignores Range costs no more memory)."""
         with translate(f"get {key}", self.describe()):
             resp = self.client.get_object(Bucket=self.bucket, Key=self.object_key(key), Range=rng)
         with io.BufferedReader(_Body(resp["Body"], f"read {key}", self.describe()), buffer_size=MiB) as body:
-            return body.read(), dict(resp)
+            return body.read(limit), dict(resp)
 
     def _head(self, key: str, **kwargs: Any) -> dict[str, Any]:
         try:

@@ -7,6 +7,11 @@ failure prints the seed and the request that caused it, and reproduces.
 Nothing expensive starts: commands never exist (so RunJob fails in the trampoline), numeric targets are
 never a real small pid (refused ones like 1 and the daemon's own pid aside), and names and ids match
 nothing real. Every reply carries a message short enough for gRPC metadata.
+
+Raw bytes too (fuzz_raw): a channel without serializers sends every method of both services (and health,
+reflection) bytes that are no request message: random bytes, truncated varints, wrong wire types, huge length
+prefixes, deep groups, bad UTF-8, mutated valid requests. Each must get INVALID_ARGUMENT with one line saying
+what to do (grpcio's own answer was INTERNAL "Exception deserializing request!"), in time, the daemon alive.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from tests.helpers import REPO, DaemonProc
 
 SEED = int(os.environ.get("MEMSNAP_FUZZ_SEED", "20261130"))
 PER_CALLER = int(os.environ.get("MEMSNAP_FUZZ_REQUESTS", "5000"))
+RAW_PER_CALLER = int(os.environ.get("MEMSNAP_FUZZ_RAW", "1200"))
 BATCH = 500
 BAD = {"INTERNAL", "UNKNOWN"}
 
@@ -236,12 +242,144 @@ def fuzz(sock: str, seed: int, count: int, daemon_pid: int, uid: int | None) -> 
             "sent": sum(per_rpc.values())}
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _decodes(cls: Any, data: bytes) -> bool:
+    try:
+        cls.FromString(data)
+    except Exception:
+        return False
+    return True
+
+
+def corrupt(r: random.Random, base: bytes, cls: Any) -> bytes:
+    """Bytes that are no message of cls, made from a valid serialized one (base) in one of several ways."""
+    field = r.randrange(1, 40)
+    how = r.randrange(9)
+    if how == 0:
+        data = r.randbytes(r.randrange(1, 64))
+    elif how == 1:  # a varint that never ends
+        data = base + _varint(field << 3) + b"\x80" * r.randrange(1, 12)
+    elif how == 2 and base:  # a tag's wire type changed
+        i = 0
+        data = bytearray(base)
+        data[i] = (data[i] & ~7) | r.choice([3, 4, 5, 6, 7])
+        data = bytes(data)
+    elif how == 3:  # a length prefix far past the end (up to 2**64 - 1)
+        data = base + _varint(field << 3 | 2) + _varint(r.choice([1 << 31, 1 << 32, (1 << 63) - 1, (1 << 64) - 1,
+                                                                  r.randrange(100, 1 << 20)])) + b"xy"
+    elif how == 4:  # groups nested deep, never closed
+        data = b"\x0b" * r.choice([100, 10_000, 200_000])
+    elif how == 5:  # a string that is not UTF-8
+        data = base + _varint(1 << 3 | 2) + b"\x02\xff\xfe"
+    elif how == 6 and base:  # cut short
+        data = base[: r.randrange(len(base))]
+    elif how == 7 and base:  # bytes flipped
+        data = bytearray(base)
+        for _ in range(r.randrange(1, 4)):
+            data[r.randrange(len(data))] ^= r.randrange(1, 256)
+        data = bytes(data)
+    else:  # an end-group with no start
+        data = base + _varint(field << 3 | 4)
+    if _decodes(cls, data):  # (a corruption that still decodes would reach the engine: make it one that cannot)
+        data += b"\x0f"  # field 1, wire type 7: no such wire type
+    assert not _decodes(cls, data)
+    return data
+
+
+def _raw_methods() -> dict[str, tuple[str, Any, bool, bool]]:
+    """rpc name (as Gen names them) -> (path, request class, client streaming, server streaming)."""
+    from google.protobuf.message_factory import GetMessageClass
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    from memsnap.v1 import memsnap_pb2, peer_pb2
+
+    out = {}
+    for file, svc_name in ((memsnap_pb2, "Memsnap"), (peer_pb2, "Peer"), (health_pb2, "Health"),
+                           (reflection_pb2, "ServerReflection")):
+        svc = file.DESCRIPTOR.services_by_name[svc_name]
+        for m in svc.methods:
+            name = m.name if svc_name == "Memsnap" else f"{svc_name}.{m.name}"
+            out[name] = (f"/{svc.full_name}/{m.name}", GetMessageClass(m.input_type), m.client_streaming,
+                         m.server_streaming)
+    return out
+
+
+def fuzz_raw(sock: str, seed: int, count: int, daemon_pid: int, uid: int | None) -> dict[str, Any]:
+    """Sends count requests whose bytes are no request message (as uid, when given) to every method, through a
+    channel with no serializers; returns the codes seen and any answer that is not INVALID_ARGUMENT."""
+    import grpc
+
+    from memsnap.v1 import memsnap_pb2 as pb
+    from memsnap.v1 import memsnap_pb2_grpc as pb_grpc
+
+    ch = grpc.insecure_channel(f"unix:{sock}", options=[("grpc.max_send_message_length", 64 << 20)])
+    stub = pb_grpc.MemsnapStub(ch)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    methods = _raw_methods()
+    gen, r = Gen(seed, daemon_pid), random.Random(seed)
+    codes: Counter[str] = Counter()
+    per_rpc: Counter[str] = Counter()
+    bad: list[str] = []
+    extra = [n for n in methods if n.startswith(("Health.", "ServerReflection."))]
+    for i in range(count):
+        if i % 20 == 0:  # (health and reflection, a few times each)
+            rpc, req = extra[(i // 20) % len(extra)], None
+        else:
+            rpc, req = gen.request(pb)
+        path, cls, streaming_in, streaming_out = methods[rpc]
+        base = (req[0] if req else cls()) if isinstance(req, list) else (cls() if req is None else req)
+        payload = corrupt(r, base.SerializeToString(), cls)
+        msgs = [payload] if not streaming_in or r.random() < 0.5 else [base.SerializeToString(), payload]
+        per_rpc[rpc] += 1
+        try:
+            if streaming_in and streaming_out:
+                list(ch.stream_stream(path)(iter(msgs), timeout=10))
+            elif streaming_in:
+                ch.stream_unary(path)(iter(msgs), timeout=10)
+            elif streaming_out:
+                list(ch.unary_stream(path)(payload, timeout=10))
+            else:
+                ch.unary_unary(path)(payload, timeout=10)
+            code, msg = "OK", ""
+        except grpc.RpcError as e:
+            code, msg = e.code().name, e.details() or ""
+        codes[code] += 1
+        # A unary request is decoded before any servicer runs; a stream's messages as the servicer reads them,
+        # so it may refuse the call before it reads the bad one (not root, no peer token, a bad first id...).
+        must = not streaming_in
+        if code in BAD or code == "DEADLINE_EXCEEDED" or (must and code != "INVALID_ARGUMENT") or len(msg) > 400 \
+                or (must and not msg.startswith(f"the request is not a valid {cls.DESCRIPTOR.full_name} message")):
+            bad.append(f"#{i} {rpc} -> {code}: {msg[:300]!r}; bytes: {payload[:80]!r}")
+        if (i + 1) % BATCH == 0 or i + 1 == count:
+            try:
+                stub.Status(pb.StatusRequest(), timeout=10)
+            except grpc.RpcError as e:
+                bad.append(f"after raw request #{i}: Status did not answer: {e.code().name} {e.details()}")
+                break
+    ch.close()
+    return {"codes": dict(codes), "per_rpc": dict(per_rpc), "bad": bad[:20], "n_bad": len(bad),
+            "sent": sum(per_rpc.values())}
+
+
 _WORKER = """
 import json, sys
 sys.path.insert(0, {repo!r})
-import grpc, google.protobuf.descriptor_pb2
-from tests.e2e.test_fuzz import fuzz
-print(json.dumps(fuzz({sock!r}, {seed}, {count}, {pid}, {uid})))
+import grpc, google.protobuf.descriptor_pb2, google.protobuf.message_factory, grpc_health.v1.health_pb2
+import grpc_reflection.v1alpha.reflection_pb2
+from tests.e2e.test_fuzz import {fn}
+print(json.dumps({fn}({sock!r}, {seed}, {count}, {pid}, {uid})))
 """
 
 
@@ -263,7 +401,7 @@ def test_fuzzed_requests_as_root_and_nobody_get_no_internal_and_the_daemon_answe
     results = {}
     for who, uid, seed in (("root", None, SEED), ("nobody", 65534, SEED + 1)):
         code = _WORKER.format(repo=str(REPO), sock=d.socket, seed=seed, count=PER_CALLER, pid=d.proc.pid,
-                              uid=uid)
+                              uid=uid, fn="fuzz")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd="/",
                            env={**os.environ, "PYTHONPATH": str(REPO)})
         assert r.returncode == 0, (who, r.stderr[-3000:])
@@ -288,3 +426,26 @@ def _every_rpc() -> set[str]:
 
     return ({m.name for m in memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"].methods}
             | {"Peer." + m.name for m in peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods})
+
+
+def test_request_bytes_that_are_no_message_get_invalid_argument_from_every_method_as_root_and_nobody(fuzz_daemon):
+    d = fuzz_daemon
+    assert d.proc is not None
+    results = {}
+    for who, uid, seed in (("root", None, SEED + 2), ("nobody", 65534, SEED + 3)):
+        code = _WORKER.format(repo=str(REPO), sock=d.socket, seed=seed, count=RAW_PER_CALLER, pid=d.proc.pid,
+                              uid=uid, fn="fuzz_raw")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd="/",
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 0, (who, r.stderr[-3000:])
+        results[who] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert d.proc.poll() is None, f"memsnapd died under raw bytes as {who} (seed {seed}):\n" \
+                                      f"{d.log.read_text()[-3000:]}"
+    print(f"\nraw fuzz seed {SEED + 2}: {sum(res['sent'] for res in results.values())} requests")
+    for who, res in results.items():
+        print(f"  as {who}: {res['sent']} requests, codes {json.dumps(res['codes'], sort_keys=True)}")
+    for who, res in results.items():
+        assert res["n_bad"] == 0, f"as {who}: " + "\n".join(res["bad"])
+        assert set(res["per_rpc"]) == set(_raw_methods()), res["per_rpc"]  # every method got raw bytes
+    with d.client() as c:
+        assert c.status().version

@@ -14,11 +14,11 @@ import blake3
 import pytest
 
 from memsnap import safefs
+from memsnap.store.cache import ChunkCache
 from memsnap.store.chunked import ChunkedDrain, TierChunks, fetch_chunked
 from memsnap.store.chunkgc import ChunkIndex, sweep
 from memsnap.store.chunks import (
     PAGE,
-    ChunkCache,
     ChunkError,
     Chunking,
     ChunkReader,
