@@ -11,7 +11,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +80,15 @@ class Cluster:
         with NetNS(d.netns) as n:
             n.addr("add", index=n.link_lookup(ifname="eth0")[0], address=ip, prefixlen=24)
 
+    def remove_service_ip(self, ip: str) -> None:
+        """Takes a service address off whichever node holds it."""
+        for d in self.nodes:
+            with NetNS(d.netns) as n:
+                try:
+                    n.addr("del", index=n.link_lookup(ifname="eth0")[0], address=ip, prefixlen=24)
+                except Exception:  # (not there)
+                    pass
+
     def close(self) -> None:
         for d in self.nodes:
             d.cleanup()
@@ -144,7 +152,3 @@ def build(base: Path) -> Cluster:
         cluster.close()
         raise
     return cluster
-
-
-def python() -> str:
-    return sys.executable

@@ -139,6 +139,19 @@ class Program:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if self.service_ip:
+            self.cluster.remove_service_ip(self.service_ip)
+
+    def first_answer(self) -> float:
+        """Right after an operation brought the program back: seconds until it answers (a TCP program a request on
+        a new connection, any other new output)."""
+        t0 = time.monotonic()
+        if self.tcp:
+            wait_for(lambda: _answers(self), 60, 0.005, f"{self.name} to answer")
+        else:
+            n = len(job_output(self.log))
+            wait_for(lambda: len(job_output(self.log)) > n, 60, 0.005, f"{self.name} to write")
+        return time.monotonic() - t0
 
     # -- around an operation ---------------------------------------------------------------------------------
     def quiesce(self) -> None:
@@ -303,17 +316,24 @@ class Sqlite(Program):
     def ready(self) -> None:
         wait_for(lambda: self.committed() >= 5, 60, what="the sqlite writer to commit")
 
-    def _rows(self) -> tuple[str, list[tuple[int, str]]]:
-        """integrity_check and every row, read by a second connection while the writer goes on."""
-        import sqlite3
+    _CHECK = """import hashlib, json, sqlite3
+db = sqlite3.connect("file:/tmp/rows.db?mode=ro", uri=True, timeout=30)
+ok = db.execute("PRAGMA integrity_check").fetchone()[0]
+rows = db.execute("SELECT n, sum FROM t ORDER BY n").fetchall()
+db.close()
+print(json.dumps({"ok": ok, "count": len(rows), "contiguous": [n for n, _ in rows] == list(range(1, len(rows) + 1)),
+                  "bad": [n for n, s in rows if s != hashlib.sha1(str(n).encode()).hexdigest()][:5]}))
+"""
 
-        db = sqlite3.connect(f"file:/proc/{self.pid}/root/tmp/rows.db?mode=ro", uri=True, timeout=30)
-        try:
-            ok = db.execute("PRAGMA integrity_check").fetchone()[0]
-            rows = db.execute("SELECT n, sum FROM t ORDER BY n").fetchall()
-        finally:
-            db.close()
-        return ok, rows
+    def _rows(self) -> dict[str, Any]:
+        """integrity_check and every row, read by a second connection (in the job's mount namespace, where its
+        /tmp is) while the writer goes on."""
+        r = subprocess.run(["nsenter", "-t", str(self.pid), "-m", sys.executable, "-c", self._CHECK],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode:
+            raise DataLost(f"sqlite: reading the database failed: {r.stderr.strip()[-500:]}")
+        got: dict[str, Any] = json.loads(r.stdout)
+        return got
 
     def read_state(self) -> str:
         # (it keeps writing: what must hold is that nothing committed was lost, checked in progresses())
@@ -323,16 +343,14 @@ class Sqlite(Program):
     def progresses(self) -> None:
         before = self.committed_before
         wait_for(lambda: self.committed() > before + 3, 60, what="the sqlite writer to commit again")
-        import hashlib
-
-        ok, rows = self._rows()
-        if ok != "ok":
-            raise DataLost(f"sqlite integrity_check: {ok}")
-        if [n for n, _ in rows] != list(range(1, len(rows) + 1)) or len(rows) < before:
-            raise DataLost(f"sqlite: {len(rows)} rows (not 1..N?), but {before} were committed before the operation")
-        bad = [n for n, s in rows if s != hashlib.sha1(str(n).encode()).hexdigest()]
-        if bad:
-            raise DataLost(f"sqlite: rows {bad[:5]} do not hold what was written")
+        got = self._rows()
+        if got["ok"] != "ok":
+            raise DataLost(f"sqlite integrity_check: {got['ok']}")
+        if not got["contiguous"] or got["count"] < before:
+            raise DataLost(f"sqlite: {got['count']} rows (contiguous: {got['contiguous']}), but {before} were "
+                           "committed before the operation")
+        if got["bad"]:
+            raise DataLost(f"sqlite: rows {got['bad']} do not hold what was written")
 
 
 class Jvm(Program):
@@ -385,6 +403,14 @@ class Torch(Program):
         if final.group(2) != want_final.group(2):
             raise DataLost(f"torch: final loss {final.group(2)}, reference {want_final.group(2)}")
         self.pid = 0  # (it ended)
+
+
+def _answers(p: Program) -> bool:
+    try:
+        p.read_state()
+        return True
+    except (DataLost, OSError, subprocess.SubprocessError):
+        return False
 
 
 KINDS: dict[str, type[Program]] = {"redis": Redis, "memcached": Memcached, "nginx": Nginx, "sqlite": Sqlite,

@@ -72,7 +72,7 @@ class Runner:
             kept = getattr(self, "_" + op.replace("-", "_"))(p, res)
             stats = p.check(kept)
             if stats:
-                res.first_answer_ms, res.p99_ms = stats.get("first_ms", 0.0), stats.get("p99_ms", 0.0)
+                res.p99_ms = stats.get("p99_ms", 0.0)
             self.healthy()
         except Exception as exc:
             res.ok, res.error = False, f"{type(exc).__name__}: {exc}"
@@ -130,6 +130,7 @@ class Runner:
         res.downtime_ms = (time.monotonic() - t0) * 1000
         res.detail["restore_ms"] = (time.monotonic() - t1) * 1000
         self._restored(p, d, out)
+        res.first_answer_ms = p.first_answer() * 1000
         self._forget(d, ck["id"])
         return p.tcp
 
@@ -156,6 +157,7 @@ class Runner:
         res.downtime_ms = float(out.get("downtime_ms", 0))
         res.detail["phases"] = out.get("phases", {})
         p.adopt(dst, out["target_job"], int(out["target_pid"]))
+        res.first_answer_ms = p.first_answer() * 1000
         # The moved job's image on the target (and a durable one left on the source) served its turn.
         self._forget(dst, out["checkpoint"])
         self._forget(src, out["checkpoint"])
@@ -176,7 +178,11 @@ class Runner:
         usage = _cgroup_usage(p.pid)
         t0 = time.monotonic()
         p.grow(max(32, (p.memory_limit - usage) // (1 << 20) + 32))
-        parked = wait_for(lambda: _job_state(d, p.job) == "parked", 120, 0.2, f"{p.name} to be parked")
+        try:
+            parked = wait_for(lambda: _job_state(d, p.job) == "parked", 240, 0.2, f"{p.name} to be parked")
+        except AssertionError as exc:
+            said = [ln for ln in d.log.read_text(errors="replace").splitlines() if "park" in ln][-5:]
+            raise AssertionError(f"{exc}; the guard said: {said}") from exc
         res.detail["park_s"] = time.monotonic() - t0
         assert parked
         p.memory_limit += 512 << 20
