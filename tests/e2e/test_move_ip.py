@@ -28,6 +28,7 @@ import pytest
 from pyroute2 import NetNS, netns
 
 from tests.helpers import DaemonProc, wait_for
+from tests.netlab import bridge
 
 SUBNET = "10.213.77"
 SERVICE = f"{SUBNET}.100"
@@ -108,24 +109,7 @@ class Lan:
 def _build_lan() -> Lan:
     tag = secrets.token_hex(3)
     lan = Lan(a=f"ms-a-{tag}", b=f"ms-b-{tag}", c=f"ms-c-{tag}", sw=f"ms-sw-{tag}")
-    for ns in (lan.sw, lan.a, lan.b, lan.c):
-        netns.create(ns)
-    with NetNS(lan.sw) as sw:
-        sw.link("add", ifname="br0", kind="bridge")
-        br = sw.link_lookup(ifname="br0")[0]
-        for ns, host in ((lan.a, 1), (lan.b, 2), (lan.c, 3)):
-            port, peer = f"p{host}", f"e{host}"
-            sw.link("add", ifname=port, kind="veth", peer=peer)
-            sw.link("set", index=sw.link_lookup(ifname=port)[0], master=br, state="up")
-            sw.link("set", index=sw.link_lookup(ifname=peer)[0], net_ns_fd=ns)
-            with NetNS(ns) as n:
-                idx = n.link_lookup(ifname=peer)[0]
-                n.link("set", index=idx, ifname="eth0")
-                n.link("set", index=idx, state="up")
-                n.link("set", index=n.link_lookup(ifname="lo")[0], state="up")
-                # The node's own address first: the service address is then a secondary one.
-                n.addr("add", index=idx, address=f"{SUBNET}.{host}", prefixlen=24)
-        sw.link("set", index=br, state="up")
+    bridge(lan.sw, [(lan.a, f"{SUBNET}.1"), (lan.b, f"{SUBNET}.2"), (lan.c, f"{SUBNET}.3")])
     with NetNS(lan.a) as n:
         n.addr("add", index=n.link_lookup(ifname="eth0")[0], address=SERVICE, prefixlen=24)
     return lan

@@ -17,6 +17,7 @@ from pathlib import Path
 from pyroute2 import NetNS, netns
 
 from tests.helpers import REPO, DaemonProc
+from tests.netlab import bridge
 
 SUBNET = "10.213.91"
 PORT = 7443
@@ -103,30 +104,8 @@ def build(base: Path) -> Cluster:
     """Builds the namespaces and starts both daemons (shared store, key and token)."""
     tag = secrets.token_hex(3)
     a, b, c, sw = (f"soak-{x}-{tag}" for x in ("a", "b", "c", "sw"))
-    made = []
-    try:
-        for ns in (sw, a, b, c):
-            netns.create(ns)
-            made.append(ns)
-        with NetNS(sw) as s:
-            s.link("add", ifname="br0", kind="bridge")
-            br = s.link_lookup(ifname="br0")[0]
-            for ns, host in ((a, 1), (b, 2), (c, 3)):
-                port, peer = f"p{host}", f"e{host}"
-                s.link("add", ifname=port, kind="veth", peer=peer)
-                s.link("set", index=s.link_lookup(ifname=port)[0], master=br, state="up")
-                s.link("set", index=s.link_lookup(ifname=peer)[0], net_ns_fd=ns)
-                with NetNS(ns) as n:
-                    idx = n.link_lookup(ifname=peer)[0]
-                    n.link("set", index=idx, ifname="eth0")
-                    n.link("set", index=idx, state="up")
-                    n.link("set", index=n.link_lookup(ifname="lo")[0], state="up")
-                    n.addr("add", index=idx, address=node_ip(host), prefixlen=24)
-            s.link("set", index=br, state="up")
-    except BaseException:
-        for ns in made:
-            netns.remove(ns)
-        raise
+    bridge(sw, [(a, node_ip(1)), (b, node_ip(2)), (c, node_ip(3))])
+    made = [sw, a, b, c]
     base.mkdir(parents=True, exist_ok=True)
     token, key, store = base / "node.token", base / "hmac.key", base / "store"
     token.write_text(secrets.token_hex(32))

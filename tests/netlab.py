@@ -1,0 +1,35 @@
+"""Network namespaces joined by a bridge: the "nodes" of the move and soak tests (never the host's network)."""
+
+from __future__ import annotations
+
+from pyroute2 import NetNS, netns
+
+
+def bridge(switch: str, hosts: list[tuple[str, str]]) -> None:
+    """Creates namespace `switch` with a bridge, and each (namespace, address) in `hosts` with an eth0 on it holding
+    that address (/24) as its first one, and lo up. Every namespace is created here; on failure they are gone."""
+    made: list[str] = []
+    try:
+        for ns in (switch, *(ns for ns, _ in hosts)):
+            netns.create(ns)
+            made.append(ns)
+        with NetNS(switch) as sw:
+            sw.link("add", ifname="br0", kind="bridge")
+            br = sw.link_lookup(ifname="br0")[0]
+            for i, (ns, address) in enumerate(hosts, 1):
+                port, peer = f"p{i}", f"e{i}"
+                sw.link("add", ifname=port, kind="veth", peer=peer)
+                sw.link("set", index=sw.link_lookup(ifname=port)[0], master=br, state="up")
+                sw.link("set", index=sw.link_lookup(ifname=peer)[0], net_ns_fd=ns)
+                with NetNS(ns) as n:
+                    idx = n.link_lookup(ifname=peer)[0]
+                    n.link("set", index=idx, ifname="eth0")
+                    n.link("set", index=idx, state="up")
+                    n.link("set", index=n.link_lookup(ifname="lo")[0], state="up")
+                    # The node's own address first: a service address is then a secondary one.
+                    n.addr("add", index=idx, address=address, prefixlen=24)
+            sw.link("set", index=br, state="up")
+    except BaseException:
+        for ns in made:
+            netns.remove(ns)
+        raise
