@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,10 +70,6 @@ class Cluster:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         return subprocess.Popen(["nsenter", f"--net=/run/netns/{self.c}", *argv], env=env, text=True,
                                 **kw)  # type: ignore[call-overload]
-
-    def addresses(self, ns: str) -> set[str]:
-        with NetNS(ns) as n:
-            return {str(x.get_attr("IFA_ADDRESS")) for x in n.get_addr(family=socket.AF_INET)}
 
     def add_service_ip(self, d: NodeDaemon, ip: str) -> None:
         """Puts a service address on node d (where its program starts)."""
