@@ -10,6 +10,7 @@ the source's mounts. What the image keeps:
     /, /run, /run/lock, /tmp, /var/tmp          the places programs expect on every node
     /dev, /sys, /proc and every mount below     the system's own
     the job's private /tmp (PRIVATE_TMP_SOURCE)  with its contents: a job's temp files travel with it
+    the job log's bind mount there (JOB_LOG)     external: each restore binds a new log there
     every mount the job uses                     an open file, a mapping, its cwd, root or executable on it
     the mounts above each kept one
 
@@ -128,7 +129,7 @@ def left_out(mounts: list[Mount], ours: list[Mount], used: set[int]) -> list[str
     keep: set[int] = set()
     for m in mounts:
         system = m.point in _ALWAYS or any(_under(m.point, t) for t in _SYSTEM_TREES)
-        private_tmp = m.fstype == "tmpfs" and m.source == PRIVATE_TMP_SOURCE
+        private_tmp = (m.fstype == "tmpfs" and m.source == PRIVATE_TMP_SOURCE) or m.point == JOB_LOG
         if m.id in used or private_tmp or m.fstype == "proc" or (system and bind_of_ours(m)):
             keep.add(m.id)
     for mid in list(keep):  # and the mounts above each kept one
