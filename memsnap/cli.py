@@ -435,6 +435,13 @@ def _ckpt_summary(d: dict[str, Any]) -> str:
             f" (dump {human_ms(d['dump_ms'])})" + (f", in {where}" if where else ""))
 
 
+# checkpoint and migrate: what a dump does with a connection still in a listener's accept queue.
+SKIP_IN_FLIGHT = click.option(
+    "--skip-in-flight/--fail-on-in-flight", default=True, show_default=True,
+    help="leave out connections still in a listener's accept queue (a busy server's: their clients see a reset, "
+         "as after a restart), or fail on one")
+
+
 @cli.command("checkpoint")
 @click.argument("target")
 @click.option("--stop", is_flag=True, help="end the job once the image is safely staged")
@@ -443,9 +450,7 @@ def _ckpt_summary(d: dict[str, Any]) -> str:
 @click.option("--tcp-established", is_flag=True,
               help="also dump established TCP connections (without it a restored copy has them closed: its clients "
                    "reconnect, as after a restart)")
-@click.option("--skip-in-flight/--fail-on-in-flight", default=True, show_default=True,
-              help="leave out connections still in a listener's accept queue (a busy server's: a restore "
-                   "resets them for their clients), or fail on one")
+@SKIP_IN_FLIGHT
 @click.option("--name", default="", help="label for the checkpoint")
 @click.option("--keep-last", type=click.IntRange(0, 1_000_000), default=None, metavar="N",
               help="from now on gc keeps the newest N checkpoints of this job (or process)")

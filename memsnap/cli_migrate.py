@@ -7,7 +7,7 @@ import click
 
 def register(cli: click.Group) -> None:
     """Adds the migrate command to memsnapctl."""
-    from memsnap.cli import Ctx, handle_errors
+    from memsnap.cli import SKIP_IN_FLIGHT, Ctx, handle_errors
     from memsnap.cli_fmt import human_bytes, human_ms
 
     @cli.command("migrate")
@@ -24,9 +24,7 @@ def register(cli: click.Group) -> None:
     @click.option("--tcp-established", is_flag=True,
                   help="keep established TCP connections (without it the moved job has them closed: its clients "
                        "reconnect)")
-    @click.option("--skip-in-flight/--fail-on-in-flight", default=True, show_default=True,
-                  help="leave out connections still in a listener's accept queue (a busy server's: their "
-                       "clients see a reset), or fail the move on one")
+    @SKIP_IN_FLIGHT
     @click.option("--move-ip", default="", metavar="ADDR/PREFIX",
                   help="service address to take from this node and add on the target")
     @click.option("--move-ip-dev-source", default="", metavar="DEV", help="device holding --move-ip here")
