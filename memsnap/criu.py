@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import shutil
 import socket
 import struct
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from memsnap import knobs, mounts, proc
+from memsnap import criuwatch, knobs, mounts, proc
 from memsnap.criurpc import criu_rpc_pb2 as rpc
 from memsnap.criurpc import criu_stats_pb2 as stats_pb
 
@@ -40,6 +41,10 @@ class CriuError(Exception):
 
 class CriuNotFound(CriuError):
     """No usable criu binary."""
+
+
+class CriuStalled(CriuError):
+    """CRIU made no progress for its deadline (memsnap.criuwatch): it was killed, its tasks first."""
 
 
 @dataclass
@@ -98,6 +103,10 @@ class RestoreOptions(CriuOptions):
     """How to restore; the root is always detached from CRIU."""
 
     inherit_fds: dict[str, int] = field(default_factory=dict)
+    # Seconds without progress (memsnap.criuwatch) before the restore and its tasks are killed; 0: never.
+    stall_s: float = field(default_factory=knobs.criu_stall_s)
+    # Told criu swrk's pid once it runs, and 0 once it is gone (memsnap.lazyguard kills its tasks first).
+    on_criu: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -233,7 +242,11 @@ class Criu:
         notify: NotifyCallback | None = None,
         log_path: str = "",
         umask: int = -1,
+        stall_s: float = 0.0,
+        on_criu: Callable[[int], None] | None = None,
     ) -> rpc.Resp:
+        """One request to a fresh `criu swrk`, its notify callbacks answered. stall_s > 0: CRIU that makes no
+        progress for that long is killed with the tasks it holds (CriuStalled); on_criu hears its pid, then 0."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = subprocess.Popen(
@@ -252,8 +265,13 @@ class Criu:
             raise CriuNotFound(op, f"cannot run {self.binary}: {exc.strerror}") from exc
         child.close()
         try:
+            if on_criu is not None:
+                on_criu(proc.pid)
             parent.send(req.SerializeToString())
+            watch = criuwatch.ProgressWatch(proc.pid, stall_s) if stall_s > 0 else None
             while True:
+                if watch is not None:
+                    self._await(parent, watch, op, log_path)
                 data, _anc, _flags, _addr = parent.recvmsg(_MAX_MSG, socket.CMSG_SPACE(struct.calcsize("i")))
                 if not data:
                     raise CriuError(op, "criu exited without answering" + self._stderr(proc), log_path)
@@ -268,15 +286,36 @@ class Criu:
                     except Exception:  # a failing hook aborts the operation instead of hanging CRIU
                         ok = False
                 parent.send(rpc.Req(type=rpc.NOTIFY, notify_success=ok).SerializeToString())
+                if watch is not None:
+                    watch.reset()  # (the time our callback took was not CRIU's)
         finally:
             parent.close()
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                criuwatch.kill_with_tasks(proc.pid)
                 proc.wait()
             if proc.stderr:
                 proc.stderr.close()
+            if on_criu is not None:
+                on_criu(0)
+
+    @staticmethod
+    def _await(sock: socket.socket, watch: criuwatch.ProgressWatch, op: str, log_path: str) -> None:
+        """Returns once CRIU's next message (or its exit) is there; kills it when it stopped making progress."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        while not poller.poll(500):
+            if not watch.stalled():
+                continue
+            waits = criuwatch.lock_waits({watch.pid, *criuwatch.descendants(watch.pid)})
+            criuwatch.kill_with_tasks(watch.pid)
+            what = f": {'; '.join(waits)}" if waits else ""
+            log.warning("criu %s (pid %d) made no progress for %.0f s%s; killed it and its tasks", op, watch.pid,
+                        watch.idle_s(), what)
+            raise CriuStalled(op, f"CRIU made no progress for {watch.idle_s():.0f} s (no CPU time, no context "
+                                  f"switch, no message in criu or the tasks it restores){what}; it was killed, "
+                                  "with the tasks it was restoring", log_path)
 
     @staticmethod
     def _stderr(proc: subprocess.Popen[bytes]) -> str:
@@ -380,7 +419,8 @@ class Criu:
             for key, fd in opts.inherit_fds.items():
                 o.inherit_fd.add(key=key, fd=fd)
             fds = (img_fd, wd_fd, *opts.inherit_fds.values())
-            resp = self._call("restore", rpc.Req(type=rpc.RESTORE, opts=o), fds, notify, log_path)
+            resp = self._call("restore", rpc.Req(type=rpc.RESTORE, opts=o), fds, notify, log_path,
+                              stall_s=opts.stall_s, on_criu=opts.on_criu)
         finally:
             os.close(img_fd)
             os.close(wd_fd)

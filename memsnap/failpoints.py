@@ -13,6 +13,8 @@ TEST_KNOBS = {
     "MEMSNAP_FAILPOINTS": "name[,name]: die (exit 137) or slow down at these points (memsnap/failpoints.py)",
     "MEMSNAP_TUNNEL_STALL_S": "seconds a lazy move's page tunnel may stall before the target gives up "
                               "(default 30)",
+    "MEMSNAP_CRIU_STALL_S": "seconds a criu restore or lazy-pages may make no progress before it is killed "
+                            "(default 30)",
     "MEMSNAP_MIGRATE_SERIAL": "any value: a move dumps, then sends, then restores, with no pipelining "
                               "(the benchmark's baseline)",
     "MEMSNAP_KEEP_LOGS": "any value: keep CRIU's work dirs and logs instead of removing them (debugging)",

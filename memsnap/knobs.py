@@ -5,6 +5,8 @@ configuration (that is memsnap.toml): each one is named here with what it change
     MEMSNAP_MIGRATE_SERIAL=1     a move sends the image only after CRIU finished, and restores plainly:
                                  the benchmark's baseline (scripts/bench/bench_migrate.py)
     MEMSNAP_TUNNEL_STALL_S=N     seconds without page traffic before a lazy move gives up (default 30)
+    MEMSNAP_CRIU_STALL_S=N       seconds a `criu restore` or lazy-pages may make no progress before it is
+                                 killed, with the tasks it holds (default 30; memsnap.criuwatch)
     MEMSNAP_FAILPOINTS=a,b       failpoints armed in this daemon (memsnap.failpoints; tests only)
     MEMSNAP_CRIU=PATH            the criu binary (memsnap.criu.find_binary)
     MEMSNAP_SOCKET=PATH          the daemon socket a client talks to (memsnap.client)
@@ -29,6 +31,14 @@ def tunnel_stall_s(default: float = 30.0) -> float:
     """MEMSNAP_TUNNEL_STALL_S: seconds of page-tunnel silence before a lazy move gives up."""
     try:
         return float(os.environ.get("MEMSNAP_TUNNEL_STALL_S", str(default)))
+    except ValueError:
+        return default
+
+
+def criu_stall_s(default: float = 30.0) -> float:
+    """MEMSNAP_CRIU_STALL_S: seconds without progress before a `criu restore` or lazy-pages is killed."""
+    try:
+        return float(os.environ.get("MEMSNAP_CRIU_STALL_S", str(default)))
     except ValueError:
         return default
 
