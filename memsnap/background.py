@@ -15,7 +15,8 @@ disk, and the job's own ticks stalled for seconds behind a drain (issue 21).
                                 --wait durable`, the Slurm launcher inside its KillWait budget): its drain
                                 neither waits nor pauses
 
-Durability deadlines still hold: an urgent drain ignores the gate, and any other drain waits at most
+Durability deadlines still hold: an urgent drain ignores the gate (and a spare drain worker takes it when
+every other worker holds a drain paused behind foreground work), and any other drain waits at most
 max_pause_s in all (then it runs, and the override is counted), so a stuck lazy-pages server cannot hold
 the store back for ever. max_pause_s = 0 turns the gate off (the old behaviour). See docs/background.md.
 
@@ -241,14 +242,18 @@ class Gate:
         }
 
 
-def take_due(heap: list[tuple[float, str]], now: float | None = None, g: Gate | None = None) -> str | None:
+def take_due(heap: list[tuple[float, str]], now: float | None = None, g: Gate | None = None,
+             urgent_only: bool = False) -> str | None:
     """Pops the first due drain of a drain queue (a heap of (due, ckpt_id)) that may start now: while
-    foreground work runs only an urgent one (or one whose pause bound is spent) may. None: all wait."""
+    foreground work runs only an urgent one (or one whose pause bound is spent) may. None: all wait.
+    urgent_only: only a drain someone waits for (the drain service's spare worker)."""
     g = g or _GATE
     now = time.monotonic() if now is None else now
     for due, ckpt_id in sorted(heap):
         if due > now:
             break
+        if urgent_only and not g.is_urgent(ckpt_id):
+            continue
         if g.may_start(ckpt_id):
             heap.remove((due, ckpt_id))
             heapq.heapify(heap)

@@ -125,8 +125,8 @@ class DrainService:
             log.warning("chunk state in %s unusable: %s", self.chunk_opts.state_dir, exc)
         for ckpt_id in pending:
             self.enqueue(ckpt_id)
-        for i in range(self.concurrency):
-            t = threading.Thread(target=self._worker, name=f"drain-{i}", daemon=True)
+        for i in [*map(str, range(self.concurrency)), "urgent"]:  # (+ a spare one for urgent drains: see Gate)
+            t = threading.Thread(target=self._worker, args=(i == "urgent",), name=f"drain-{i}", daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -158,13 +158,13 @@ class DrainService:
                 left += max(0, rec.size_bytes - rec.drained_bytes)
         return len(ids), left
 
-    def _next(self) -> str | None:
+    def _next(self, urgent_only: bool = False) -> str | None:
         with self._cv:
             while not self._stop.is_set():
                 if self._heap:
                     wait = self._heap[0][0] - time.monotonic()
                     if wait <= 0:
-                        taken = background.take_due(self._heap)  # none while foreground work runs
+                        taken = background.take_due(self._heap, urgent_only=urgent_only)  # (see Gate)
                         if taken is None:
                             self._cv.wait(background.POLL_S)
                             continue
@@ -177,8 +177,8 @@ class DrainService:
                     self._cv.wait(1.0)
         return None
 
-    def _worker(self) -> None:
-        while (ckpt_id := self._next()) is not None:
+    def _worker(self, urgent_only: bool = False) -> None:
+        while (ckpt_id := self._next(urgent_only)) is not None:
             try:
                 self._drain_with_retry(ckpt_id)
             finally:

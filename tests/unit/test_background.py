@@ -62,6 +62,17 @@ def test_queued_drain_waits_while_foreground_work_runs() -> None:
     assert heap == [] and not g.snapshot()["drains_paused"]
 
 
+def test_the_spare_worker_takes_only_urgent_drains_and_leaves_the_others_untouched() -> None:
+    g, _ = make_gate()
+    heap = [(0.0, "ck-a"), (0.5, "ck-b")]
+    with g.foreground("restore"):
+        assert take_due(heap, now=1.0, g=g, urgent_only=True) is None
+        assert not g.snapshot()["drains_held"]  # (not counted as waiting: the spare worker never asked)
+        with g.urgent("ck-b"):
+            assert take_due(heap, now=1.0, g=g, urgent_only=True) == "ck-b"
+    assert heap == [(0.0, "ck-a")]
+
+
 def test_drain_not_yet_due_is_not_taken() -> None:
     g, _ = make_gate()
     heap = [(5.0, "ck-a")]
