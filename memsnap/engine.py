@@ -47,6 +47,7 @@ from memsnap.errors import (
     PermissionDenied,
     TierExhausted,
 )
+from memsnap.lazyguard import LazyGuard
 from memsnap.manifest import Manifest
 from memsnap.retention import not_ours
 from memsnap.tier import MemoryTier, TierFull, publish_image
@@ -643,11 +644,13 @@ class Engine:
 
     def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
                 tcp_established: bool = False, notify: NotifyCallback | None = None,
-                restore_opts: dict[str, Any] | None = None, lazy_ps_socket: int = -1) -> RestoreResult:
+                restore_opts: dict[str, Any] | None = None, lazy_ps_socket: int = -1,
+                lazy_guard: LazyGuard | None = None) -> RestoreResult:
         """Verifies a checkpoint against its signed manifest, then restores it detached.
 
         notify gets CRIU's callbacks (post-restore, ...); restore_opts adds RestoreOptions fields.
-        lazy_ps_socket (a lazy move, memsnap.move.lazy): the pages come from the source over that socket.
+        lazy_ps_socket (a lazy move, memsnap.move.lazy): the pages come from the source over that socket, and
+        lazy_guard (the move's) kills the tasks first when they cannot come.
         """
         if not key:
             raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
@@ -656,11 +659,11 @@ class Engine:
                                      "--feature lazy_pages'); restore without --lazy")
         with background.gate().foreground("restore"):
             return self._restore(caller, key, lazy, gpu_map, tcp_established, notify, restore_opts,
-                                 lazy_ps_socket)
+                                 lazy_ps_socket, lazy_guard)
 
     def _restore(self, caller: Caller, key: str, lazy: bool, gpu_map: dict[str, str] | None,
                  tcp_established: bool, notify: NotifyCallback | None, restore_opts: dict[str, Any] | None,
-                 lazy_ps_socket: int) -> RestoreResult:
+                 lazy_ps_socket: int, lazy_guard: LazyGuard | None) -> RestoreResult:
         rec = self.latest_restorable(caller, key)
         if rec.state not in RESTORABLE:
             why = f": {rec.last_error}" if rec.last_error else ""
@@ -688,7 +691,7 @@ class Engine:
             self._mark_reading(rec.id, +1)  # until CRIU is done with the tier copy (evict/delete refuse)
         try:
             return self._restore_verified(rec, man, images, t0, t1, fetch_ms, from_store, lazy, gpu_map,
-                                          tcp_established, notify, restore_opts, lazy_ps_socket)
+                                          tcp_established, notify, restore_opts, lazy_ps_socket, lazy_guard)
         finally:
             self._mark_reading(rec.id, -1)
 
@@ -710,8 +713,10 @@ class Engine:
     def _restore_verified(self, rec: CheckpointRecord, man: dict[str, Any], images: Path, t0: float, t1: float,
                           fetch_ms: float, from_store: bool, lazy: bool, gpu_map: dict[str, str] | None,
                           tcp_established: bool, notify: NotifyCallback | None,
-                          restore_opts: dict[str, Any] | None, lazy_ps_socket: int) -> RestoreResult:
-        """restore() once the image is verified: CRIU puts the tree back, then it is recorded as a job."""
+                          restore_opts: dict[str, Any] | None, lazy_ps_socket: int,
+                          guard: LazyGuard | None = None) -> RestoreResult:
+        """restore() once the image is verified: CRIU puts the tree back, then it is recorded as a job. A lazy
+        restore's guard (made here unless given) kills its tasks before lazy-pages when its pages cannot come."""
         verify_ms = (time.monotonic() - t1) * 1000
         if man.get("pages_remote") and lazy_ps_socket < 0:
             raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
@@ -728,20 +733,27 @@ class Engine:
         failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
         failpoints.delay("slow-restore-10s", 10.0)  # (tests: several calls meet a restore in flight)
         t2 = time.monotonic()
-        server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket) if lazy else None
+        guard = (guard or LazyGuard(rec.id)) if lazy else None
+        server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket, guard) if guard else None
         new_pid = 0
         try:
             try:
+                opts = dict(restore_opts or {})
+                if guard is not None:
+                    opts["on_criu"], notify = guard.on_criu, guard.notify(notify)
                 new_pid = self.criu.restore(images, work, RestoreOptions(
                     tcp_established=tcp_established, shell_job=False, lazy_pages=lazy,
                     tcp_close=not tcp_established or bool(man.get("tcp_close")),
-                    own_mntns=bool(man.get("own_mntns", False)), **(restore_opts or {})), notify=notify)
+                    own_mntns=bool(man.get("own_mntns", False)), **opts), notify=notify)
             except CriuError as exc:
                 if server is not None:
                     _kill_group(server.pid)
                 self.observe("restore", "error", time.monotonic() - t0)
-                raise FailedPrecondition(f"restore of {rec.id} failed: {exc.reason} (log: {exc.log_path})") \
-                    from exc
+                why = guard.why if guard is not None and guard.why else exc.reason
+                raise FailedPrecondition(f"restore of {rec.id} failed: {why} (log: {exc.log_path})") from exc
+            if guard is not None and (why := guard.restored(new_pid)):
+                self.observe("restore", "error", time.monotonic() - t0)
+                raise FailedPrecondition(f"paging in {rec.id} failed: {why}; the restored copy was killed")
             if server is not None:
                 failpoints.delay("slow-restore-bookkeeping", 2.5)  # (the daemon's reaper ticks meanwhile)
                 rc = guard_lazy_restore(work, new_pid)  # from here, its supervisor kills it if paging fails
@@ -800,10 +812,12 @@ class Engine:
                 log.warning("could not guard restored job %s again: %s", job.id, exc, extra={"job": job.id})
         return job
 
-    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int = -1) -> Any:
+    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int, guard: LazyGuard) -> Any:
         """Starts `criu lazy-pages` on the tier copy (or the source's, over ps_socket); it serves faults
-        and pushes the rest, then exits."""
-        server = self.criu.start_lazy_pages(images, work, ps_socket)
+        and pushes the rest, then exits. guard learns of it."""
+        if guard.why:  # (the pages' source failed already)
+            raise FailedPrecondition(f"lazy restore of {ckpt_id} failed before it started: {guard.why}")
+        server = guard.server = self.criu.start_lazy_pages(images, work, ps_socket)
         sock = work / "lazy-pages.socket"
         deadline = time.monotonic() + 10
         while not sock.exists():

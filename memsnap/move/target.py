@@ -104,7 +104,8 @@ class MoveTarget:
                                           tcp_established=req.tcp_established,
                                           notify=address.notify(), restore_opts=opts,
                                           lazy=tunnel is not None or early,
-                                          lazy_ps_socket=tunnel.criu_end.fileno() if tunnel else -1)
+                                          lazy_ps_socket=tunnel.criu_end.fileno() if tunnel else -1,
+                                          lazy_guard=tunnel.guard if tunnel else None)
             finally:
                 if tunnel is not None:
                     tunnel.criu_end.close()  # lazy-pages holds its own copy now

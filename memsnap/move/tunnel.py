@@ -6,6 +6,11 @@
     silence while pages are due (stall_limit) ends the move on both sides
     the target's last message is its verdict: done{ok} once lazy-pages got every page
 
+On the target, PageFlow checks the conversation: lazy-pages gets a byte (or the end of the stream) only when it
+waits for one; anything else, a source that ends early, a broken seal or a stall, breaks the tunnel: the
+restored (or restoring) tasks are killed first, then lazy-pages (memsnap.lazyguard), so no task reads a page
+that is not its own and lazy-pages never meets the EOF that crashes it.
+
 CRIU's page-server protocol has no checksums: a flipped bit, a lost, reordered or replayed message, or a
 forged one fails its seal, ends the move, and the job runs on at the source.
 """
@@ -32,8 +37,10 @@ from memsnap import background, failpoints, knobs, proc
 from memsnap.auth import call_token, transfer_key
 from memsnap.engine import Caller
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied
+from memsnap.lazyguard import LazyGuard
 from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost
+from memsnap.move.psflow import PageFlow
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -140,90 +147,6 @@ class Seal:
 
 
 TO_TARGET, TO_SOURCE = "to-target", "to-source"
-
-# CRIU's page-server messages (criu/page-xfer.c, 4.1): struct page_server_iov {u32 cmd; u32 nr_pages;
-# u64 vaddr; u64 dst_id}, 24 bytes on the wire; lazy-pages sends PS_IOV_GET, the page server answers
-# PS_IOV_ADD_F (same vaddr) followed by nr_pages pages. (A CRIU with another layout turns the timer off.)
-_PS_IOV = struct.Struct("<IIQQ")
-_PS_IOV_ADD_F, _PS_IOV_GET, _PS_CMD_MASK = 6, 7, 0xFFFF
-_PS_IOV_CLOSE = (0x1023, 0x1024)  # PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE
-_PAGE = 4096
-
-
-class FaultTimer:
-    """Times lazy-pages' page requests across the target's relay: from a PS_IOV_GET leaving for the source
-    until its reply's header comes back. One-page requests are faults (lazy-pages asks for the faulting page
-    alone; its background push asks for runs). It reads the byte streams, never changes them; anything it
-    does not understand turns it off."""
-
-    def __init__(self) -> None:
-        self._out = b""
-        self._in = b""
-        self._skip = 0  # page bytes of the current reply still to pass
-        self._pending: dict[int, tuple[float, int]] = {}  # vaddr -> (sent at, nr_pages)
-        self.fault_ms: list[float] = []
-        self.bulk_ms: list[float] = []
-        self.off = False
-        self._lock = threading.Lock()
-
-    def sent(self, data: bytes, now: float) -> None:
-        """lazy-pages -> source bytes."""
-        if self.off:
-            return
-        with self._lock:
-            buf = self._out + data
-            n = len(buf) - len(buf) % _PS_IOV.size
-            for off in range(0, n, _PS_IOV.size):
-                cmd, nr, vaddr, _ = _PS_IOV.unpack_from(buf, off)
-                if cmd & _PS_CMD_MASK == _PS_IOV_GET and 0 < nr < 1 << 24:
-                    self._pending[vaddr] = (now, nr)
-                elif cmd & _PS_CMD_MASK not in _PS_IOV_CLOSE:
-                    self._turn_off(f"request {cmd:#x} ({nr} pages at {vaddr:#x})")
-                    return
-            self._out = buf[n:]
-
-    def received(self, data: bytes, now: float) -> None:
-        """source -> lazy-pages bytes."""
-        if self.off:
-            return
-        with self._lock:
-            view = memoryview(data)
-            while view:
-                if self._skip:
-                    k = min(self._skip, len(view))
-                    self._skip -= k
-                    view = view[k:]
-                    continue
-                need = _PS_IOV.size - len(self._in)
-                self._in += bytes(view[:need])
-                view = view[need:]
-                if len(self._in) < _PS_IOV.size:
-                    return
-                cmd, nr, vaddr, _ = _PS_IOV.unpack(self._in)
-                self._in = b""
-                asked = self._pending.pop(vaddr, None)
-                if cmd & _PS_CMD_MASK != _PS_IOV_ADD_F or asked is None or nr > asked[1]:
-                    self._turn_off(f"reply {cmd:#x} ({nr} pages at {vaddr:#x}, asked {asked})")
-                    return
-                (self.fault_ms if asked[1] == 1 else self.bulk_ms).append((now - asked[0]) * 1000)
-                self._skip = nr * _PAGE
-
-    def _turn_off(self, why: str) -> None:
-        self.off = True
-        log.info("page tunnel fault timer off: unexpected %s", why)
-
-    def summary(self) -> str:
-        """'N faults, p50 X ms, p99 Y ms (M background requests, p50 Z ms)', or "" when nothing was timed."""
-        if self.off or not (self.fault_ms or self.bulk_ms):
-            return ""
-
-        def q(xs: list[float], p: float) -> float:
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
-
-        return (f"{len(self.fault_ms)} faults, p50 {q(self.fault_ms, 0.5):.1f} ms, p99 {q(self.fault_ms, 0.99):.1f} "
-                f"ms ({len(self.bulk_ms)} background requests, p50 {q(self.bulk_ms, 0.5):.1f} ms)")
-
 
 # -- source ---------------------------------------------------------------------------------------
 class SourceTunnel:
@@ -352,7 +275,8 @@ class _Tunnel:
     forwarded: int = 0
     broken: str = ""  # why the tunnel was cut on our side (a message failed its check)
     settled: threading.Event = field(default_factory=threading.Event)
-    timer: FaultTimer = field(default_factory=FaultTimer)
+    flow: PageFlow = field(default_factory=PageFlow)
+    guard: LazyGuard = field(default_factory=lambda: LazyGuard("move"))
 
 
 class TunnelHost:
@@ -392,7 +316,7 @@ class TunnelHost:
                 raise FailedPrecondition("that page tunnel exists already")
             criu_end, pump = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             t = self._tunnels[first.tunnel_id] = _Tunnel(first.tunnel_id, ckpt_id, criu_end, pump, seal_in,
-                                                         seal_out)
+                                                         seal_out, guard=LazyGuard(ckpt_id))
         # Foreground work from now until the verdict (the source dumps next, then the job restores here and
         # pages in): drains on this node step aside (memsnap.background).
         background.gate().hold_while("lazy move", lambda: t.tunnel_id in self._tunnels and not t.settled.is_set())
@@ -412,7 +336,9 @@ class TunnelHost:
                 if not data:
                     break  # lazy-pages exited (or never started and the source went away)
                 t.last_activity = time.monotonic()
-                t.timer.sent(data, t.last_activity)
+                if bad := t.flow.sent(data, t.last_activity):
+                    self._cut(t, bad)
+                    break
                 yield t.seal_out.seal(pb.TunnelChunk(data=data), data)
             if t.restore_started:
                 t.settled.wait(VERDICT_S)
@@ -422,7 +348,7 @@ class TunnelHost:
             quick_handoff.leave()
             shutdown(t.pump)
             feeder.join(5)
-            if timed := t.timer.summary():
+            if timed := t.flow.summary():
                 log.info("page tunnel %s fault latency: %s", t.tunnel_id[:8], timed, extra={"checkpoint_id": t.ckpt_id})
             with self._lock:
                 self._tunnels.pop(t.tunnel_id, None)
@@ -442,22 +368,35 @@ class TunnelHost:
                     failpoints.delay("slow-tunnel")
                     if t.forwarded > 8 << 20 and failpoints.armed("stall-tunnel"):
                         continue  # a black hole, once the job runs here and pages flow
+                    now = time.monotonic()
+                    if bad := t.flow.received(data, now):  # (checked before a byte of it passes)
+                        self._cut(t, bad)
+                        return
                     t.pump.sendall(data)
                     t.forwarded += len(data)
-                    t.last_activity = time.monotonic()
-                    t.timer.received(data, t.last_activity)
-            t.pump.shutdown(socket.SHUT_WR)  # the source's CRIU closed its end
-        except IntegrityFailure as exc:
-            # Not one more byte reaches lazy-pages: it fails, and its supervisor kills the half-restored job.
-            t.broken = str(exc)
-            log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], exc,
-                        extra={"checkpoint_id": t.ckpt_id})
-            shutdown(t.pump)
-        except (grpc.RpcError, OSError, ValueError):
-            shutdown(t.pump)
+                    t.last_activity = now
+            if bad := t.flow.ended():  # the source's CRIU closed its end
+                self._cut(t, bad)
+            else:
+                t.pump.shutdown(socket.SHUT_WR)  # (lazy-pages has its close answered: it ends by itself)
+        except IntegrityFailure as exc:  # not one more byte reaches lazy-pages
+            self._cut(t, str(exc))
+        except grpc.RpcError as exc:
+            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+            self._cut(t, f"the source ended the page tunnel ({code}) before lazy-pages had every page")
+        except (OSError, ValueError) as exc:
+            self._cut(t, f"the page tunnel broke: {exc}")
+
+    def _cut(self, t: _Tunnel, why: str) -> None:
+        """Ends the lazy transfer: the tasks die first, then lazy-pages (never an EOF it does not expect)."""
+        t.broken = t.broken or why
+        log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], why,
+                    extra={"checkpoint_id": t.ckpt_id})
+        if t.restore_started:
+            t.guard.fail(why)
+        shutdown(t.pump)
         if not t.restore_started:
-            # Nothing will ever read the other end: let serve() finish.
-            shutdown(t.criu_end)
+            shutdown(t.criu_end)  # nothing will ever read the other end: let serve() finish
 
     def _verdict_for(self, tunnel_id: str) -> pb.TunnelChunk:
         deadline = time.monotonic() + VERDICT_S
@@ -487,12 +426,7 @@ class TunnelHost:
         """Waits for lazy-pages in the background; records the verdict and cleans up."""
         t.last_activity = time.monotonic()
 
-        def give_up(why: str) -> None:
-            log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], why,
-                        extra={"checkpoint_id": t.ckpt_id})
-            shutdown(t.pump)  # lazy-pages fails, and its supervisor kills the half-restored job
-
-        watch_stall(f"stall-{t.ckpt_id}", lambda: t.last_activity, t.settled.is_set, give_up)
+        watch_stall(f"stall-{t.ckpt_id}", lambda: t.last_activity, t.settled.is_set, lambda why: self._cut(t, why))
 
         def run() -> None:
             rc = server.wait()
@@ -501,7 +435,8 @@ class TunnelHost:
                 log.info("lazy move complete: every page of %s arrived", job_id,
                          extra={"checkpoint_id": t.ckpt_id})
             else:
-                # The supervisor shell killed the job already; make sure, and say so.
+                # Killed before lazy-pages ended (LazyGuard), or by its supervisor shell; make sure, and say so.
+                t.guard.fail(t.broken or f"lazy-pages failed (exit {rc})")
                 proc.kill_tree(pid)
                 self.engine.catalog.update_job(job_id, ended=True)
                 cause = t.broken or f"lazy-pages failed on the target (exit {rc})"
@@ -551,5 +486,5 @@ def forget_lazy_image(host: MoveHost, ckpt_id: str) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["FaultTimer", "Seal", "SourceTunnel", "TunnelHost", "ask_verdict", "forget_lazy_image", "shutdown",
+__all__ = ["Seal", "SourceTunnel", "TunnelHost", "ask_verdict", "forget_lazy_image", "shutdown",
            "stall_limit", "watch_stall"]

@@ -211,32 +211,45 @@ def test_posix_writer_falls_back_to_fdatasync(tmp_path: Path, monkeypatch: pytes
     w.commit()
 
 
-# -- the page tunnel's fault timer ----------------------------------------------------------------------
+# -- the page tunnel's conversation check (memsnap.move.psflow) ------------------------------------------
 def _iov(cmd: int, nr: int, vaddr: int) -> bytes:
     import struct
 
     return struct.pack("<IIQQ", cmd, nr, vaddr, 1)
 
 
-def test_fault_timer_matches_replies_to_requests_across_message_boundaries() -> None:
-    from memsnap.move.tunnel import FaultTimer
+def test_page_flow_matches_replies_to_requests_across_message_boundaries() -> None:
+    from memsnap.move.psflow import PageFlow
 
-    t = FaultTimer()
+    t = PageFlow()
     out = _iov(7, 1, 0x1000) + _iov(7, 4, 0x8000)
-    t.sent(out[:10], 1.0)  # a request split over two messages
-    t.sent(out[10:], 1.0)
+    assert t.sent(out[:10], 1.0) == ""  # a request split over two messages
+    assert t.sent(out[10:], 1.0) == ""
     back = _iov(6 | 1 << 16, 1, 0x1000) + b"p" * 4096 + _iov(6, 4, 0x8000) + b"q" * 4 * 4096
-    t.received(back[:100], 1.002)
-    t.received(back[100:5000], 1.003)
-    t.received(back[5000:], 1.010)
+    assert t.received(back[:100], 1.002) == ""
+    assert t.received(back[100:5000], 1.003) == ""
+    assert t.received(back[5000:], 1.010) == ""
     assert t.fault_ms == [pytest.approx(2.0)] and t.bulk_ms == [pytest.approx(3.0)]  # (its header came at 1.003)
     assert t.summary().startswith("1 faults, p50 2.0 ms, p99 2.0 ms (1 background requests")
+    # The close, its status, then the end of the stream: a clean end.
+    assert t.sent(_iov(0x1024, 0, 0), 1.1) == "" and t.received(b"\0\0", 1.2) == "" and \
+        t.received(b"\0\0", 1.2) == ""
+    assert t.ended() == ""
 
 
-def test_fault_timer_turns_itself_off_on_a_stream_it_does_not_understand() -> None:
-    from memsnap.move.tunnel import FaultTimer
+def test_page_flow_refuses_bytes_nobody_asked_for_and_an_early_end() -> None:
+    from memsnap.move.psflow import PageFlow
 
-    t = FaultTimer()
-    t.sent(_iov(7, 1, 0x1000), 1.0)
-    t.received(_iov(6, 1, 0x2000) + b"x" * 4096, 1.1)  # a reply nobody asked for
-    assert t.off and t.summary() == ""
+    t = PageFlow()
+    assert t.sent(_iov(7, 1, 0x1000), 1.0) == ""
+    assert "answered" in t.received(_iov(6, 1, 0x2000) + b"x" * 4096, 1.1)  # a reply to another request
+    assert t.broken and t.received(b"x", 1.2) == t.broken  # (nothing more passes)
+
+    idle = PageFlow()  # what crashed lazy-pages (BUG at page-xfer.c:1635): bytes, or an EOF, while it waits for none
+    assert "no request outstanding" in idle.received(b"\0" * 24, 1.0)
+    assert "before lazy-pages had every page" in PageFlow().ended()
+    waiting = PageFlow()
+    waiting.sent(_iov(7, 4, 0x1000), 1.0)
+    waiting.received(_iov(6, 4, 0x1000) + b"y" * 4096, 1.1)  # (one page of four)
+    assert "outstanding" in waiting.ended()
+    assert "unexpected request" in PageFlow().sent(_iov(0x99, 1, 0), 1.0)
