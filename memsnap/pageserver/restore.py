@@ -9,9 +9,11 @@
     lazy pages       <-------> PageServer <-- socketpair --> `criu lazy-pages --page-server --ps-socket`
                                (faults first, prefetch in order)          `criu restore --lazy-pages`: runs
 
-When a page cannot be had (the store fails, a chunk does not verify), the job is killed: once userfaultfd
-is gone its missing pages would read as zeros. The reason lands in the checkpoint's last_error (`show`),
-the daemon log and memsnap_restores_total{result="store_failed"}.
+When a page cannot be had (the store fails, a chunk does not verify), no fault is answered any more: the
+tasks are killed first (while CRIU restores: every task it forked, and its restore fails), then lazy-pages
+(memsnap.lazyguard), so none ever reads a page that is not its own (once userfaultfd is gone, its missing pages
+would read as zeros). The reason lands in the checkpoint's last_error (`show`), the daemon log and
+memsnap_restores_total{result="store_failed"}.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import blake3
 from memsnap import failpoints, knobs, proc, safefs
 from memsnap.catalog import CheckpointRecord
 from memsnap.errors import IntegrityFailure, Unavailable
+from memsnap.lazyguard import LazyGuard
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
@@ -68,22 +71,29 @@ def _storage_error_counter(drain: Any) -> Callable[[], None] | None:
 
 class CutAfterResume:
     """Failpoints (tests): lazy-store-cut, a source whose store stops answering once the restored job asked
-    for its first lazy page; slow-lazy-store, one whose reads take 0.2 s each once it did."""
+    for its first lazy page (while CRIU restores); lazy-store-cut-late, once 8 MiB more were read after that
+    (the job runs); slow-lazy-store, one whose reads take 0.2 s each once it asked."""
 
-    def __init__(self, inner: PageSource, cut: bool) -> None:
+    LATE = 8 << 20
+
+    def __init__(self, inner: PageSource, cut: bool, late: bool = False) -> None:
         self.inner = inner
-        self.cut = cut
+        self.cut, self.late = cut or late, late
         self.resumed = threading.Event()
+        self._read = 0
 
     def _check(self) -> None:
-        if self.resumed.is_set() and self.cut:
+        if self.resumed.is_set() and self.cut and (not self.late or self._read >= self.LATE):
             raise SourceFailed("failpoint lazy-store-cut: the store stopped answering")
 
     def read_at(self, name: str, offset: int, length: int) -> bytes:
         self._check()
         if self.resumed.is_set() and not self.cut:
             time.sleep(0.2)
-        return self.inner.read_at(name, offset, length)
+        data = self.inner.read_at(name, offset, length)
+        if self.resumed.is_set():
+            self._read += len(data)
+        return data
 
     def blocks(self, name: str) -> list[tuple[int, int]]:
         return self.inner.blocks(name)
@@ -137,8 +147,9 @@ def prepare(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], root: Pat
         lazy_files = index.pages_files() & set(files)
         for name in sorted(n for n in files if _PAGES_NAME.match(n) and n not in lazy_files):
             fetch(name, dfd)  # (shared memory: CRIU restores it itself)
-        if failpoints.armed("lazy-store-cut") or failpoints.armed("slow-lazy-store"):
-            source = CutAfterResume(source, cut=failpoints.armed("lazy-store-cut"))
+        if any(map(failpoints.armed, ("lazy-store-cut", "lazy-store-cut-late", "slow-lazy-store"))):
+            source = CutAfterResume(source, cut=failpoints.armed("lazy-store-cut"),
+                                    late=failpoints.armed("lazy-store-cut-late"))
         fds: dict[str, int] = {}
         try:
             for name in sorted(lazy_files):
@@ -195,7 +206,8 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
         engine._mark_reading(rec.id, +1)  # (delete waits: from lazy-pages' start on, lazy_in_use says so)
     log.info("lazy restore of %s from the store: manifest %.0f ms, small files and eager pages %.0f ms",
              rec.id, (t_man - t0) * 1000, prep.fetch_ms, extra={"checkpoint_id": rec.id})
-    watch = _Watch(engine, rec, prep)
+    guard = LazyGuard(rec.id)
+    watch = _Watch(engine, rec, prep, guard)
     ours, theirs = socket.socketpair()
     server = PageServer(ours, prep.index, prep.source, on_fail=watch.failed, name=rec.id,
                         on_first_request=prep.source.resumed.set if isinstance(prep.source, CutAfterResume)
@@ -205,14 +217,13 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     t1 = time.monotonic()
     try:
         res = engine._restore_verified(rec, prep.man, prep.images, t0, t1, prep.fetch_ms, True, True, gpu_map,
-                                       tcp_established, notify, restore_opts, theirs.fileno())
+                                       tcp_established, notify, restore_opts, theirs.fileno(), guard)
     except BaseException as exc:
         why = server.error
-        server.release()
         server.fail("the restore failed")
         watch.cleanup()
         if why:  # (the pages could not be had: that, not how CRIU noticed it, is the reason)
-            _refused(engine, rec, why, t0)
+            _refused(engine, rec, why, t0, "; the tasks CRIU was restoring were killed before they ran")
             raise _store_error(why)(f"restore of {rec.id} failed: {why}; nothing was left running") from exc
         raise
     finally:
@@ -226,8 +237,8 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     return res
 
 
-def _refused(engine: Engine, rec: CheckpointRecord, why: str, t0: float) -> None:
-    msg = f"lazy restore from the store refused before the job resumed: {why}"
+def _refused(engine: Engine, rec: CheckpointRecord, why: str, t0: float, then: str = "") -> None:
+    msg = f"lazy restore from the store refused before the job resumed: {why}{then}"
     engine.catalog.update_checkpoint(rec.id, last_error=msg)
     engine.observe("restore", "store_failed", time.monotonic() - t0)
     log.error(msg, extra={"checkpoint_id": rec.id})
@@ -259,8 +270,8 @@ def _store_error(why: str) -> type[IntegrityFailure] | type[Unavailable]:
 class _Watch:
     """Follows one lazy restore from the store to its end: records a failure, kills the job, cleans up."""
 
-    def __init__(self, engine: Any, rec: CheckpointRecord, prep: Prepared) -> None:
-        self.engine, self.rec, self.prep = engine, rec, prep
+    def __init__(self, engine: Any, rec: CheckpointRecord, prep: Prepared, guard: LazyGuard) -> None:
+        self.engine, self.rec, self.prep, self.guard = engine, rec, prep, guard
         self.server: PageServer | None = None
         self.pid = 0
         self.job_id = ""
@@ -269,11 +280,8 @@ class _Watch:
         self._lock = threading.Lock()
 
     def failed(self, why: str) -> None:
-        """The page server gave up: the job cannot go on."""
-        with self._lock:
-            pid = self.pid
-        if pid:
-            proc.kill_tree(pid)
+        """The page server gave up: the tasks die (restored, or still restoring), then lazy-pages."""
+        self.guard.fail(f"paging in from the store failed: {why}")
 
     def started(self, res: Any) -> None:
         with self._lock:
@@ -282,10 +290,9 @@ class _Watch:
         self.t_resumed = time.monotonic()
         server = self.server
         assert server is not None
-        if server.error:  # (failed while CRIU restored: the job never ran on its missing pages)
+        if server.error:  # (failed as CRIU returned: the job was killed before it ran on a missing page)
             why = server.error
             self._record(f"paging in from the store failed: {why}")
-            server.release()
             self.cleanup()
             raise _store_error(why)(f"restore of {self.rec.id} from the store failed: {why}; the restored "
                                     "copy was killed")

@@ -22,8 +22,9 @@ The job's faults come first: the link is one pipe, and a fault's block shares it
 store for quiet_s), and pauses again whenever one does, for at most hold_s after it was let start: a job that
 never stops faulting still gets its memory streamed.
 
-A page that cannot be had (the store failed, a chunk did not verify) fails the server: it shuts its socket,
-lazy-pages fails, and its supervisor kills the restored job, which must not run on with pages missing.
+A page that cannot be had (the store failed, a chunk did not verify) fails the server, and no request is
+answered from then on (never with zeros): on_fail kills the restored (or restoring) tasks first, then
+lazy-pages (memsnap.lazyguard), and only then is the socket shut.
 """
 
 from __future__ import annotations
@@ -265,9 +266,10 @@ class BlockCache:
 class PageServer:
     """Serves one `criu lazy-pages` over sock from source, using index to find the pages.
 
-    on_fail(why) is called once when a page cannot be had (or the peer breaks the protocol); the socket is
-    shut then (held: once release() was called too), so lazy-pages fails. ok is set once lazy-pages said
-    every page arrived and the source confirmed all it served (source.finish()).
+    on_fail(why) is called once when a page cannot be had (or the peer breaks the protocol), before the socket
+    is shut: it must kill the tasks (and lazy-pages) first. ok is set once lazy-pages said every page arrived
+    and the source confirmed all it served (source.finish()). held: no prefetch until release() (CRIU's
+    restore, whose faults get the link and the CPU meanwhile).
     """
 
     def __init__(self, sock: socket.socket, index: PageIndex, source: PageSource, *, prefetch: bool = True,
@@ -327,7 +329,8 @@ class PageServer:
 
     # -- failure ---------------------------------------------------------------------------------
     def fail(self, why: str) -> None:
-        """Ends serving (held: see release()): lazy-pages fails, and with it the restored job."""
+        """Ends serving: no request is answered from now on; on_fail kills the tasks (then lazy-pages) before
+        the socket is shut."""
         with self._lock:
             if self.error or self.ok.is_set():
                 return
@@ -336,12 +339,11 @@ class PageServer:
         log.error("lazy restore %s: %s; ending the page server", self.name, why)
         self._prefetch_stop.set()
         self.cache.wake()
-        if self._released.is_set():
-            self._end()
         try:
             self.on_fail(why)
         except Exception:
             log.exception("lazy restore %s: on_fail raised", self.name)
+        self._end()
 
     def _end(self) -> None:
         self._stop.set()
@@ -350,17 +352,11 @@ class PageServer:
         self.done.set()
 
     def release(self) -> None:
-        """CRIU's restore call returned: from now on a failure ends serving at once.
-
-        Until then (held) a failure does not end it: lazy-pages failing while `criu restore` runs left that
-        restore hung after it killed the half-restored tree (CRIU 4.1.1). So meanwhile the pages that cannot
-        be had are answered with zeros, and the caller kills the job as soon as the restore returned (its
-        error says why); release() then makes lazy-pages fail too."""
+        """CRIU's restore call returned: the prefetch may start (held: not while CRIU restores, whose faults
+        get the link and the CPU)."""
         self._released.set()
-        if self.error:
-            self._end()
-        else:
-            self._start_prefetch()  # (held: not while CRIU restores, whose faults get the link and CPU)
+        if not self.error:
+            self._start_prefetch()
 
     def close(self) -> None:
         """Stops every thread (after done, or to give up) and closes the socket."""
@@ -430,11 +426,11 @@ class PageServer:
             future, pid, vaddr, nr = item
             try:
                 data = future.result()
-            except Exception as exc:
+            except Exception as exc:  # never answered: the tasks die first (fail), then lazy-pages
                 self.fail(str(exc) if isinstance(exc, SourceFailed) else f"serving a page failed: {exc}")
-                if self._released.is_set():
-                    return
-                data = [bytes(nr * PAGE)]  # (held: see release(); the job is killed before it runs on)
+                return
+            if self.error:
+                return
             try:
                 self.sock.sendall(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, pid))
                 for part in data:
@@ -452,7 +448,7 @@ class PageServer:
                 self.fail(str(exc))
             except Exception as exc:
                 self.fail(f"could not confirm the pages served: {exc}")
-        if self.error:  # (held: lazy-pages got zeros; the caller kills the job)
+        if self.error:
             return
         self.t_closed = time.monotonic()
         self.ok.set()

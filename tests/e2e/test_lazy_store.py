@@ -4,6 +4,7 @@ are still in the store, and a store that fails mid-way gets the job killed, with
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,6 +14,7 @@ from tests.helpers import (
     DaemonProc,
     counter_argv,
     flip_stored_chunk_byte,
+    job_output,
     metrics_port,
     restore_refused,
     sample,
@@ -102,13 +104,13 @@ def test_lazy_restore_with_the_store_cut_off_mid_way_kills_the_job_and_says_why(
         jobs_to_kill.append(pid)
         wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
                  60, what="the job to be killed")
-    else:  # (the cut came before the job resumed: nothing runs)
+        assert "lazy restore into job" in d.log.read_text()
+    else:  # (the cut came while CRIU restored: its tasks were killed before they ran)
         assert "store" in r.stderr, r.stderr
     assert not _lazy_pages_running(d)
     shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
     assert "lazy restore" in shown["last_error"] and "store" in shown["last_error"] and \
         "killed" in shown["last_error"], shown["last_error"]
-    assert "lazy restore into job" in d.log.read_text()
     port = metrics_port(d)
     assert sample(scrape_metrics(port), "memsnap_restores_total", result="store_failed") == 1
     with d.client() as c:
@@ -197,3 +199,38 @@ def test_a_daemon_killed_while_a_lazy_restore_pages_in_from_the_store_leaves_no_
     with d.client() as c:
         assert not [j for j in c.jobs() if j.running and int(j.pid) == pid]
     assert not list(d.state.glob(f"work/{ck['id']}.lazystore-*"))
+
+
+ZEROCHECK = Path(__file__).resolve().parents[1] / "workloads" / "zerocheck.py"
+
+
+@pytest.mark.parametrize("cut", ["lazy-store-cut", "lazy-store-cut-late"], ids=["while-criu-restores",
+                                                                               "after-resume"])
+def test_a_store_that_fails_mid_lazy_restore_never_lets_the_job_read_a_zero_page(cut, make_daemon, jobs_to_kill):
+    # The job checks every page of its memory (a non-zero pattern) over and over and says ZERO PAGE the moment
+    # one reads as zeros. The store fails while CRIU restores (the first lazy page), or once the job runs
+    # and 8 MiB more came: either way the tasks die before lazy-pages lets go of their memory.
+    import sys
+
+    d = make_daemon("zero", env={"MEMSNAP_FAILPOINTS": cut}).start()
+    with d.client() as c:
+        job = c.run([sys.executable, str(ZEROCHECK), "--mib", "64"])
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: "tick 10 " in Path(job.log_path).read_text(), 60, what="the job to check its memory")
+    ck = json.loads(d.ctl("--json", "checkpoint", job.id, "--stop", "--wait", "durable", check=True).stdout)
+    d.ctl("evict", ck["id"], check=True)
+    r = d.ctl("--json", "restore", "--lazy", ck["id"])
+    out = job_output(job.log_path)
+    if r.returncode == 0:
+        pid = json.loads(r.stdout)["pid"]
+        jobs_to_kill.append(pid)
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                 60, what="the job to be killed")
+        out = job_output(job.log_path)
+        assert cut == "lazy-store-cut-late", r.stdout  # (the early cut fails the restore itself)
+    else:
+        assert "store" in r.stderr and "nothing was left running" in r.stderr, r.stderr
+    assert "ZERO PAGE" not in out, [ln for ln in out.splitlines() if "ZERO PAGE" in ln][:3]
+    assert not _lazy_pages_running(d)
+    shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
+    assert "killed" in shown["last_error"], shown["last_error"]

@@ -272,3 +272,33 @@ def test_a_lazy_move_whose_restore_meets_the_sources_file_lock_fails_fast_and_le
     finally:
         src.cleanup()
         dst.cleanup()
+
+
+def test_a_corrupted_page_message_kills_the_target_copy_before_it_reads_a_zero_page(pair: Pair, jobs_to_kill,
+                                                                                     tmp_path):
+    # The job checks every page of a non-zero pattern over and over and logs ZERO PAGE if one reads as zeros.
+    # corrupt-tunnel breaks the seal of a page message once it runs on the target: the relay passes nothing
+    # more, the copy there is killed, then lazy-pages (whose end would turn its missing pages into zeros).
+    import sys
+
+    from tests.helpers import job_output
+
+    zerocheck = Path(__file__).resolve().parents[1] / "workloads" / "zerocheck.py"
+    src = token_daemon(tmp_path / "zsrc", pair.token_file, env={"MEMSNAP_FAILPOINTS": "corrupt-tunnel"}).start()
+    try:
+        with src.client() as c:
+            job = c.run([sys.executable, str(zerocheck), "--mib", "64"], name="lazy-zero")
+        jobs_to_kill.append(int(job.pid))
+        wait_for(lambda: "tick 10 " in Path(job.log_path).read_text(), 60, what="the job to check its memory")
+        r = _migrate(src, job.id, "--to", pair.b.address, "--lazy")
+        assert r.returncode != 0 and "integrity check failed" in r.stderr, r.stdout + r.stderr
+        with pair.b.client() as c:
+            wait_for(lambda: not [j for j in c.jobs() if j.running and j.name == "lazy-zero"], 10,
+                     what="the copy on the target to die")
+        wait_for(lambda: not lazy_pages_of(pair.b), 20, what="lazy-pages to exit on the target")
+        n = len(Path(job.log_path).read_text().splitlines())
+        wait_for(lambda: len(Path(job.log_path).read_text().splitlines()) > n + 1, 30, what="the job to go on here")
+        out = job_output(job.log_path)
+        assert "ZERO PAGE" not in out, [ln for ln in out.splitlines() if "ZERO PAGE" in ln][:3]
+    finally:
+        src.cleanup()

@@ -227,6 +227,32 @@ def test_a_source_that_fails_fails_the_server_with_its_reason(tmp_path, integrit
     server.close()
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["while-criu-restores", "after"])
+def test_a_failed_page_is_never_answered_and_the_tasks_die_before_the_socket_ends(tmp_path, held, monkeypatch):
+    # Before: while CRIU restored (held), a page that could not be had was answered with zeros, and the socket
+    # was shut before on_fail killed the tasks.
+    monkeypatch.setattr("memsnap.pageserver.server._RETRIES", (0.01,))
+    (tmp_path / "pages-3.img").write_bytes(_pages(6))
+    seen: list[str] = []
+    ours, sk = socket.socketpair()
+    idx = PageIndex.from_images({"pagemap-7.img": pagemap_image(3, ENTRIES)})
+
+    def on_fail(why: str) -> None:  # (LazyGuard.fail: kills the tasks, then lazy-pages)
+        try:
+            got = sk.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            seen.append(f"lazy-pages got {got!r} before the tasks died")
+        except BlockingIOError:
+            seen.append("tasks killed while lazy-pages still waits")
+
+    server = PageServer(ours, idx, _Broken(tmp_path, False), on_fail=on_fail, name="t", prefetch=False,
+                        held=held).start()
+    _get(sk, BASE + 4 * PAGE, 1)
+    assert server.done.wait(5)
+    assert seen == ["tasks killed while lazy-pages still waits"]
+    assert sk.recv(1) == b""  # then the socket ends, with no reply: no zero page
+    server.close()
+
+
 def test_lazy_pages_going_away_before_close_is_a_failure(tmp_path):
     server, sk, failures = _serve(tmp_path, _pages(6))
     sk.close()
