@@ -465,9 +465,12 @@ def guard_lazy_restore(work_dir: Path, pid: int) -> str:
 
 
 # $1 = work dir, then the lazy-pages command. A failed transfer kills the restored job's pid namespace
-# (its root is the namespace's init), so no copy with missing pages ever runs on.
+# (its root is the namespace's init), so no copy with missing pages ever runs on. lazy-pages runs at nice 10:
+# while a page is on its way it spins (epoll with a zero timeout), and at the same priority it took a core from
+# the page server and the job, whose faults then waited (first tick 0.9-2.3 s after a lazy restore in 4 of 8
+# runs on a loaded 2-core node; 0.00 s in 8 of 8 at nice 10, every page resident as fast).
 _LAZY_SUPERVISOR = """w=$1; shift
-"$@"; rc=$?
+nice -n 10 "$@"; rc=$?
 echo "$rc" > "$w/lazy-pages.rc.tmp" && mv "$w/lazy-pages.rc.tmp" "$w/lazy-pages.rc"
 if [ "$rc" -ne 0 ] && [ -s "$w/job.pid" ]; then kill -KILL "$(cat "$w/job.pid")" 2>/dev/null; fi
 exit "$rc"

@@ -335,10 +335,12 @@ class _Watch:
             mib = st["lazy_bytes"] / (1 << 20)
             log.info("lazy restore of %s from the store: every page resident %.2f s after the job resumed "
                      "(%.0f MiB, %.0f MiB/s; %d requests; chunks read from memory %d times, waited for %d times, "
-                     "fetched at once %d times; %d faults waited on the store, %.0f ms in all; prefetch done %.2f s "
-                     "after the server started)", self.rec.id, secs, mib,
+                     "fetched at once %d times; %d faults waited on the store, %.0f ms in all; %d faults answered "
+                     "in p50 %.1f ms, p99 %.1f ms, max %.0f ms; %d background requests answered short; prefetch done "
+                     "%.2f s after the server started)", self.rec.id, secs, mib,
                      mib / secs if secs > 0 else 0.0, st["requests"], st["cache_hits"] - st["cache_waits"],
                      st["cache_waits"], st["cache_misses"], st["fault_waits"], st["fault_wait_s"] * 1000,
+                     st["faults"], st["fault_p50_ms"], st["fault_p99_ms"], st["fault_max_ms"], st["short_replies"],
                      st["prefetch_done_s"],
                      extra={"checkpoint_id": self.rec.id, "job": self.job_id})
             self.engine.observe("phase:page_in", "ok", secs)

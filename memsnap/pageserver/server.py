@@ -141,16 +141,24 @@ class BlockCache:
         parts = self.read_parts(name, off, length, fault)
         return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
-    def read_parts(self, name: str, off: int, length: int, fault: bool = False) -> list[bytes | memoryview]:
+    def read_parts(self, name: str, off: int, length: int, fault: bool = False,
+                   short: bool = False, have: int = 0) -> list[bytes | memoryview]:
         """read(), as pieces that are not copied together.
 
         A block that is neither in memory nor on its way is fetched whole, at once, and the prefetcher starts
         no fetch meanwhile: a faulting page must not queue behind the stream (the link is shared). fault: the
-        job itself waits on these bytes (a one-page request); its waiting pauses the prefetch (quiet_s)."""
+        job itself waits on these bytes (a one-page request); its waiting pauses the prefetch (quiet_s).
+        short: fewer bytes will do (lazy-pages' background push takes a shorter answer and asks for the rest
+        later): it stops before the first block not in memory once there is something to answer with (have
+        bytes already, or this call's first), so that no fault queued behind it waits for that fetch."""
         end = off + length
         parts: list[bytes | memoryview] = []
         pos = off
         for blk in self._blocks_over(name, off, end):
+            if short and (have or pos > off):
+                with self._cv:
+                    if blk.data is None or blk.start > pos:
+                        return parts
             if blk.start > pos:  # (a gap between blocks: not lazy)
                 parts.append(read_retrying(self.source, name, pos, blk.start - pos))
                 pos = blk.start
@@ -179,9 +187,23 @@ class BlockCache:
                 parts.append(read_retrying(self.source, name, pos, hi - pos))
             self._served(blk, hi - pos)
             pos = hi
-        if pos < end:
+        if pos < end and not (short and (have or pos > off)):
             parts.append(read_retrying(self.source, name, pos, end - pos))
         return parts
+
+    def ahead(self, name: str, pos: int, n: int) -> list[_Block]:
+        """The next n blocks of name from pos that are neither in memory nor on their way, marked fetching (the
+        caller fetches them: where lazy-pages' background push will ask next)."""
+        starts, blocks = self._by_file.get(name, ([], []))
+        i = max(bisect.bisect_right(starts, pos) - 1, 0)
+        out: list[_Block] = []
+        with self._cv:
+            for blk in blocks[i:i + n + 1]:
+                if blk.end > pos and blk.data is None and not blk.fetching and blk.remaining > 0 and len(out) < n:
+                    blk.fetching = True
+                    self.cached_bytes += blk.end - blk.start
+                    out.append(blk)
+        return out
 
     def _fetch(self, blk: _Block, urgent: bool = False) -> None:
         """Fetches a block marked fetching (its bytes already counted in cached_bytes)."""
@@ -291,6 +313,8 @@ class PageServer:
         self.done = threading.Event()  # served to the end, or failed
         self.requests = 0
         self.served_bytes = 0
+        self.short_replies = 0  # background requests answered with fewer pages (what was in memory)
+        self.fault_ms: list[float] = []  # each fault: from its request to its reply sent
         self.t_start = 0.0
         self.t_first_request = 0.0
         self.t_closed = 0.0
@@ -300,6 +324,7 @@ class PageServer:
         if not held:
             self._released.set()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"pageserver-{name}")
+        self._ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"pageserver-{name}-ahead")
         self._prefetch_stop = threading.Event()
         self._prefetching = False
         self._replies: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
@@ -366,6 +391,7 @@ class PageServer:
         for t in self._threads:
             t.join(5)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ahead.shutdown(wait=True, cancel_futures=True)
         self.sock.close()
 
     # -- threads ---------------------------------------------------------------------------------
@@ -397,23 +423,44 @@ class PageServer:
                     self.t_first_request = time.monotonic()
                     self.on_first_request()
                 self.requests += 1
-                self._replies.put((self._pool.submit(self._pages, dst, vaddr, nr), dst, vaddr, nr))
+                self._replies.put((self._pool.submit(self._pages, dst, vaddr, nr), dst, vaddr, nr, time.monotonic()))
         except OSError as exc:
             if not self._stop.is_set():
                 self.fail(f"the page socket broke: {exc}")
 
     def _pages(self, pid: int, vaddr: int, nr: int) -> list[bytes | memoryview]:
+        """The pages asked for; a background push's request (more than one page) gets what is in memory (at
+        least its first block), and the blocks after it start to come (see BlockCache.read_parts)."""
         if self.error:
             raise SourceFailed(self.error)
         try:
             spans = self.index.locate(pid, vaddr, nr)
         except KeyError as exc:
             raise SourceFailed(f"lazy-pages asked for pages the image does not have: {exc}") from exc
-        parts = [p for name, off, n in spans for p in self.cache.read_parts(name, off, n, fault=nr == 1)]
-        got = sum(len(p) for p in parts)
-        if got != nr * PAGE:
+        parts: list[bytes | memoryview] = []
+        got, short, where = 0, nr > 1, ("", 0)
+        for name, off, n in spans:
+            more = self.cache.read_parts(name, off, n, fault=nr == 1, short=short, have=got)
+            k = sum(len(p) for p in more)
+            parts += more
+            got += k
+            where = (name, off + k)
+            if k < n:
+                break
+        if got % PAGE or not PAGE <= got <= nr * PAGE or (got < nr * PAGE and not short):
             raise SourceFailed(f"got {got} bytes for {nr} pages at {vaddr:#x}")
+        if short:
+            if got < nr * PAGE:
+                self.short_replies += 1
+            for blk in self.cache.ahead(where[0], where[1], 2):
+                self._ahead.submit(self._fetch_ahead, blk)
         return parts
+
+    def _fetch_ahead(self, blk: Any) -> None:
+        try:
+            self.cache._fetch(blk)
+        except SourceFailed:
+            pass  # (whoever asks for it reads it again, and fails the server if it must)
 
     def _reply(self) -> None:
         while True:
@@ -423,7 +470,7 @@ class PageServer:
             if len(item) == 2:  # lazy-pages is done: every page is in place
                 self._closing()
                 return
-            future, pid, vaddr, nr = item
+            future, pid, vaddr, nr, t_in = item
             try:
                 data = future.result()
             except Exception as exc:  # never answered: the tasks die first (fail), then lazy-pages
@@ -431,14 +478,17 @@ class PageServer:
                 return
             if self.error:
                 return
+            n = sum(len(p) for p in data) // PAGE  # (a background push may get fewer than nr)
             try:
-                self.sock.sendall(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, pid))
+                self.sock.sendall(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, n, vaddr, pid))
                 for part in data:
                     self.sock.sendall(part)
             except OSError as exc:
                 self.fail(f"the page socket broke: {exc}")
                 return
-            self.served_bytes += nr * PAGE
+            self.served_bytes += n * PAGE
+            if nr == 1:
+                self.fault_ms.append((time.monotonic() - t_in) * 1000)
 
     def _closing(self) -> None:
         if not self.error:
@@ -462,7 +512,10 @@ class PageServer:
 
     def stats(self) -> dict[str, float]:
         c = self.cache
+        fm = sorted(self.fault_ms) or [0.0]
         return {"requests": self.requests, "served_bytes": self.served_bytes, "lazy_bytes": c.total_bytes,
+                "faults": len(self.fault_ms), "fault_p50_ms": fm[len(fm) // 2], "fault_p99_ms": fm[int(len(fm) * .99)],
+                "fault_max_ms": fm[-1], "short_replies": self.short_replies,
                 "prefetched_bytes": c.prefetched_bytes, "cache_hits": c.hits, "cache_misses": c.misses,
                 "cache_waits": c.waits, "fault_waits": c.fault_waits, "fault_wait_s": c.fault_wait_s,
                 "seconds": (self.t_closed or time.monotonic()) - self.t_start,

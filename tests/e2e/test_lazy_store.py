@@ -231,6 +231,27 @@ def test_a_store_that_fails_mid_lazy_restore_never_lets_the_job_read_a_zero_page
     else:
         assert "store" in r.stderr and "nothing was left running" in r.stderr, r.stderr
     assert "ZERO PAGE" not in out, [ln for ln in out.splitlines() if "ZERO PAGE" in ln][:3]
-    assert not _lazy_pages_running(d)
+    wait_for(lambda: not _lazy_pages_running(d), 10, what="lazy-pages to end (after the tasks)")
     shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
     assert "killed" in shown["last_error"], shown["last_error"]
+
+
+def test_a_job_lazily_restored_from_a_slow_store_answers_long_before_every_page_is_resident(make_daemon,
+                                                                                          jobs_to_kill):
+    # slow-lazy-store: every store read takes 0.2 s once the job asked for its first lazy page, so its 96 MiB
+    # page in for seconds. A tick needs a few pages only (no digest): its faults must be answered on their own,
+    # not behind the background push (issue 27: redis answered no PING until every page was resident).
+    d = make_daemon("faults", env={"MEMSNAP_FAILPOINTS": "slow-lazy-store"}).start()
+    with d.client() as c:
+        job = c.run(counter_argv(96, 0.05, "--digest-every", "1000000"))
+    jobs_to_kill.append(int(job.pid))
+    wait_for(lambda: len(ticks(job.log_path)) >= 3, 30, what="the job to tick")
+    ck = json.loads(d.ctl("--json", "checkpoint", job.id, "--stop", "--wait", "durable", check=True).stdout)
+    d.ctl("evict", ck["id"], check=True)
+    pid = json.loads(d.ctl("--json", "restore", "--lazy", ck["id"], check=True).stdout)["pid"]
+    jobs_to_kill.append(pid)
+    wait_for(lambda: ticks(job.log_path, pid), 60, 0.01, "the first tick after the restore")
+    assert "every page resident" not in d.log.read_text(), "the job answered only once every page was resident"
+    wait_for(lambda: "every page resident" in d.log.read_text(), 120, what="every page to arrive")
+    line = next(ln for ln in d.log.read_text().splitlines() if "every page resident" in ln)
+    assert "faults answered in p50" in line, line

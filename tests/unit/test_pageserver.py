@@ -253,6 +253,44 @@ def test_a_failed_page_is_never_answered_and_the_tasks_die_before_the_socket_end
     server.close()
 
 
+class _SlowMiddle(DirPageSource):
+    """2-page blocks; the block at [2, 4) pages takes 2 s to come (a fetch still on its way)."""
+
+    def blocks(self, name: str) -> list[tuple[int, int]]:
+        return fixed_blocks(os.fstat(self._fd(name)).st_size, 2 * PAGE)
+
+    def read_at(self, name: str, offset: int, length: int) -> bytes:
+        if offset < 4 * PAGE and offset + length > 2 * PAGE:
+            time.sleep(2.0)
+        return super().read_at(name, offset, length)
+
+
+def test_a_fault_behind_a_background_request_never_waits_for_its_slow_blocks(tmp_path):
+    # lazy-pages reads replies in order. Its background push asks for 3 pages ([1, 4) in the pages image: the
+    # block [0, 2) comes at once, [2, 4) takes 2 s); a fault comes right behind it. Before, the push's reply
+    # waited for the whole request, and the fault behind it 2 s too; now the push gets the page in memory
+    # (lazy-pages asks for the rest later) and the fault its page at once.
+    content = _pages(6)
+    (tmp_path / "pages-3.img").write_bytes(content)
+    idx = PageIndex.from_images({"pagemap-7.img": pagemap_image(3, ENTRIES)})
+    ours, sk = socket.socketpair()
+    server = PageServer(ours, idx, _SlowMiddle(tmp_path), on_fail=lambda why: None, name="t", prefetch=False).start()
+    t0 = time.monotonic()
+    _get(sk, BASE + 4 * PAGE, 3)  # (the push)
+    _get(sk, BASE + 10 * PAGE, 1)  # (the fault)
+    (cmd, nr, va, _), data = _reply(sk)
+    assert (nr, va) == (1, BASE + 4 * PAGE) and data == content[PAGE:2 * PAGE]  # short: what was there
+    (cmd, nr, va, _), data = _reply(sk)
+    assert (nr, va) == (1, BASE + 10 * PAGE) and data == content[4 * PAGE:5 * PAGE]
+    assert time.monotonic() - t0 < 1.5, "the fault waited for the push's slow block"
+    # lazy-pages asks for the rest later: it comes once its block is in (fetched ahead meanwhile).
+    _get(sk, BASE + 5 * PAGE, 2)
+    (cmd, nr, va, _), data = _reply(sk)
+    assert (nr, va) == (2, BASE + 5 * PAGE) and data == content[2 * PAGE:4 * PAGE]
+    assert server.short_replies == 1 and server.stats()["faults"] == 1
+    server.close()
+
+
 def test_lazy_pages_going_away_before_close_is_a_failure(tmp_path):
     server, sk, failures = _serve(tmp_path, _pages(6))
     sk.close()
