@@ -750,17 +750,21 @@ class Engine:
                     _kill_group(server.pid)
                 self.observe("restore", "error", time.monotonic() - t0)
                 why = guard.why if guard is not None and guard.why else exc.reason
-                raise FailedPrecondition(f"restore of {rec.id} failed: {why} (log: {exc.log_path})") from exc
+                kept = self._keep_failure(work)
+                raise FailedPrecondition(f"restore of {rec.id} failed: {why} (log: {kept / Path(exc.log_path).name})") \
+                    from exc
             if guard is not None and (why := guard.restored(new_pid)):
                 self.observe("restore", "error", time.monotonic() - t0)
-                raise FailedPrecondition(f"paging in {rec.id} failed: {why}; the restored copy was killed")
+                raise FailedPrecondition(f"paging in {rec.id} failed: {why}; the restored copy was killed (logs: "
+                                         f"{self._keep_failure(work)})")
             if server is not None:
                 failpoints.delay("slow-restore-bookkeeping", 2.5)  # (the daemon's reaper ticks meanwhile)
                 rc = guard_lazy_restore(work, new_pid)  # from here, its supervisor kills it if paging fails
                 if rc:  # (the tree is killed below)
                     self.observe("restore", "error", time.monotonic() - t0)
+                    kept = self._keep_failure(work)
                     raise FailedPrecondition(f"paging in {rec.id} failed (lazy-pages exit {rc}, see "
-                                             f"{work}/lazy-pages.log); the restored copy was killed")
+                                             f"{kept}/lazy-pages.log); the restored copy was killed")
         except BaseException:
             if new_pid:
                 proc.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
@@ -783,6 +787,20 @@ class Engine:
         log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
                              fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
+
+    def _keep_failure(self, work: Path) -> Path:
+        """A failed restore's work dir (CRIU's logs) moves to <work>/failed, where no cleanup of its checkpoint
+        (a move's target drops what it received) takes it away; the newest 32 stay. Its new place."""
+        failed = self.work_root / "failed"
+        try:
+            failed.mkdir(mode=0o700, exist_ok=True)
+            dest = failed / work.name
+            work.rename(dest)
+        except OSError:
+            return work
+        for old in sorted(failed.iterdir(), key=lambda p: p.stat().st_mtime)[:-32]:
+            shutil.rmtree(old, ignore_errors=True)
+        return dest
 
     def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
                          gpu_map: Any, log_path: str = "") -> JobRecord:

@@ -80,8 +80,9 @@ while True:
 
 
 @pytest.mark.usefixtures("no_copy_outlives_the_test")
+@pytest.mark.parametrize("lazy", [False, True], ids=["streamed", "lazy"])
 def test_a_move_whose_copy_cannot_take_a_lock_its_stopped_original_holds_fails_at_once_and_runs_on(
-        pair, jobs_to_kill, tmp_path):
+        lazy, pair, jobs_to_kill, tmp_path):
     # The two daemons share this host's files: the job's stopped copy on the source holds its lock on the file
     # until the target says the moved copy runs, so the copy there cannot take it. CRIU waited for it for ever.
     locked = tmp_path / "locked"
@@ -89,9 +90,13 @@ def test_a_move_whose_copy_cannot_take_a_lock_its_stopped_original_holds_fails_a
                                 check=True).stdout)
     jobs_to_kill.append(int(job["pid"]))
     wait_for(lambda: "locked" in Path(job["log"]).read_text(), 20, what="the lock")
-    r = pair.a.ctl("--json", "migrate", job["job"], "--to", pair.b.address, timeout=120)
+    r = pair.a.ctl("--json", "migrate", job["job"], "--to", pair.b.address, *(["--lazy"] if lazy else []),
+                   timeout=120)
     assert r.returncode != 0 and "migration failed at restore on the target" in r.stderr, r.stderr
     assert "conflicting lock" in r.stderr and "resumed on this node" in r.stderr, r.stderr
+    # The target's CRIU log the error names is still there to read (the image it received is gone).
+    log = Path(re.search(r"\(log: (\S+restore\.log)\)", r.stderr).group(1))  # type: ignore[union-attr]
+    assert log.is_file() and "conflicting lock" in log.read_text(), log
     fd = os.open(locked, os.O_RDWR)
     try:
         query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
