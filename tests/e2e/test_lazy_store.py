@@ -133,7 +133,8 @@ def test_lazy_restore_of_a_tampered_chunk_kills_or_refuses_the_job_and_says_why(
     r = restore_refused(d, ck["id"], jobs_to_kill, "--lazy")
     shown = json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)
     if r.returncode == 0:  # refused only once the job ran (the tampered bytes were lazy): killed
-        assert where == "lazy", r.stdout
+        # (eager: the init's last chunk is usually read by criu restore itself, but where its stack pages lie
+        # in a lazy range, the page server meets it first; either way nothing runs on the tampered bytes)
         pid = json.loads(r.stdout)["pid"]
         wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
                  60, what="the job to be killed")
