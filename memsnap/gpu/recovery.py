@@ -10,6 +10,7 @@ state and restores and/or unlocks it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -58,36 +59,50 @@ def recover_pids(
 
     Returns pid -> what was done: "gone" (not alive, or the driver no longer knows it), "running"
     (nothing to do), "unlocked", "restored" (restored then unlocked), or "error: ..." (logged).
-    Never raises for one pid: every other pid still gets its turn.
+    Never raises for one pid: every other pid still gets its turn. Each pid has a thread of its own.
     """
     out: dict[int, str] = {}
-    for pid in pids:
-        if not alive(pid):
-            out[pid] = "gone"
-            continue
-        try:
-            state = settle(driver, pid, settle_s, sleep)
-        except GpuError as exc:
-            # A pid with no CUDA state (it exited, or the number was reused) cannot be queried.
-            log.info("CUDA recovery: pid %d has no queryable CUDA state (%s)", pid, exc)
-            out[pid] = "gone"
-            continue
-        try:
-            if state is ProcessState.CHECKPOINTED:
-                driver.restore(pid)
-                driver.unlock(pid)
-                out[pid] = "restored"
-            elif state is ProcessState.LOCKED:
-                driver.unlock(pid)
-                out[pid] = "unlocked"
-            elif state is ProcessState.FAILED:
-                out[pid] = "error: CUDA state is FAILED: the process must be restarted"
-            else:
-                out[pid] = "running"
-        except GpuError as exc:
-            out[pid] = f"error: {exc}"
-        if out[pid].startswith("error"):
-            log.error("CUDA recovery of pid %d left it %s: %s", pid, state.name, out[pid])
-        elif out[pid] != "running":
-            log.warning("CUDA recovery: pid %d was left %s by a stopped daemon: %s", pid, state.name, out[pid])
-    return out
+
+    def one(pid: int) -> None:
+        out[pid] = _recover_one(driver, pid, alive, settle_s, sleep)
+
+    order = list(dict.fromkeys(pids))
+    threads = [threading.Thread(target=one, args=(p,), name=f"gpu-recover-{p}", daemon=True) for p in order]
+    for t in threads:  # one thread per process, as GpuCheckpointer does: each GPU has its own link
+        t.start()
+    for t in threads:
+        t.join()
+    return {p: out.get(p, "error: recovery thread died") for p in order}
+
+
+def _recover_one(
+    driver: GpuDriver, pid: int, alive: Callable[[int], bool], settle_s: float, sleep: Callable[[float], None]
+) -> str:
+    """recover_pids for one pid: what was done."""
+    if not alive(pid):
+        return "gone"
+    try:
+        state = settle(driver, pid, settle_s, sleep)
+    except GpuError as exc:
+        # A pid with no CUDA state (it exited, or the number was reused) cannot be queried.
+        log.info("CUDA recovery: pid %d has no queryable CUDA state (%s)", pid, exc)
+        return "gone"
+    try:
+        if state is ProcessState.CHECKPOINTED:
+            driver.restore(pid)
+            driver.unlock(pid)
+            done = "restored"
+        elif state is ProcessState.LOCKED:
+            driver.unlock(pid)
+            done = "unlocked"
+        elif state is ProcessState.FAILED:
+            done = "error: CUDA state is FAILED: the process must be restarted"
+        else:
+            done = "running"
+    except GpuError as exc:
+        done = f"error: {exc}"
+    if done.startswith("error"):
+        log.error("CUDA recovery of pid %d left it %s: %s", pid, state.name, done)
+    elif done != "running":
+        log.warning("CUDA recovery: pid %d was left %s by a stopped daemon: %s", pid, state.name, done)
+    return done
