@@ -972,17 +972,27 @@ class Engine:
         proc.kill_tree(pid)
         if job_id:
             self.catalog.update_job(job_id, ended=True)
-        self._release_hold(ckpt_id)
+        self._release_hold(ckpt_id, gpu_gone=True)
 
     def resume_held(self, pid: int, ckpt_id: str = "") -> None:
-        """Lets a held tree run on (SIGCONT), after a move that did not happen."""
-        _resume_stopped(pid)
-        self._release_hold(ckpt_id)
-
-    def _release_hold(self, ckpt_id: str) -> None:
+        """Lets a held tree run on (SIGCONT), after a move that did not happen; the CUDA state its dump left
+        checkpointed (journaled in the record) is restored and unlocked, as a crash recovery would."""
+        _resume_stopped(pid)  # (first: the driver's restore needs the process's CUDA restore thread to run)
         rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
-        if rec is not None and rec.meta.get("hold"):
-            self.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "hold": False})
+        entry = rec.meta.get("gpu") if rec is not None else None
+        gone = True
+        if entry and self.gpu is not None:
+            done = self.gpu.recover(entry)
+            gone = not any(str(v).startswith("error") for v in done.values())  # (else a restart tries again)
+            (log.info if gone else log.error)("CUDA state of held pid %d: %s", pid, done,
+                                              extra={"checkpoint_id": ckpt_id})
+        self._release_hold(ckpt_id, gpu_gone=gone)
+
+    def _release_hold(self, ckpt_id: str, gpu_gone: bool = False) -> None:
+        rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
+        if rec is not None and (rec.meta.get("hold") or (gpu_gone and "gpu" in rec.meta)):
+            meta = {k: v for k, v in rec.meta.items() if not (gpu_gone and k == "gpu")}
+            self.catalog.update_checkpoint(ckpt_id, meta={**meta, "hold": False})
 
     def status(self, caller: Caller = ROOT) -> dict[str, Any]:
         """Numbers for `memsnapctl status`: daemon-wide for root, the caller's own jobs and checkpoints else."""

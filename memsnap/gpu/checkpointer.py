@@ -16,7 +16,6 @@ mid-way restores and unlocks them at its next start (recovery.recover_pids).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -24,6 +23,7 @@ from typing import Any, Self
 
 from memsnap.gpu.base import GpuDriver, GpuPairs, ProcessState
 from memsnap.gpu.errors import GpuError
+from memsnap.gpu.parallel import each_pid
 from memsnap.gpu.recovery import journal_entry, settle
 
 # journal(entry) before the first lock, journal(None) once every pid is back to RUNNING or released.
@@ -37,38 +37,6 @@ def _joined(op: str, errors: Sequence[GpuError]) -> GpuError:
     if len(errors) == 1:
         return errors[0]
     return GpuError(op, "; ".join(str(e) for e in errors))
-
-
-def each_pid(op: str, pids: Sequence[int], call: Callable[[int], None]) -> list[GpuError]:
-    """call(pid) for every pid at once, one thread each; returns the GpuErrors, after every call ended.
-
-    Another exception in a call is re-raised here once all calls ended (a bug, not a driver answer).
-    """
-    if len(pids) == 1:
-        try:
-            call(pids[0])
-        except GpuError as exc:
-            return [exc]
-        return []
-    errors: dict[int, GpuError] = {}
-    other: list[BaseException] = []
-
-    def run(pid: int) -> None:
-        try:
-            call(pid)
-        except GpuError as exc:
-            errors[pid] = exc
-        except BaseException as exc:  # re-raised below, on the caller's thread
-            other.append(exc)
-
-    threads = [threading.Thread(target=run, args=(p,), name=f"gpu-{op}-{p}", daemon=True) for p in pids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if other:
-        raise other[0]
-    return [errors[p] for p in pids if p in errors]
 
 
 class GpuSuspension:
@@ -112,7 +80,7 @@ class GpuSuspension:
         t0 = time.monotonic()
         errors = each_pid(op, pids, call)
         self.seconds[op] = self.seconds.get(op, 0.0) + time.monotonic() - t0
-        return errors
+        return list(errors.values())
 
     def _lock(self, pid: int, timeout_ms: int) -> None:
         """RUNNING -> LOCKED."""
@@ -272,9 +240,9 @@ class GpuCheckpointer:
         t0 = time.monotonic()
         errors = each_pid("restore", pids, lambda pid: self.driver.restore(pid, list((pairs or {}).get(pid, ()))))
         if errors:
-            raise _joined("restore", errors)
+            raise _joined("restore", list(errors.values()))
         t1 = time.monotonic()
         errors = each_pid("unlock", pids, self.driver.unlock)
         if errors:
-            raise _joined("unlock", errors)
+            raise _joined("unlock", list(errors.values()))
         return {"restore": t1 - t0, "unlock": time.monotonic() - t1}

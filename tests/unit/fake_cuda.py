@@ -3,9 +3,11 @@ every call, optionally slow (a fixed delay per call) and recording which calls o
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from memsnap.gpu.base import ProcessState
@@ -151,3 +153,38 @@ def stages(lib: FakeLib) -> list[tuple[str, frozenset[int]]]:
         else:
             out.append((op, {pid}))
     return [(op, frozenset(p)) for op, p in out]
+
+
+def fake_proc(
+    root: Path,
+    tree: dict[int, list[int]],
+    fds: dict[int, list[str]],
+    nspid: dict[int, int] | None = None,
+    children_files: bool = True,
+) -> str:
+    """A fake /proc under root: the tree (parent -> children), each pid's fd targets and namespace pid."""
+    parents = {kid: pid for pid, kids in tree.items() for kid in kids}
+    for pid in set(tree) | set(parents):
+        d = root / str(pid)
+        (d / "task" / str(pid)).mkdir(parents=True)
+        if children_files:
+            (d / "task" / str(pid) / "children").write_text(" ".join(map(str, tree.get(pid, []))) + " ")
+        (d / "stat").write_text(f"{pid} (py (x) y) S {parents.get(pid, 1)} 0 0\n")
+        (d / "comm").write_text("python\n")
+        inner = f"\t{nspid[pid]}" if nspid and pid in nspid else ""
+        (d / "status").write_text(f"Name:\tpython\nNSpid:\t{pid}{inner}\n")
+        (d / "fd").mkdir()
+        for i, target in enumerate(fds.get(pid, ["/dev/null"])):
+            os.symlink(target, d / "fd" / str(i))
+    return str(root)
+
+
+def smi_runner(gpus: str, apps: str, rc: int = 0) -> tuple[list[list[str]], Any]:
+    """A fake nvidia-smi runner: the --query-gpu and --query-compute-apps outputs; (argv seen, runner)."""
+    seen: list[list[str]] = []
+
+    def run(argv: Sequence[str], timeout: float | None) -> tuple[int, str]:
+        seen.append(list(argv))
+        return rc, gpus if "--query-gpu" in argv[1] else apps
+
+    return seen, run

@@ -26,7 +26,9 @@ from memsnap.gpu.hook import NvidiaGpuHook, load_hook
 from memsnap.gpu.recovery import recover_pids, settle
 from memsnap.gpu.tool import CudaCheckpointCli
 from tests.unit.fake_cuda import ILLEGAL_STATE, NOT_SUPPORTED, TIMEOUT, FakeLib, stages
+from tests.unit.fake_cuda import fake_proc as _proc
 from tests.unit.fake_cuda import ops as _ops
+from tests.unit.fake_cuda import smi_runner as _smi_runner
 
 OLD = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 NEW = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
@@ -339,29 +341,6 @@ def test_probe_reports_the_drivers_own_error_for_pids_without_cuda_state() -> No
 
 
 # -- detection over a fake /proc -----------------------------------------------------------------
-def _proc(
-    root: Path,
-    tree: dict[int, list[int]],
-    fds: dict[int, list[str]],
-    nspid: dict[int, int] | None = None,
-    children_files: bool = True,
-) -> str:
-    parents = {kid: pid for pid, kids in tree.items() for kid in kids}
-    for pid in set(tree) | set(parents):
-        d = root / str(pid)
-        (d / "task" / str(pid)).mkdir(parents=True)
-        if children_files:
-            (d / "task" / str(pid) / "children").write_text(" ".join(map(str, tree.get(pid, []))) + " ")
-        (d / "stat").write_text(f"{pid} (py (x) y) S {parents.get(pid, 1)} 0 0\n")
-        (d / "comm").write_text("python\n")
-        inner = f"\t{nspid[pid]}" if nspid and pid in nspid else ""
-        (d / "status").write_text(f"Name:\tpython\nNSpid:\t{pid}{inner}\n")
-        (d / "fd").mkdir()
-        for i, target in enumerate(fds.get(pid, ["/dev/null"])):
-            os.symlink(target, d / "fd" / str(i))
-    return str(root)
-
-
 def test_find_cuda_processes_walks_the_tree(tmp_path: Path) -> None:
     proc = _proc(
         tmp_path,
@@ -400,16 +379,6 @@ def test_mps_and_driver_version(tmp_path: Path) -> None:
     )
     assert detect.kernel_driver_version(proc) == "580.65.06"
     assert detect.driver_branch("570.86.10") == 570
-
-
-def _smi_runner(gpus: str, apps: str, rc: int = 0) -> tuple[list[list[str]], Any]:
-    seen: list[list[str]] = []
-
-    def run(argv: Sequence[str], timeout: float | None) -> tuple[int, str]:
-        seen.append(list(argv))
-        return rc, gpus if "--query-gpu" in argv[1] else apps
-
-    return seen, run
 
 
 def test_gpu_info_parses_nvidia_smi(tmp_path: Path) -> None:

@@ -1,0 +1,71 @@
+"""The engine with a GPU job on the fake driver: a real `sleep` process as the job's root, two CUDA processes
+below it in a fake /proc, the real NvidiaGpuHook over a fake libcuda and a fake nvidia-smi, and FakeCriu."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from memsnap.engine import ROOT, DumpHooks, Engine
+from memsnap.gpu.base import ProcessState
+from memsnap.gpu.driver import DriverApi
+from memsnap.gpu.hook import NvidiaGpuHook
+from tests.unit.fake_cuda import FakeLib, fake_proc, smi_runner, stages
+from tests.unit.fakes import FakeCriu, Procs, make_engine, procs_fixture, state_of  # noqa: F401
+
+OLD = "GPU-00112233-4455-6677-8899-aabbccddeeff"
+NEW = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
+NODE_GPUS = (
+    f"0, {OLD}, NVIDIA H200, 580.65.06, 143771, 20480, Disabled, Enabled\n"
+    f"1, {NEW}, NVIDIA H200, 580.65.06, 143771, 0, Disabled, Enabled\n"
+)
+CUDA = (9001, 9002)  # one CUDA process per GPU, below the job's root
+MIB = 1 << 20
+
+
+@dataclass
+class World:
+    engine: Engine
+    lib: FakeLib
+    hook: NvidiaGpuHook
+    pid: int  # the job's root: a real process
+
+
+@pytest.fixture
+def world(tmp_path: Path, procs: Procs) -> Iterator[World]:
+    pid, _ = procs.start()
+    dev = ["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia-uvm"]
+    root = fake_proc(tmp_path / "proc", {pid: list(CUDA)}, {c: dev for c in CUDA}, nspid={pid: 1, 9001: 2, 9002: 3})
+    _, run = smi_runner(NODE_GPUS, f"9001, 1024, {OLD}\n9002, 2048, {NEW}\n")
+    lib = FakeLib(CUDA)
+    hook = NvidiaGpuHook(lambda: DriverApi(lib), run, root, alive=lambda p, start: p in lib.states)
+    e = make_engine(tmp_path, criu=FakeCriu(), gpu=hook)
+    yield World(e, lib, hook, pid)
+    e.catalog.close()
+
+
+def test_a_held_gpu_job_that_resumes_here_gets_its_cuda_state_back(world: World) -> None:
+    rec = world.engine.checkpoint(ROOT, str(world.pid), hooks=DumpHooks(hold=True))
+    assert state_of(world.pid) == "T"
+    assert {world.lib.states[c] for c in CUDA} == {ProcessState.CHECKPOINTED}
+    assert world.engine.catalog.get_checkpoint(rec.id).meta["gpu"]["pids"] == list(CUDA)  # type: ignore[union-attr]
+    world.engine.resume_held(world.pid, rec.id)  # (a move that failed or was refused)
+    assert state_of(world.pid) in ("S", "R")
+    assert {world.lib.states[c] for c in CUDA} == {ProcessState.RUNNING}
+    assert stages(world.lib)[-2:] == [("Restore", frozenset(CUDA)), ("Unlock", frozenset(CUDA))]
+    cur = world.engine.catalog.get_checkpoint(rec.id)
+    assert cur is not None and "gpu" not in cur.meta and not cur.meta.get("hold")
+    world.engine.recover()  # nothing left for a restart to undo
+    assert stages(world.lib)[-1] == ("Unlock", frozenset(CUDA))
+
+
+def test_a_held_gpu_job_ended_after_its_move_leaves_no_cuda_journal(world: World) -> None:
+    rec = world.engine.checkpoint(ROOT, str(world.pid), hooks=DumpHooks(hold=True))
+    world.engine.end_held(world.pid, "", rec.id)
+    cur = world.engine.catalog.get_checkpoint(rec.id)
+    assert cur is not None and "gpu" not in cur.meta
+    assert not os.path.exists(f"/proc/{world.pid}") or state_of(world.pid) in ("Z", "")
