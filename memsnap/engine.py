@@ -112,6 +112,9 @@ class GpuHook(Protocol):
     def describe(self, root_pid: int) -> list[dict[str, Any]]:
         """GPU model/uuid/driver/device bytes per CUDA process of the tree."""
 
+    def device_bytes(self, root_pid: int) -> int:
+        """Device memory the tree's CUDA processes use: what their checkpoint moves into the image."""
+
 
 class MoveRecovery(Protocol):
     """What Engine.recover hands to the move code (memsnap.move.Mover) after a crash."""
@@ -402,12 +405,14 @@ class Engine:
         return rec
 
     def dump_estimate(self, pid: int) -> int:
-        """The tier room a dump of pid's tree reserves: its resident memory, plus a margin."""
+        """The tier room a dump of pid's tree reserves: its resident memory and its CUDA processes' device memory
+        (which their GPU checkpoint moves into host memory, so into the image), plus a margin."""
         try:  # (a private /tmp's files go into the image too)
-            return int((proc.tree_rss(pid) + proc.private_tmp_bytes(pid)) * (1 + self.cfg.reserve_margin)) \
-                + _RESERVE_SLACK
+            host = proc.tree_rss(pid) + proc.private_tmp_bytes(pid)
         except proc.ProcessNotFound as exc:
             raise NotFound(str(exc)) from exc
+        device = self.gpu.device_bytes(pid) if self.gpu is not None else 0
+        return int((host + device) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
 
     def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.

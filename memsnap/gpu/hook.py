@@ -100,6 +100,12 @@ class NvidiaGpuHook:
             )
         return out
 
+    def device_bytes(self, root_pid: int) -> int:
+        """Device memory in use by the tree's CUDA processes (nvidia-smi, i.e. NVML), 0 when it reports none;
+        the scan is reused by describe() and suspend() for a few seconds."""
+        procs, info = self._scan(root_pid, fresh=False)
+        return sum(detect.device_bytes(info).values()) if procs else 0
+
     def suspend(self, root_pid: int, timeout_ms: int, journal: Journal | None = None) -> GpuSuspension:
         """Preflight, then lock + checkpoint every process of the tree that holds CUDA state.
 

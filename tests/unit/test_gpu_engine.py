@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from memsnap.config import QuotaConfig, UidQuota
 from memsnap.engine import ROOT, DumpHooks, Engine
+from memsnap.errors import QuotaExceeded, TierExhausted
 from memsnap.gpu.base import ProcessState
 from memsnap.gpu.driver import DriverApi
 from memsnap.gpu.hook import NvidiaGpuHook
-from tests.unit.fake_cuda import FakeLib, fake_proc, smi_runner, stages
+from memsnap.quota import Quotas
+from tests.unit.fake_cuda import FakeLib, fake_proc, ops, smi_runner, stages
 from tests.unit.fakes import FakeCriu, Procs, make_engine, procs_fixture, state_of  # noqa: F401
 
 OLD = "GPU-00112233-4455-6677-8899-aabbccddeeff"
@@ -35,17 +38,22 @@ class World:
     pid: int  # the job's root: a real process
 
 
-@pytest.fixture
-def world(tmp_path: Path, procs: Procs) -> Iterator[World]:
+def make_world(tmp_path: Path, procs: Procs, capacity: int = 0) -> World:
+    """The GPU job's world; capacity: of the tier (0 = the filesystem's)."""
     pid, _ = procs.start()
     dev = ["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia-uvm"]
     root = fake_proc(tmp_path / "proc", {pid: list(CUDA)}, {c: dev for c in CUDA}, nspid={pid: 1, 9001: 2, 9002: 3})
     _, run = smi_runner(NODE_GPUS, f"9001, 1024, {OLD}\n9002, 2048, {NEW}\n")
     lib = FakeLib(CUDA)
     hook = NvidiaGpuHook(lambda: DriverApi(lib), run, root, alive=lambda p, start: p in lib.states)
-    e = make_engine(tmp_path, criu=FakeCriu(), gpu=hook)
-    yield World(e, lib, hook, pid)
-    e.catalog.close()
+    return World(make_engine(tmp_path, capacity, criu=FakeCriu(), gpu=hook), lib, hook, pid)
+
+
+@pytest.fixture
+def world(tmp_path: Path, procs: Procs) -> Iterator[World]:
+    w = make_world(tmp_path, procs)
+    yield w
+    w.engine.catalog.close()
 
 
 def test_a_held_gpu_job_that_resumes_here_gets_its_cuda_state_back(world: World) -> None:
@@ -69,3 +77,23 @@ def test_a_held_gpu_job_ended_after_its_move_leaves_no_cuda_journal(world: World
     cur = world.engine.catalog.get_checkpoint(rec.id)
     assert cur is not None and "gpu" not in cur.meta
     assert not os.path.exists(f"/proc/{world.pid}") or state_of(world.pid) in ("Z", "")
+
+
+# -- the tier reservation (and the quota) count device memory ----------------------------------------
+def test_the_tier_reservation_counts_the_device_memory_of_every_cuda_process(tmp_path: Path, procs: Procs) -> None:
+    w = make_world(tmp_path, procs, capacity=256 * MIB)  # room for the host memory of `sleep`, not 3 GiB more
+    assert w.engine.dump_estimate(w.pid) >= (1024 + 2048) * MIB
+    with pytest.raises(TierExhausted):
+        w.engine.checkpoint(ROOT, str(w.pid))
+    assert ops(w.lib) == [] and state_of(w.pid) in ("S", "R")  # refused before the GPU or the tree is touched
+    assert w.engine.catalog.checkpoints() == []
+
+
+def test_a_tier_quota_counts_device_memory(tmp_path: Path, procs: Procs) -> None:
+    w = make_world(tmp_path, procs)
+    q = Quotas(QuotaConfig(), (UidQuota(0, (("tier_bytes", 2 << 30),)),), w.engine)
+    with pytest.raises(QuotaExceeded, match="memory tier"), q.admit_checkpoint(ROOT, str(w.pid)):
+        pytest.fail("admitted a 3 GiB GPU job under a 2 GiB tier quota")
+    q = Quotas(QuotaConfig(), (UidQuota(0, (("tier_bytes", 4 << 30),)),), w.engine)
+    with q.admit_checkpoint(ROOT, str(w.pid)):
+        pass
