@@ -49,6 +49,7 @@ from memsnap.errors import (
 )
 from memsnap.lazyguard import LazyGuard
 from memsnap.manifest import Manifest
+from memsnap.phases import PhaseClock
 from memsnap.retention import not_ours
 from memsnap.tier import MemoryTier, TierFull, publish_image
 
@@ -103,8 +104,9 @@ class GpuHook(Protocol):
         journal(entry) runs before the first lock, journal(None) once all is resumed or released."""
 
     def restore(self, root_pid: int, gpu_map: dict[str, str] | None,
-                checkpointed: list[dict[str, Any]] | None = None) -> None:
-        """Restores and unlocks CUDA state after CRIU restored the tree (checkpointed: the manifest's gpus)."""
+                checkpointed: list[dict[str, Any]] | None = None) -> dict[str, float] | None:
+        """Restores and unlocks CUDA state after CRIU restored the tree (checkpointed: the manifest's gpus);
+        the wall time of each stage ({"restore": s, "unlock": s})."""
 
     def recover(self, entry: dict[str, Any]) -> dict[int, str]:
         """Restores and unlocks the pids of a journal entry that a killed daemon left suspended."""
@@ -141,6 +143,7 @@ class RestoreResult:
     from_store: bool = False
     lazy_server: Any = None  # the lazy-pages process of a lazy restore
     work_dir: Path | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # memsnap.phases.RESTORE: seconds each
 
 
 @dataclass
@@ -487,20 +490,13 @@ class Engine:
                            own_mntns=own_mnt, **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = None
+        clock = PhaseClock()
         try:
             if self.gpu is not None:
                 gpu_info = self.gpu.describe(pid)
                 if gpu_info:
-                    def journal(entry: dict[str, Any] | None) -> None:  # the GPU step, for recover()
-                        cur = self.catalog.get_checkpoint(ckpt_id)
-                        meta = dict(cur.meta if cur is not None else rec.meta)
-                        for m in (meta, rec.meta):
-                            if entry is None:
-                                m.pop("gpu", None)
-                            else:
-                                m["gpu"] = entry
-                        self.catalog.update_checkpoint(ckpt_id, meta=meta)
-                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=journal)
+                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=self._journal(rec, "gpu"))
+                    clock.gpu(suspension.seconds)
             if hooks.before_dump is not None:
                 hooks.before_dump(staging)
             stats = self.criu.dump(pid, staging, work, opts, notify=hooks.notify)
@@ -518,13 +514,16 @@ class Engine:
                 raise FailedPrecondition(f"checkpoint of pid {pid} failed, the process was left running: "
                                          f"{reason} (log: {exc.log_path})") from exc
             raise
+        clock.add("freeze", stats.frozen_ms / 1000)  # (CRIU's own stats: how long the tree was frozen, the dump)
+        clock.add("dump", stats.wall_ms / 1000)
+        t_publish = time.monotonic()
         try:
             man = self.new_manifest(rec, argv, own_ns, job,
                                     (hooks.file_table() if hooks.file_table else None)
                                     or manifest.describe_files(staging),
                                     frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
                                     dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt,
-                                    tcp_close=not opts.tcp_established)
+                                    tcp_close=not opts.tcp_established, phases=clock.rounded())
             man.extra.update(hooks.manifest)  # signed too (memsnap.guard: parked)
             size = publish_image(self.tier, self.catalog, self.key, staging, man, keep_meta=rec.meta,
                                  failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
@@ -538,10 +537,8 @@ class Engine:
             self.tier.discard_staging(ckpt_id)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
+        clock.add("publish", time.monotonic() - t_publish)
         failpoints.hit("after-publish")
-        # Phases from CRIU's own stats: how long the tree was frozen, and the dump call itself.
-        self.observe("phase:freeze", "ok", stats.frozen_ms / 1000)
-        self.observe("phase:dump", "ok", stats.wall_ms / 1000)
         if hooks.hold:
             pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
         elif stop:
@@ -553,12 +550,34 @@ class Engine:
                 self.catalog.update_job(job.id, ended=True)
         elif suspension is not None:
             suspension.resume()
+            clock.gpu({k: v for k, v in suspension.seconds.items() if k in ("restore", "unlock")})
+        self._note_phases(ckpt_id, "phases", clock)
         shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
         clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
                   stats.wall_ms)
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out
+
+    def _journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]:
+        """write(entry) keeps a step recover() must undo in the record's meta[key] (None or False: done)."""
+        def write(entry: Any) -> None:
+            cur = self.catalog.get_checkpoint(rec.id)
+            meta = dict(cur.meta if cur is not None else rec.meta)
+            for m in (meta, rec.meta):
+                if entry is None or entry is False:
+                    m.pop(key, None)
+                else:
+                    m[key] = entry
+            self.catalog.update_checkpoint(rec.id, meta=meta)
+        return write
+
+    def _note_phases(self, ckpt_id: str, key: str, clock: PhaseClock) -> None:
+        """An operation's phases into the checkpoint's record (memsnapctl show) and the phase histogram."""
+        cur = self.catalog.get_checkpoint(ckpt_id)
+        if cur is not None:
+            self.catalog.update_checkpoint(ckpt_id, meta={**cur.meta, key: clock.rounded()})
+        clock.observe(self.observe)
 
     def new_manifest(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
                      files: dict[str, dict[str, Any]], **fields: Any) -> Manifest:
@@ -782,16 +801,21 @@ class Engine:
         restore_ms = (time.monotonic() - t2) * 1000
         if man.get("parked"):
             _resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
+        clock = PhaseClock()
+        for name, ms in (("fetch", fetch_ms), ("verify", verify_ms), ("criu_restore", restore_ms)):
+            clock.add(name, ms / 1000) if ms else None
         try:
-            job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log)
+            job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log, clock)
         except BaseException:
             proc.kill_tree(new_pid)
             self.observe("restore", "error", time.monotonic() - t0)
             raise
+        self._note_phases(rec.id, "restore_phases", clock)
         self.observe("restore", "ok", time.monotonic() - t0)
         log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
-                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
+                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work,
+                             phases=clock.rounded())
 
     def _keep_failure(self, work: Path) -> Path:
         """A failed restore's work dir (CRIU's logs) moves to <work>/failed, where no cleanup of its checkpoint
@@ -808,15 +832,16 @@ class Engine:
         return dest
 
     def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
-                         gpu_map: Any, log_path: str = "") -> JobRecord:
+                         gpu_map: Any, log_path: str = "", clock: PhaseClock | None = None) -> JobRecord:
         """Brings a restored tree's GPU state back and records it as a job (the caller kills it on error)."""
+        clock = clock or PhaseClock()
         if failpoints.armed("record-restored-fails"):
             raise OSError("failpoint record-restored-fails: the catalog could not be written")
         if server is not None and failpoints.armed("kill-lazy-pages"):
             _kill_lazy_pages(server.pid)
         if self.gpu is not None and man.get("gpus"):
             try:
-                self.gpu.restore(new_pid, gpu_map, man.get("gpus"))
+                clock.gpu(self.gpu.restore(new_pid, gpu_map, man.get("gpus")))
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
@@ -977,26 +1002,28 @@ class Engine:
         proc.kill_tree(pid)
         if job_id:
             self.catalog.update_job(job_id, ended=True)
-        self._release_hold(ckpt_id, gpu_gone=True)
+        self._release_hold(ckpt_id, done=("gpu",))  # (its processes are gone: nothing to undo)
 
     def resume_held(self, pid: int, ckpt_id: str = "") -> None:
-        """Lets a held tree run on (SIGCONT), after a move that did not happen; the CUDA state its dump left
-        checkpointed (journaled in the record) is restored and unlocked, as a crash recovery would."""
+        """Lets a held tree run on (SIGCONT), after a move that did not happen: the CUDA state its dump left
+        checkpointed (journaled in the record) is restored and unlocked."""
         _resume_stopped(pid)  # (first: the driver's restore needs the process's CUDA restore thread to run)
         rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
-        entry = rec.meta.get("gpu") if rec is not None else None
-        gone = True
-        if entry and self.gpu is not None:
-            done = self.gpu.recover(entry)
-            gone = not any(str(v).startswith("error") for v in done.values())  # (else a restart tries again)
-            (log.info if gone else log.error)("CUDA state of held pid %d: %s", pid, done,
-                                              extra={"checkpoint_id": ckpt_id})
-        self._release_hold(ckpt_id, gpu_gone=gone)
+        meta = rec.meta if rec is not None else {}
+        done: list[str] = []
+        if meta.get("gpu") and self.gpu is not None:
+            back = self.gpu.recover(meta["gpu"])
+            ok = not any(str(v).startswith("error") for v in back.values())  # (else a restart tries again)
+            done += ["gpu"] if ok else []
+            (log.info if ok else log.error)("CUDA state of held pid %d: %s", pid, back,
+                                            extra={"checkpoint_id": ckpt_id})
+        self._release_hold(ckpt_id, done=tuple(done))
 
-    def _release_hold(self, ckpt_id: str, gpu_gone: bool = False) -> None:
+    def _release_hold(self, ckpt_id: str, done: tuple[str, ...] = ()) -> None:
+        """The hold is over; done: journaled steps (meta keys) nothing is left to undo for."""
         rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
-        if rec is not None and (rec.meta.get("hold") or (gpu_gone and "gpu" in rec.meta)):
-            meta = {k: v for k, v in rec.meta.items() if not (gpu_gone and k == "gpu")}
+        if rec is not None and (rec.meta.get("hold") or any(k in rec.meta for k in done)):
+            meta = {k: v for k, v in rec.meta.items() if k not in done}
             self.catalog.update_checkpoint(ckpt_id, meta={**meta, "hold": False})
 
     def status(self, caller: Caller = ROOT) -> dict[str, Any]:

@@ -7,9 +7,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from memsnap import manifest, metrics, phases
 from memsnap.config import QuotaConfig, UidQuota
 from memsnap.engine import ROOT, DumpHooks, Engine
 from memsnap.errors import QuotaExceeded, TierExhausted
@@ -38,9 +40,9 @@ class World:
     pid: int  # the job's root: a real process
 
 
-def make_world(tmp_path: Path, procs: Procs, capacity: int = 0) -> World:
-    """The GPU job's world; capacity: of the tier (0 = the filesystem's)."""
-    pid, _ = procs.start()
+def make_world(tmp_path: Path, procs: Procs, capacity: int = 0, root: int = 0) -> World:
+    """The GPU job's world; capacity: of the tier (0 = the filesystem's); root: the job's root (else a `sleep`)."""
+    pid = root or procs.start()[0]
     dev = ["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia-uvm"]
     root = fake_proc(tmp_path / "proc", {pid: list(CUDA)}, {c: dev for c in CUDA}, nspid={pid: 1, 9001: 2, 9002: 3})
     _, run = smi_runner(NODE_GPUS, f"9001, 1024, {OLD}\n9002, 2048, {NEW}\n")
@@ -97,3 +99,44 @@ def test_a_tier_quota_counts_device_memory(tmp_path: Path, procs: Procs) -> None
     q = Quotas(QuotaConfig(), (UidQuota(0, (("tier_bytes", 4 << 30),)),), w.engine)
     with q.admit_checkpoint(ROOT, str(w.pid)):
         pass
+
+
+class RestoringCriu(FakeCriu):
+    """FakeCriu whose restored tree has the CUDA processes below it (in the fake /proc), as CRIU's would."""
+
+    def __init__(self, proc_root: Path) -> None:
+        super().__init__()
+        self.proc_root = proc_root
+
+    def restore(self, images_dir: Path, work_dir: Path, opts: Any, notify: Any = None) -> int:
+        pid = super().restore(images_dir, work_dir, opts, notify)
+        task = self.proc_root / str(pid) / "task" / str(pid)
+        task.mkdir(parents=True)
+        (task / "children").write_text(" ".join(map(str, CUDA)) + " ")
+        return pid
+
+
+def test_a_restore_records_its_phases_gpu_stages_included(tmp_path: Path, procs: Procs) -> None:
+    w = make_world(tmp_path, procs)
+    w.engine.criu = RestoringCriu(tmp_path / "proc")
+    rec = w.engine.checkpoint(ROOT, str(w.pid), stop=True)
+    assert {w.lib.states[c] for c in CUDA} == {ProcessState.CHECKPOINTED}
+    observed: list[str] = []
+    w.engine.observe = lambda kind, result, s: observed.append(kind)
+    res = w.engine.restore(ROOT, rec.id)
+    try:
+        assert list(res.phases) == ["verify", "criu_restore", "gpu_restore", "gpu_unlock"]
+        assert {w.lib.states[c] for c in CUDA} == {ProcessState.RUNNING}
+        cur = w.engine.catalog.get_checkpoint(rec.id)
+        assert cur is not None and list(cur.meta["restore_phases"]) == list(res.phases)
+        assert list(cur.meta["phases"]) == ["gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish"]
+        man = manifest.read(w.engine.tier.path(rec.id))  # (signed before the publish: the phases up to the dump)
+        assert set(man["phases"]) == {"gpu_lock", "gpu_checkpoint", "freeze", "dump"}
+        assert [k for k in observed if k.startswith("phase:")] == [f"phase:{p}" for p in res.phases]
+    finally:
+        os.kill(res.pid, 9)
+
+
+def test_every_phase_has_a_histogram_label() -> None:
+    assert set(phases.ALL) <= set(metrics.PHASES)
+
