@@ -50,6 +50,7 @@ from memsnap.errors import (
 from memsnap.lazyguard import LazyGuard
 from memsnap.manifest import Manifest
 from memsnap.phases import PhaseClock
+from memsnap.quiesce.notifier import Quiescer
 from memsnap.retention import not_ours
 from memsnap.tier import MemoryTier, TierFull, publish_image
 
@@ -208,6 +209,7 @@ class Engine:
         # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
         # every page already (small jobs), but reap_lazy must not remove the dir under the restore.
         self._restoring: set[Path] = set()
+        self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
         self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
         self.gc: Any = None  # memsnap.gc.Collector, set by the daemon
 
@@ -489,9 +491,15 @@ class Engine:
                            tcp_established=tcp_established, shell_job=not proc.is_session_leader(pid),
                            own_mntns=own_mnt, **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
         gpu_info: list[dict[str, Any]] = []
-        suspension = None
+        suspension = quiet = None
         clock = PhaseClock()
+
+        def tell() -> None:  # the job's quiesce hooks: resume (the same processes run on)
+            self.quiesce.resume(pid, ckpt_id, False, self._journal(rec, "quiesce"))
         try:
+            # The job's own quiesce hooks first (memsnap.quiesce: NCCL suspended, caches dropped), then its GPU.
+            quiet = self.quiesce.quiesce(pid, ckpt_id, journal=self._journal(rec, "quiesce"))
+            clock.add("quiesce", quiet.seconds) if quiet is not None else None
             if self.gpu is not None:
                 gpu_info = self.gpu.describe(pid)
                 if gpu_info:
@@ -506,6 +514,7 @@ class Engine:
                     suspension.resume()
                 except Exception as gpu_exc:  # keep CRIU's reason as the error; log the GPU one
                     clog.error("could not resume CUDA state after a failed dump: %s", gpu_exc)
+            tell() if quiet is not None else None
             self.tier.discard_staging(ckpt_id)
             reason = exc.reason if isinstance(exc, CriuError) else str(exc)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=reason)
@@ -534,6 +543,7 @@ class Engine:
                 _resume_stopped(pid)
             if suspension is not None:
                 suspension.resume()
+            tell() if quiet is not None else None
             self.tier.discard_staging(ckpt_id)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
@@ -546,11 +556,16 @@ class Engine:
             if suspension is not None:
                 suspension.release()
             proc.kill_tree(pid)
+            self._journal(rec, "quiesce")(None)  # (nobody left to tell)
             if job is not None:
                 self.catalog.update_job(job.id, ended=True)
-        elif suspension is not None:
-            suspension.resume()
-            clock.gpu({k: v for k, v in suspension.seconds.items() if k in ("restore", "unlock")})
+        else:
+            if suspension is not None:
+                suspension.resume()
+                clock.gpu({k: v for k, v in suspension.seconds.items() if k in ("restore", "unlock")})
+            if quiet is not None:
+                with clock.timed("quiesce_resume"):
+                    tell()
         self._note_phases(ckpt_id, "phases", clock)
         shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
         clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
@@ -833,7 +848,8 @@ class Engine:
 
     def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
                          gpu_map: Any, log_path: str = "", clock: PhaseClock | None = None) -> JobRecord:
-        """Brings a restored tree's GPU state back and records it as a job (the caller kills it on error)."""
+        """Brings a restored tree's GPU state back, tells its quiesce hooks to resume, and records it as a job
+        (the caller kills it on error)."""
         clock = clock or PhaseClock()
         if failpoints.armed("record-restored-fails"):
             raise OSError("failpoint record-restored-fails: the catalog could not be written")
@@ -845,6 +861,9 @@ class Engine:
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
+        t_tell = time.monotonic()
+        if self.quiesce.resume(new_pid, rec.id, restored=True):  # (its quiesce hooks, if it has any)
+            clock.add("quiesce_resume", time.monotonic() - t_tell)
         if server is None and not knobs.keep_logs():
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=restored_job_name(rec, man), pid=new_pid,
@@ -1002,21 +1021,23 @@ class Engine:
         proc.kill_tree(pid)
         if job_id:
             self.catalog.update_job(job_id, ended=True)
-        self._release_hold(ckpt_id, done=("gpu",))  # (its processes are gone: nothing to undo)
+        self._release_hold(ckpt_id, done=("gpu", "quiesce"))  # (its processes are gone: nothing to undo)
 
     def resume_held(self, pid: int, ckpt_id: str = "") -> None:
         """Lets a held tree run on (SIGCONT), after a move that did not happen: the CUDA state its dump left
-        checkpointed (journaled in the record) is restored and unlocked."""
+        checkpointed (journaled in the record) is restored and unlocked, then its quiesce hooks hear resume."""
         _resume_stopped(pid)  # (first: the driver's restore needs the process's CUDA restore thread to run)
         rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
         meta = rec.meta if rec is not None else {}
-        done: list[str] = []
+        done = ["quiesce"]
         if meta.get("gpu") and self.gpu is not None:
             back = self.gpu.recover(meta["gpu"])
             ok = not any(str(v).startswith("error") for v in back.values())  # (else a restart tries again)
             done += ["gpu"] if ok else []
             (log.info if ok else log.error)("CUDA state of held pid %d: %s", pid, back,
                                             extra={"checkpoint_id": ckpt_id})
+        if meta.get("quiesce"):
+            self.quiesce.resume(pid, ckpt_id, restored=False)
         self._release_hold(ckpt_id, done=tuple(done))
 
     def _release_hold(self, ckpt_id: str, done: tuple[str, ...] = ()) -> None:
@@ -1137,6 +1158,10 @@ class Engine:
             if rec.meta.get("gpu") and self.gpu is not None and rec.id not in in_doubt:
                 log.warning("CUDA recovery for %s: %s", rec.id, self.gpu.recover(rec.meta["gpu"]))
                 self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
+            if rec.meta.get("quiesce") and rec.id not in in_doubt:  # (a job that was asked to quiesce: resume it)
+                if proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                    self.quiesce.resume(rec.pid, rec.id, restored=False)
+                self._journal(rec, "quiesce")(None)
         for job in self.catalog.jobs():
             if not job.ended and not proc.alive(job.pid, job.pid_start):
                 self.catalog.update_job(job.id, ended=True)

@@ -21,6 +21,7 @@ from memsnap.gpu.hook import NvidiaGpuHook
 from memsnap.quota import Quotas
 from tests.unit.fake_cuda import FakeLib, fake_proc, ops, smi_runner, stages
 from tests.unit.fakes import FakeCriu, Procs, make_engine, procs_fixture, state_of  # noqa: F401
+from tests.unit.quiesce_job import Job
 
 OLD = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 NEW = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
@@ -140,3 +141,34 @@ def test_a_restore_records_its_phases_gpu_stages_included(tmp_path: Path, procs:
 def test_every_phase_has_a_histogram_label() -> None:
     assert set(phases.ALL) <= set(metrics.PHASES)
 
+
+# -- quiesce hooks around the GPU ---------------------------------------------------------------------
+def test_the_job_hears_quiesce_before_its_gpu_is_locked_and_resume_after_it_is_unlocked(
+        tmp_path: Path, procs: Procs) -> None:
+    job = Job(tmp_path, "--mode", "ack")
+    try:
+        w = make_world(tmp_path, procs, root=job.pid)
+        seen: dict[str, list[str]] = {}
+        lock, unlock = w.lib.cuCheckpointProcessLock, w.lib.cuCheckpointProcessUnlock
+
+        def spy_lock(pid: int, args: Any) -> int:
+            seen.setdefault("lock", job.lines())
+            return lock(pid, args)
+
+        def spy_unlock(pid: int, args: Any) -> int:
+            seen.setdefault("unlock", job.lines())
+            return unlock(pid, args)
+
+        w.lib.cuCheckpointProcessLock = spy_lock  # type: ignore[method-assign]
+        w.lib.cuCheckpointProcessUnlock = spy_unlock  # type: ignore[method-assign]
+        rec = w.engine.checkpoint(ROOT, str(job.pid))
+        assert seen == {"lock": ["ready", "quiesce"], "unlock": ["ready", "quiesce"]}
+        assert job.lines() == ["ready", "quiesce", "resume"]
+        cur = w.engine.catalog.get_checkpoint(rec.id)
+        assert cur is not None and list(cur.meta["phases"]) == [
+            "quiesce", "gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish", "gpu_restore", "gpu_unlock",
+            "quiesce_resume"]
+        man = manifest.read(w.engine.tier.path(rec.id))  # (signed before the publish: the phases up to the dump)
+        assert set(man["phases"]) == {"quiesce", "gpu_lock", "gpu_checkpoint", "freeze", "dump"}
+    finally:
+        job.kill()
