@@ -501,7 +501,8 @@ class Engine:
             quiet = self.quiesce.quiesce(pid, ckpt_id, journal=self._journal(rec, "quiesce"))
             clock.add("quiesce", quiet.seconds) if quiet is not None else None
             if self.gpu is not None:
-                gpu_info = self.gpu.describe(pid)
+                with clock.timed("gpu_describe"):  # (finding the CUDA processes; nvidia-smi for their GPUs)
+                    gpu_info = self.gpu.describe(pid)
                 if gpu_info:
                     suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=self._journal(rec, "gpu"))
                     clock.gpu(suspension.seconds)

@@ -1,8 +1,9 @@
 """Where a checkpoint's or a restore's time goes, phase by phase: kept in the manifest (the phases up to the
 dump, signed with it), the catalog (all of them; `memsnapctl show`) and the memsnap_phase_seconds histogram.
 
-    checkpoint: quiesce -> gpu_lock -> gpu_checkpoint (device -> host) -> dump (CRIU; freeze: how long of it
-                the tree was frozen) -> publish -> [leave-running: gpu_restore -> gpu_unlock -> quiesce_resume]
+    checkpoint: quiesce -> gpu_describe (finding the CUDA processes) -> gpu_lock -> gpu_checkpoint (device -> host)
+                -> dump (CRIU; freeze: how long of it the tree was frozen) -> publish
+                -> [leave-running: gpu_restore -> gpu_unlock -> quiesce_resume]
     restore:    fetch (from the store) -> verify -> criu_restore -> gpu_restore (host -> device) -> gpu_unlock
                 -> quiesce_resume
 """
@@ -13,8 +14,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
-CHECKPOINT = ("quiesce", "gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish", "gpu_restore", "gpu_unlock",
-              "quiesce_resume")
+CHECKPOINT = ("quiesce", "gpu_describe", "gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish", "gpu_restore",
+              "gpu_unlock", "quiesce_resume")
 RESTORE = ("fetch", "verify", "criu_restore", "gpu_restore", "gpu_unlock", "quiesce_resume")
 ALL = tuple(dict.fromkeys(CHECKPOINT + RESTORE))
 # Observed into the histogram by their own code already (memsnap.drain times the fetch).

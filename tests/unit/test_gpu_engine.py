@@ -130,9 +130,9 @@ def test_a_restore_records_its_phases_gpu_stages_included(tmp_path: Path, procs:
         assert {w.lib.states[c] for c in CUDA} == {ProcessState.RUNNING}
         cur = w.engine.catalog.get_checkpoint(rec.id)
         assert cur is not None and list(cur.meta["restore_phases"]) == list(res.phases)
-        assert list(cur.meta["phases"]) == ["gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish"]
+        assert list(cur.meta["phases"]) == ["gpu_describe", "gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish"]
         man = manifest.read(w.engine.tier.path(rec.id))  # (signed before the publish: the phases up to the dump)
-        assert set(man["phases"]) == {"gpu_lock", "gpu_checkpoint", "freeze", "dump"}
+        assert set(man["phases"]) == {"gpu_describe", "gpu_lock", "gpu_checkpoint", "freeze", "dump"}
         assert [k for k in observed if k.startswith("phase:")] == [f"phase:{p}" for p in res.phases]
     finally:
         os.kill(res.pid, 9)
@@ -166,9 +166,10 @@ def test_the_job_hears_quiesce_before_its_gpu_is_locked_and_resume_after_it_is_u
         assert job.lines() == ["ready", "quiesce", "resume"]
         cur = w.engine.catalog.get_checkpoint(rec.id)
         assert cur is not None and list(cur.meta["phases"]) == [
-            "quiesce", "gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish", "gpu_restore", "gpu_unlock",
+            "quiesce", "gpu_describe", "gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish", "gpu_restore",
+            "gpu_unlock",
             "quiesce_resume"]
         man = manifest.read(w.engine.tier.path(rec.id))  # (signed before the publish: the phases up to the dump)
-        assert set(man["phases"]) == {"quiesce", "gpu_lock", "gpu_checkpoint", "freeze", "dump"}
+        assert set(man["phases"]) == {"quiesce", "gpu_describe", "gpu_lock", "gpu_checkpoint", "freeze", "dump"}
     finally:
         job.kill()
