@@ -16,11 +16,12 @@ from memsnap import progress
 from memsnap import validate as v
 from memsnap.auth import tcp_authenticated
 from memsnap.catalog import JobRecord
-from memsnap.convert import ckpt_pb, job_pb
+from memsnap.convert import ckpt_pb, job_pb, phases_pb
 from memsnap.engine import ROOT, Caller, DumpHooks, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.guard.policy import CRITICAL
 from memsnap.move.plan import MoveRequest, MoveResult
+from memsnap.phases import RESTORE
 from memsnap.quota import Quotas
 from memsnap.resolve import note_for_target
 from memsnap.retention import Policy, not_ours, series_of, series_of_job
@@ -175,7 +176,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                                               tcp_established=request.tcp_established)
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
-                                  from_store=res.from_store)
+                                  from_store=res.from_store, phases=phases_pb(res.phases, RESTORE))
 
     @translate
     def ListCheckpoints(self, request: pb.ListCheckpointsRequest,

@@ -102,8 +102,10 @@ def ckpt_dict(c: pb.CheckpointInfo) -> dict[str, Any]:
     d = _to_dict(c)
     d["state"] = state_name(c.state)
     for k in ("pid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "drained_bytes", "stored_bytes",
-              "durable_unix_ms", "logical_bytes", "new_bytes"):
+              "durable_unix_ms", "logical_bytes", "new_bytes", "host_bytes", "device_bytes"):
         d[k] = int(d.get(k, 0))
+    for k in ("phases", "restore_phases"):
+        d[k] = [{"name": p.name, "ms": int(p.ms)} for p in getattr(c, k)]
     return d
 
 
@@ -593,7 +595,8 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
         f"command     {' '.join(command_of(list(k.argv)))}", f"host        {k.hostname}  criu {k.criu_version}",
         f"created     {timestamp(k.created_unix_ms)} ({age(k.created_unix_ms)} ago)",
         f"durable     {timestamp(k.durable_unix_ms)}",
-        f"size        {human_bytes(k.logical_bytes)}  frozen {human_ms(k.frozen_ms)}  dump {human_ms(k.dump_ms)}",
+        f"size        {human_bytes(k.logical_bytes)}{_split(k)}  frozen {human_ms(k.frozen_ms)}  "
+        f"dump {human_ms(k.dump_ms)}",
         f"stored      {_stored_line(k)}",
         f"in_tier     {str(k.in_tier).lower()}", f"in_store    {str(k.in_store).lower()}",
         f"drained     {human_bytes(k.drained_bytes)} of {human_bytes(k.size_bytes)} "
@@ -603,7 +606,15 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
     for g in k.gpus:
         lines.append(f"gpu         {g.model} {g.uuid} driver {g.driver_version} "
                      f"{human_bytes(g.device_bytes)} (pid {g.pid})")
+    for label, phases in (("phases", k.phases), ("restored in", k.restore_phases)):
+        if phases:
+            lines.append(f"{label:<11} " + ", ".join(f"{p.name} {human_ms(p.ms)}" for p in phases))
     obj.emit(d, lines)
+
+
+def _split(k: pb.CheckpointInfo) -> str:
+    """' (host X + device Y)' for an image that holds device memory, else ''."""
+    return f" (host {human_bytes(k.host_bytes)} + device {human_bytes(k.device_bytes)})" if k.device_bytes else ""
 
 
 def _stored_line(k: pb.CheckpointInfo) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from memsnap.catalog import CheckpointRecord, JobRecord
+from memsnap.phases import CHECKPOINT, RESTORE
 from memsnap.retention import sizes
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -25,14 +26,49 @@ def _u64(x: int) -> int:
     return x if 0 <= x < 1 << 64 else 0
 
 
+def _int(x: Any) -> int:
+    """An int from a record's (possibly another node's) JSON, 0 for anything else."""
+    try:
+        return int(x or 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+def gpus_pb(entries: Any) -> list[pb.GpuInfo]:
+    """The manifest's CUDA processes (memsnap.gpu.hook.describe) as one GpuInfo per process and GPU it used."""
+    out: list[pb.GpuInfo] = []
+    for e in entries if isinstance(entries, list) else []:
+        if not isinstance(e, dict):
+            continue
+        pid, driver = _int(e.get("pid")), str(e.get("driver_version") or "")
+        used = [g for g in e.get("gpus") or [] if isinstance(g, dict)] if isinstance(e.get("gpus"), list) else []
+        for g in used or [{"model": e.get("model"), "uuid": e.get("uuid"), "bytes": e.get("device_bytes")}]:
+            out.append(pb.GpuInfo(model=str(g.get("model") or ""), uuid=str(g.get("uuid") or ""),
+                                  driver_version=driver, device_bytes=_u64(_int(g.get("bytes"))), pid=pid))
+    return out
+
+
+def phases_pb(phases: Any, order: tuple[str, ...] = CHECKPOINT) -> list[pb.Phase]:
+    """{phase: seconds} (memsnap.phases) as Phase messages, in the order they run (a manifest's JSON sorts keys)."""
+    if not isinstance(phases, dict):
+        return []
+    out = []
+    rank = {name: i for i, name in enumerate(order)}
+    for name, secs in sorted(phases.items(), key=lambda kv: (rank.get(str(kv[0]), len(rank)), str(kv[0]))):
+        try:
+            ms = round(float(secs) * 1000)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        out.append(pb.Phase(name=str(name), ms=_u64(ms)))
+    return out
+
+
 def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
     """A catalog record as a proto message."""
     m = r.meta
     logical, stored, new = sizes(r)
-    gpus = [pb.GpuInfo(model=str(g.get("model", "")), uuid=str(g.get("uuid", "")),
-                       driver_version=str(g.get("driver_version", "")),
-                       device_bytes=int(g.get("device_bytes", 0)), pid=int(g.get("pid", 0)))
-            for g in m.get("gpus", []) or []]
+    gpus = gpus_pb(m.get("gpus"))
+    device = min(sum(_int(e.get("device_bytes")) for e in m.get("gpus") or [] if isinstance(e, dict)), logical)
     return pb.CheckpointInfo(
         id=r.id, state=STATE_TO_PB.get(r.state, pb.CHECKPOINT_STATE_UNSPECIFIED), pid=r.pid, job=r.job,
         name=r.name, owner_uid=_u32(r.owner_uid), created_unix_ms=r.created_ms, size_bytes=_u64(r.size_bytes),
@@ -43,7 +79,9 @@ def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
         durable_unix_ms=r.durable_ms,
         parked_reason=str((m.get("parked") or {}).get("reason", "")),
         parked_unix_ms=_u64(int((m.get("parked") or {}).get("at_ms", 0))),
-        logical_bytes=_u64(logical), new_bytes=_u64(new),
+        logical_bytes=_u64(logical), new_bytes=_u64(new), host_bytes=_u64(logical - device),
+        device_bytes=_u64(device), phases=phases_pb(m.get("phases")),
+        restore_phases=phases_pb(m.get("restore_phases"), RESTORE),
     )
 
 
@@ -59,4 +97,4 @@ def job_pb(j: JobRecord, running: bool, g: Any = None) -> pb.Job:
     return out
 
 
-__all__ = ["STATE_TO_PB", "ckpt_pb", "job_pb"]
+__all__ = ["STATE_TO_PB", "ckpt_pb", "gpus_pb", "job_pb", "phases_pb"]

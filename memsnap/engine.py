@@ -49,6 +49,8 @@ from memsnap.errors import (
 )
 from memsnap.lazyguard import LazyGuard
 from memsnap.manifest import Manifest
+from memsnap.phases import PhaseClock
+from memsnap.quiesce.notifier import Quiescer
 from memsnap.retention import not_ours
 from memsnap.tier import MemoryTier, TierFull, publish_image
 
@@ -103,14 +105,18 @@ class GpuHook(Protocol):
         journal(entry) runs before the first lock, journal(None) once all is resumed or released."""
 
     def restore(self, root_pid: int, gpu_map: dict[str, str] | None,
-                checkpointed: list[dict[str, Any]] | None = None) -> None:
-        """Restores and unlocks CUDA state after CRIU restored the tree (checkpointed: the manifest's gpus)."""
+                checkpointed: list[dict[str, Any]] | None = None) -> dict[str, float] | None:
+        """Restores and unlocks CUDA state after CRIU restored the tree (checkpointed: the manifest's gpus);
+        the wall time of each stage ({"restore": s, "unlock": s})."""
 
     def recover(self, entry: dict[str, Any]) -> dict[int, str]:
         """Restores and unlocks the pids of a journal entry that a killed daemon left suspended."""
 
     def describe(self, root_pid: int) -> list[dict[str, Any]]:
         """GPU model/uuid/driver/device bytes per CUDA process of the tree."""
+
+    def device_bytes(self, root_pid: int) -> int:
+        """Device memory the tree's CUDA processes use: what their checkpoint moves into the image."""
 
 
 class MoveRecovery(Protocol):
@@ -138,6 +144,7 @@ class RestoreResult:
     from_store: bool = False
     lazy_server: Any = None  # the lazy-pages process of a lazy restore
     work_dir: Path | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # memsnap.phases.RESTORE: seconds each
 
 
 @dataclass
@@ -202,6 +209,7 @@ class Engine:
         # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
         # every page already (small jobs), but reap_lazy must not remove the dir under the restore.
         self._restoring: set[Path] = set()
+        self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
         self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
         self.gc: Any = None  # memsnap.gc.Collector, set by the daemon
 
@@ -402,12 +410,14 @@ class Engine:
         return rec
 
     def dump_estimate(self, pid: int) -> int:
-        """The tier room a dump of pid's tree reserves: its resident memory, plus a margin."""
+        """The tier room a dump of pid's tree reserves: its resident memory and its CUDA processes' device memory
+        (which their GPU checkpoint moves into host memory, so into the image), plus a margin."""
         try:  # (a private /tmp's files go into the image too)
-            return int((proc.tree_rss(pid) + proc.private_tmp_bytes(pid)) * (1 + self.cfg.reserve_margin)) \
-                + _RESERVE_SLACK
+            host = proc.tree_rss(pid) + proc.private_tmp_bytes(pid)
         except proc.ProcessNotFound as exc:
             raise NotFound(str(exc)) from exc
+        device = self.gpu.device_bytes(pid) if self.gpu is not None else 0
+        return int((host + device) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
 
     def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
@@ -481,21 +491,21 @@ class Engine:
                            tcp_established=tcp_established, shell_job=not proc.is_session_leader(pid),
                            own_mntns=own_mnt, **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
         gpu_info: list[dict[str, Any]] = []
-        suspension = None
+        suspension = quiet = None
+        clock = PhaseClock()
+
+        def tell() -> None:  # the job's quiesce hooks: resume (the same processes run on)
+            self.quiesce.resume(pid, ckpt_id, False, self._journal(rec, "quiesce"))
         try:
+            # The job's own quiesce hooks first (memsnap.quiesce: NCCL suspended, caches dropped), then its GPU.
+            quiet = self.quiesce.quiesce(pid, ckpt_id, journal=self._journal(rec, "quiesce"))
+            clock.add("quiesce", quiet.seconds) if quiet is not None else None
             if self.gpu is not None:
-                gpu_info = self.gpu.describe(pid)
+                with clock.timed("gpu_describe"):  # (finding the CUDA processes; nvidia-smi for their GPUs)
+                    gpu_info = self.gpu.describe(pid)
                 if gpu_info:
-                    def journal(entry: dict[str, Any] | None) -> None:  # the GPU step, for recover()
-                        cur = self.catalog.get_checkpoint(ckpt_id)
-                        meta = dict(cur.meta if cur is not None else rec.meta)
-                        for m in (meta, rec.meta):
-                            if entry is None:
-                                m.pop("gpu", None)
-                            else:
-                                m["gpu"] = entry
-                        self.catalog.update_checkpoint(ckpt_id, meta=meta)
-                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=journal)
+                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=self._journal(rec, "gpu"))
+                    clock.gpu(suspension.seconds)
             if hooks.before_dump is not None:
                 hooks.before_dump(staging)
             stats = self.criu.dump(pid, staging, work, opts, notify=hooks.notify)
@@ -505,6 +515,7 @@ class Engine:
                     suspension.resume()
                 except Exception as gpu_exc:  # keep CRIU's reason as the error; log the GPU one
                     clog.error("could not resume CUDA state after a failed dump: %s", gpu_exc)
+            tell() if quiet is not None else None
             self.tier.discard_staging(ckpt_id)
             reason = exc.reason if isinstance(exc, CriuError) else str(exc)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=reason)
@@ -513,13 +524,16 @@ class Engine:
                 raise FailedPrecondition(f"checkpoint of pid {pid} failed, the process was left running: "
                                          f"{reason} (log: {exc.log_path})") from exc
             raise
+        clock.add("freeze", stats.frozen_ms / 1000)  # (CRIU's own stats: how long the tree was frozen, the dump)
+        clock.add("dump", stats.wall_ms / 1000)
+        t_publish = time.monotonic()
         try:
             man = self.new_manifest(rec, argv, own_ns, job,
                                     (hooks.file_table() if hooks.file_table else None)
                                     or manifest.describe_files(staging),
                                     frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
                                     dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt,
-                                    tcp_close=not opts.tcp_established)
+                                    tcp_close=not opts.tcp_established, phases=clock.rounded())
             man.extra.update(hooks.manifest)  # signed too (memsnap.guard: parked)
             size = publish_image(self.tier, self.catalog, self.key, staging, man, keep_meta=rec.meta,
                                  failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
@@ -530,13 +544,12 @@ class Engine:
                 _resume_stopped(pid)
             if suspension is not None:
                 suspension.resume()
+            tell() if quiet is not None else None
             self.tier.discard_staging(ckpt_id)
             self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
+        clock.add("publish", time.monotonic() - t_publish)
         failpoints.hit("after-publish")
-        # Phases from CRIU's own stats: how long the tree was frozen, and the dump call itself.
-        self.observe("phase:freeze", "ok", stats.frozen_ms / 1000)
-        self.observe("phase:dump", "ok", stats.wall_ms / 1000)
         if hooks.hold:
             pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
         elif stop:
@@ -544,16 +557,43 @@ class Engine:
             if suspension is not None:
                 suspension.release()
             proc.kill_tree(pid)
+            self._journal(rec, "quiesce")(None)  # (nobody left to tell)
             if job is not None:
                 self.catalog.update_job(job.id, ended=True)
-        elif suspension is not None:
-            suspension.resume()
+        else:
+            if suspension is not None:
+                suspension.resume()
+                clock.gpu({k: v for k, v in suspension.seconds.items() if k in ("restore", "unlock")})
+            if quiet is not None:
+                with clock.timed("quiesce_resume"):
+                    tell()
+        self._note_phases(ckpt_id, "phases", clock)
         shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
         clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
                   stats.wall_ms)
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out
+
+    def _journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]:
+        """write(entry) keeps a step recover() must undo in the record's meta[key] (None or False: done)."""
+        def write(entry: Any) -> None:
+            cur = self.catalog.get_checkpoint(rec.id)
+            meta = dict(cur.meta if cur is not None else rec.meta)
+            for m in (meta, rec.meta):
+                if entry is None or entry is False:
+                    m.pop(key, None)
+                else:
+                    m[key] = entry
+            self.catalog.update_checkpoint(rec.id, meta=meta)
+        return write
+
+    def _note_phases(self, ckpt_id: str, key: str, clock: PhaseClock) -> None:
+        """An operation's phases into the checkpoint's record (memsnapctl show) and the phase histogram."""
+        cur = self.catalog.get_checkpoint(ckpt_id)
+        if cur is not None:
+            self.catalog.update_checkpoint(ckpt_id, meta={**cur.meta, key: clock.rounded()})
+        clock.observe(self.observe)
 
     def new_manifest(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
                      files: dict[str, dict[str, Any]], **fields: Any) -> Manifest:
@@ -777,16 +817,21 @@ class Engine:
         restore_ms = (time.monotonic() - t2) * 1000
         if man.get("parked"):
             _resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
+        clock = PhaseClock()
+        for name, ms in (("fetch", fetch_ms), ("verify", verify_ms), ("criu_restore", restore_ms)):
+            clock.add(name, ms / 1000) if ms else None
         try:
-            job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log)
+            job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log, clock)
         except BaseException:
             proc.kill_tree(new_pid)
             self.observe("restore", "error", time.monotonic() - t0)
             raise
+        self._note_phases(rec.id, "restore_phases", clock)
         self.observe("restore", "ok", time.monotonic() - t0)
         log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
-                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work)
+                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work,
+                             phases=clock.rounded())
 
     def _keep_failure(self, work: Path) -> Path:
         """A failed restore's work dir (CRIU's logs) moves to <work>/failed, where no cleanup of its checkpoint
@@ -803,18 +848,23 @@ class Engine:
         return dest
 
     def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
-                         gpu_map: Any, log_path: str = "") -> JobRecord:
-        """Brings a restored tree's GPU state back and records it as a job (the caller kills it on error)."""
+                         gpu_map: Any, log_path: str = "", clock: PhaseClock | None = None) -> JobRecord:
+        """Brings a restored tree's GPU state back, tells its quiesce hooks to resume, and records it as a job
+        (the caller kills it on error)."""
+        clock = clock or PhaseClock()
         if failpoints.armed("record-restored-fails"):
             raise OSError("failpoint record-restored-fails: the catalog could not be written")
         if server is not None and failpoints.armed("kill-lazy-pages"):
             _kill_lazy_pages(server.pid)
         if self.gpu is not None and man.get("gpus"):
             try:
-                self.gpu.restore(new_pid, gpu_map, man.get("gpus"))
+                clock.gpu(self.gpu.restore(new_pid, gpu_map, man.get("gpus")))
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
+        t_tell = time.monotonic()
+        if self.quiesce.resume(new_pid, rec.id, restored=True):  # (its quiesce hooks, if it has any)
+            clock.add("quiesce_resume", time.monotonic() - t_tell)
         if server is None and not knobs.keep_logs():
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=restored_job_name(rec, man), pid=new_pid,
@@ -972,17 +1022,31 @@ class Engine:
         proc.kill_tree(pid)
         if job_id:
             self.catalog.update_job(job_id, ended=True)
-        self._release_hold(ckpt_id)
+        self._release_hold(ckpt_id, done=("gpu", "quiesce"))  # (its processes are gone: nothing to undo)
 
     def resume_held(self, pid: int, ckpt_id: str = "") -> None:
-        """Lets a held tree run on (SIGCONT), after a move that did not happen."""
-        _resume_stopped(pid)
-        self._release_hold(ckpt_id)
-
-    def _release_hold(self, ckpt_id: str) -> None:
+        """Lets a held tree run on (SIGCONT), after a move that did not happen: the CUDA state its dump left
+        checkpointed (journaled in the record) is restored and unlocked, then its quiesce hooks hear resume."""
+        _resume_stopped(pid)  # (first: the driver's restore needs the process's CUDA restore thread to run)
         rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
-        if rec is not None and rec.meta.get("hold"):
-            self.catalog.update_checkpoint(ckpt_id, meta={**rec.meta, "hold": False})
+        meta = rec.meta if rec is not None else {}
+        done = ["quiesce"]
+        if meta.get("gpu") and self.gpu is not None:
+            back = self.gpu.recover(meta["gpu"])
+            ok = not any(str(v).startswith("error") for v in back.values())  # (else a restart tries again)
+            done += ["gpu"] if ok else []
+            (log.info if ok else log.error)("CUDA state of held pid %d: %s", pid, back,
+                                            extra={"checkpoint_id": ckpt_id})
+        if meta.get("quiesce"):
+            self.quiesce.resume(pid, ckpt_id, restored=False)
+        self._release_hold(ckpt_id, done=tuple(done))
+
+    def _release_hold(self, ckpt_id: str, done: tuple[str, ...] = ()) -> None:
+        """The hold is over; done: journaled steps (meta keys) nothing is left to undo for."""
+        rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
+        if rec is not None and (rec.meta.get("hold") or any(k in rec.meta for k in done)):
+            meta = {k: v for k, v in rec.meta.items() if k not in done}
+            self.catalog.update_checkpoint(ckpt_id, meta={**meta, "hold": False})
 
     def status(self, caller: Caller = ROOT) -> dict[str, Any]:
         """Numbers for `memsnapctl status`: daemon-wide for root, the caller's own jobs and checkpoints else."""
@@ -1095,6 +1159,10 @@ class Engine:
             if rec.meta.get("gpu") and self.gpu is not None and rec.id not in in_doubt:
                 log.warning("CUDA recovery for %s: %s", rec.id, self.gpu.recover(rec.meta["gpu"]))
                 self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
+            if rec.meta.get("quiesce") and rec.id not in in_doubt:  # (a job that was asked to quiesce: resume it)
+                if proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
+                    self.quiesce.resume(rec.pid, rec.id, restored=False)
+                self._journal(rec, "quiesce")(None)
         for job in self.catalog.jobs():
             if not job.ended and not proc.alive(job.pid, job.pid_start):
                 self.catalog.update_job(job.id, ended=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from memsnap import jobinit
+from memsnap import jobinit, quiesce
 from memsnap.mounts import JOB_LOG, PRIVATE_TMP_SOURCE
 from memsnap.proc import (
     ProcessNotFound,
@@ -202,7 +202,8 @@ class Launcher:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         if uid:
             os.fchown(fd, uid, gid)
-        job_env = {**(env or {}), "MEMSNAP_JOB": job_id}
+        # Where its processes may listen for quiesce requests (memsnap.quiesce), unless the caller chose.
+        job_env = {quiesce.ENV_DIR: quiesce.default_dir(job_id, private_tmp), **(env or {}), "MEMSNAP_JOB": job_id}
         env_fd = os.memfd_create("memsnap-job-env", 0)
         rd, wr = os.pipe()
         launcher_log = os.open(self.log_dir / f"{job_id}.launcher.log",

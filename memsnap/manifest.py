@@ -65,10 +65,11 @@ class Manifest:
     received_at: dict[str, Any] | None = None  # {"host", "unix_ms"} when it came from another node
     log_mount: str = ""  # the key of the job log's bind mount (memsnap.mounts.LOG_MOUNT_KEY), if it has one
     tcp_close: bool = False  # dumped without its TCP connections' state: a restore closes them
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase up to the dump (memsnap.phases)
     extra: dict[str, Any] = field(default_factory=dict)  # keys this memsnap does not know, kept as they are
 
     # written only when set (older readers never saw them)
-    _OPTIONAL = ("pages_remote", "received_at", "log_mount", "tcp_close")
+    _OPTIONAL = ("pages_remote", "received_at", "log_mount", "tcp_close", "phases")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
@@ -108,6 +109,8 @@ class Manifest:
             meta["pages_remote"] = True
         if self.log_mount:
             meta["log_mount"] = self.log_mount
+        if self.phases:
+            meta["phases"] = self.phases
         st = self.extra.get("storage")
         if isinstance(st, dict) and st.get("layout") == "chunked":  # a stored manifest of a chunked image
             meta["store"] = {"format": "chunked", **{k: int(st.get(k, 0) or 0)

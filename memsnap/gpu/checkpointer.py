@@ -1,7 +1,16 @@
 """Suspending a job's CUDA state around a CRIU dump, and bringing it back after a restore.
 
-Lock every pid first (a consistent quiesce point; a lock timeout then only costs unlocks), then
-checkpoint every pid. Any failure rolls back what was done, so a job is never left locked.
+Every driver call of one stage runs on its own thread, one per CUDA process, and a stage ends only
+when all of its calls have (each GPU has its own link, so a job with one process per GPU pays the
+slowest process, not the sum):
+
+    journal(pids) -> lock all (with a timeout) -> checkpoint all -> [CRIU dump] -> restore all -> unlock all
+                       |            |                                              |
+                       any failed: every pid that got anywhere is restored and unlocked (in parallel), then raise
+
+All locks come first, so the job stops at one point in all of its processes; a failure of one process
+never leaves the others locked. The journal entry is written before the first lock, so a daemon killed
+mid-way restores and unlocks them at its next start (recovery.recover_pids).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from typing import Any, Self
 
 from memsnap.gpu.base import GpuDriver, GpuPairs, ProcessState
 from memsnap.gpu.errors import GpuError
+from memsnap.gpu.parallel import each_pid
 from memsnap.gpu.recovery import journal_entry, settle
 
 # journal(entry) before the first lock, journal(None) once every pid is back to RUNNING or released.
@@ -23,8 +33,10 @@ log = logging.getLogger(__name__)
 
 
 def _joined(op: str, errors: Sequence[GpuError]) -> GpuError:
-    """One GpuError that names every failure."""
-    return GpuError(op, "; ".join(str(e) for e in errors), pid=errors[0].pid if len(errors) == 1 else None)
+    """The one error, or one GpuError that names every failure."""
+    if len(errors) == 1:
+        return errors[0]
+    return GpuError(op, "; ".join(str(e) for e in errors))
 
 
 class GpuSuspension:
@@ -47,7 +59,10 @@ class GpuSuspension:
         self.device_bytes = {p: device_bytes[p] for p in self.pids if device_bytes and p in device_bytes}
         # None: unknown (an operation on it failed); absent: never touched.
         self._states: dict[int, ProcessState | None] = {}
+        # Wall time of each stage (lock, checkpoint, restore, unlock), all its pids at once.
         self.seconds: dict[str, float] = {}
+        # The same per pid and stage: {"lock": {pid: s}, ...}, to see which process was slow.
+        self.pid_seconds: dict[str, dict[int, float]] = {}
         self.released = False
 
     def _step(self, op: str, pid: int, call: Callable[[], None], after: ProcessState) -> None:
@@ -55,8 +70,17 @@ class GpuSuspension:
         self._states[pid] = None
         t0 = time.monotonic()
         call()
-        self.seconds[op] = self.seconds.get(op, 0.0) + time.monotonic() - t0
+        self.pid_seconds.setdefault(op, {})[pid] = time.monotonic() - t0
         self._states[pid] = after
+
+    def _stage(self, op: str, pids: Sequence[int], call: Callable[[int], None]) -> list[GpuError]:
+        """call(pid) for every pid in parallel, timed as one stage; the GpuErrors."""
+        if not pids:
+            return []
+        t0 = time.monotonic()
+        errors = each_pid(op, pids, call)
+        self.seconds[op] = self.seconds.get(op, 0.0) + time.monotonic() - t0
+        return list(errors.values())
 
     def _lock(self, pid: int, timeout_ms: int) -> None:
         """RUNNING -> LOCKED."""
@@ -66,19 +90,27 @@ class GpuSuspension:
         """LOCKED -> CHECKPOINTED."""
         self._step("checkpoint", pid, lambda: self._driver.checkpoint(pid), ProcessState.CHECKPOINTED)
 
-    def _to_running(self, pid: int) -> None:
-        """Restore and/or unlock pid, from whatever state it is known (or queried) to be in."""
+    def _restore(self, pid: int) -> None:
+        """CHECKPOINTED -> LOCKED; a pid in an unknown state is asked first (and left alone unless CHECKPOINTED)."""
         state = self._states.get(pid)
         if state is None:
             state = settle(self._driver, pid)
             self._states[pid] = state
         if state is ProcessState.CHECKPOINTED:
             self._step("restore", pid, lambda: self._driver.restore(pid), ProcessState.LOCKED)
-            state = ProcessState.LOCKED
-        if state is ProcessState.LOCKED:
-            self._step("unlock", pid, lambda: self._driver.unlock(pid), ProcessState.RUNNING)
         elif state is ProcessState.FAILED:
             raise GpuError("resume", "CUDA state is FAILED: the process must be restarted", pid=pid)
+
+    def _unlock(self, pid: int) -> None:
+        """LOCKED -> RUNNING."""
+        self._step("unlock", pid, lambda: self._driver.unlock(pid), ProcessState.RUNNING)
+
+    def run_stages(self, timeout_ms: int) -> None:
+        """Lock every pid, then checkpoint every pid; the first stage that fails raises (nothing rolled back)."""
+        for op, call in (("lock", lambda p: self._lock(p, timeout_ms)), ("checkpoint", self._checkpoint)):
+            errors = self._stage(op, self.pids, call)
+            if errors:
+                raise _joined(op, errors)
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -88,14 +120,13 @@ class GpuSuspension:
         return tuple(p for p, s in self._states.items() if s is not ProcessState.RUNNING)
 
     def resume(self) -> None:
-        """Restore + unlock every pid still suspended; idempotent, and retries only what failed."""
-        errors: list[GpuError] = []
-        for pid in self.pending:
-            try:
-                self._to_running(pid)
-            except GpuError as exc:
-                log.error("could not resume CUDA state: %s", exc)
-                errors.append(exc)
+        """Restore then unlock every pid still suspended, all at once; idempotent, retries only what failed."""
+        errors = self._stage("restore", self.pending, self._restore)
+        failed = {e.pid for e in errors}
+        locked = [p for p in self.pending if p not in failed and self._states.get(p) is ProcessState.LOCKED]
+        errors += self._stage("unlock", locked, self._unlock)
+        for exc in errors:
+            log.error("could not resume CUDA state: %s", exc)
         if errors:
             raise _joined("resume", errors)
         self._settled()
@@ -112,7 +143,7 @@ class GpuSuspension:
             journal(None)
 
     def record(self) -> dict[str, Any]:
-        """What the manifest keeps: pids, device bytes per pid and the time spent per driver call."""
+        """What the manifest keeps: pids, device bytes per pid and the wall time of each stage."""
         return {
             "pids": list(self.pids),
             "device_bytes": {str(p): n for p, n in self.device_bytes.items()},
@@ -177,7 +208,8 @@ class GpuCheckpointer:
         journal: Journal | None = None,
         starts: Mapping[int, float] | None = None,
     ) -> GpuSuspension:
-        """Lock then checkpoint every pid; on any failure roll back what was done and re-raise.
+        """Lock every pid, then checkpoint every pid (each stage in parallel); on any failure roll back
+        what was done (in parallel) and re-raise.
 
         journal (if given) records the pids before the first lock, so that a daemon killed mid-way
         leaves a trace recovery.recover_pids() can undo; it is cleared once all is resumed or released.
@@ -188,10 +220,7 @@ class GpuCheckpointer:
         if journal is not None:
             journal(journal_entry(sus.pids, dict(starts or {})))
         try:
-            for pid in sus.pids:
-                sus._lock(pid, timeout_ms)
-            for pid in sus.pids:
-                sus._checkpoint(pid)
+            sus.run_stages(timeout_ms)
         except BaseException as exc:
             try:
                 sus.resume()
@@ -201,22 +230,19 @@ class GpuCheckpointer:
         return sus
 
     def restore(self, pids: Sequence[int], pairs: Mapping[int, GpuPairs] | None = None) -> dict[str, float]:
-        """After CRIU restored the tree: restore every pid (onto pairs[pid], see memsnap.gpu.remap), then unlock.
+        """After CRIU restored the tree: restore every pid (onto pairs[pid], see memsnap.gpu.remap), then
+        unlock every pid; each stage in parallel. Returns each stage's wall time.
 
         pairs must already be complete and validated (remap.restore_pairs): the driver wants every
-        checkpointed GPU of a process listed once a list is given. Stops at the first failed restore
-        and unlocks nothing then: the job is unusable, kill its tree.
+        checkpointed GPU of a process listed once a list is given. When a restore fails, nothing is
+        unlocked: the job is unusable, kill its tree.
         """
         t0 = time.monotonic()
-        for pid in pids:
-            self.driver.restore(pid, list((pairs or {}).get(pid, ())))
-        t1 = time.monotonic()
-        errors: list[GpuError] = []
-        for pid in pids:
-            try:
-                self.driver.unlock(pid)
-            except GpuError as exc:
-                errors.append(exc)
+        errors = each_pid("restore", pids, lambda pid: self.driver.restore(pid, list((pairs or {}).get(pid, ()))))
         if errors:
-            raise _joined("unlock", errors)
+            raise _joined("restore", list(errors.values()))
+        t1 = time.monotonic()
+        errors = each_pid("unlock", pids, self.driver.unlock)
+        if errors:
+            raise _joined("unlock", list(errors.values()))
         return {"restore": t1 - t0, "unlock": time.monotonic() - t1}

@@ -100,6 +100,12 @@ class NvidiaGpuHook:
             )
         return out
 
+    def device_bytes(self, root_pid: int) -> int:
+        """Device memory in use by the tree's CUDA processes (nvidia-smi, i.e. NVML), 0 when it reports none;
+        the scan is reused by describe() and suspend() for a few seconds."""
+        procs, info = self._scan(root_pid, fresh=False)
+        return sum(detect.device_bytes(info).values()) if procs else 0
+
     def suspend(self, root_pid: int, timeout_ms: int, journal: Journal | None = None) -> GpuSuspension:
         """Preflight, then lock + checkpoint every process of the tree that holds CUDA state.
 
@@ -137,8 +143,9 @@ class NvidiaGpuHook:
 
     def restore(
         self, root_pid: int, gpu_map: dict[str, str] | None, checkpointed: list[dict[str, Any]] | None = None
-    ) -> None:
-        """After CRIU restored the tree: restore (remapped by gpu_map) and unlock its checkpointed CUDA pids.
+    ) -> dict[str, float]:
+        """After CRIU restored the tree: restore (remapped by gpu_map) and unlock its checkpointed CUDA pids; the
+        wall time of each stage (all pids in parallel).
 
         checkpointed is the manifest's "gpus" (describe() at dump time): the GPUs each process had,
         so that a remap lists every one of them and a missing GPU is refused before the driver is called.
@@ -147,7 +154,7 @@ class NvidiaGpuHook:
         cuda = ckpt.checkpointed(detect.descendants(root_pid, self._proc))
         if not cuda:
             log.warning("restored tree %d has no checkpointed CUDA process; nothing to restore", root_pid)
-            return
+            return {}
         had = remap.checkpointed_gpus(checkpointed or [])
         if not had and gpu_map:  # a manifest without GPU records: the map is all we know
             had = {0: [{"uuid": old} for old in gpu_map]}
@@ -166,6 +173,7 @@ class NvidiaGpuHook:
             pairs.update({host_of[ns]: ps for ns, ps in by_ns.items() if ns in host_of})
         seconds = ckpt.restore(cuda, pairs)
         log.info("CUDA state of pids %s restored in %.3f s", cuda, sum(seconds.values()))
+        return seconds
 
     def recover(self, entry: dict[str, Any]) -> dict[int, str]:
         """Restore + unlock the journaled pids (GpuCheckpointer.suspend) a killed daemon left suspended."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from memsnap.gpu.base import IN_PROGRESS, GpuDriver, ProcessState
 from memsnap.gpu.errors import GpuError
+from memsnap.gpu.parallel import each_pid
 
 log = logging.getLogger(__name__)
 
@@ -54,40 +55,52 @@ def recover_pids(
     settle_s: float = SETTLE_TIMEOUT_S,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[int, str]:
-    """Restore and unlock every live pid a killed daemon left LOCKED or CHECKPOINTED.
+    """Restore and unlock every live pid a killed daemon (or a move that did not happen) left LOCKED or
+    CHECKPOINTED.
 
     Returns pid -> what was done: "gone" (not alive, or the driver no longer knows it), "running"
     (nothing to do), "unlocked", "restored" (restored then unlocked), or "error: ..." (logged).
-    Never raises for one pid: every other pid still gets its turn.
+    Never raises for one pid: every other pid still gets its turn. As in GpuCheckpointer, every pid is
+    restored first, then every pid unlocked, each stage with a thread per pid.
     """
+    order = list(dict.fromkeys(pids))
     out: dict[int, str] = {}
-    for pid in pids:
+    found: dict[int, ProcessState] = {}
+
+    def restore(pid: int) -> None:
         if not alive(pid):
             out[pid] = "gone"
-            continue
+            return
         try:
-            state = settle(driver, pid, settle_s, sleep)
+            state = found[pid] = settle(driver, pid, settle_s, sleep)
         except GpuError as exc:
             # A pid with no CUDA state (it exited, or the number was reused) cannot be queried.
             log.info("CUDA recovery: pid %d has no queryable CUDA state (%s)", pid, exc)
             out[pid] = "gone"
-            continue
-        try:
-            if state is ProcessState.CHECKPOINTED:
-                driver.restore(pid)
-                driver.unlock(pid)
-                out[pid] = "restored"
-            elif state is ProcessState.LOCKED:
-                driver.unlock(pid)
-                out[pid] = "unlocked"
-            elif state is ProcessState.FAILED:
-                out[pid] = "error: CUDA state is FAILED: the process must be restarted"
-            else:
-                out[pid] = "running"
-        except GpuError as exc:
-            out[pid] = f"error: {exc}"
-        if out[pid].startswith("error"):
-            log.error("CUDA recovery of pid %d left it %s: %s", pid, state.name, out[pid])
-        elif out[pid] != "running":
-            log.warning("CUDA recovery: pid %d was left %s by a stopped daemon: %s", pid, state.name, out[pid])
-    return out
+            return
+        if state is ProcessState.CHECKPOINTED:
+            driver.restore(pid)
+            out[pid] = "restored"
+        elif state is ProcessState.FAILED:
+            out[pid] = "error: CUDA state is FAILED: the process must be restarted"
+        elif state is not ProcessState.LOCKED:
+            out[pid] = "running"
+
+    def unlock(pid: int) -> None:
+        driver.unlock(pid)
+        out[pid] = out.get(pid, "unlocked")
+
+    for pid, exc in each_pid("recover", order, restore).items():
+        out[pid] = f"error: {exc}"
+    todo = [p for p in order if p not in out or out[p] == "restored"]
+    for pid, exc in each_pid("recover", todo, unlock).items():
+        out[pid] = f"error: {exc}"
+    for pid in order:
+        done, state = out.setdefault(pid, "error: recovery thread died"), found.get(pid)
+        where = state.name if state is not None else "in an unknown state"
+        if done.startswith("error"):
+            log.error("CUDA recovery of pid %d left it %s: %s", pid, where, done)
+        elif done not in ("running", "gone"):
+            log.warning("CUDA recovery: pid %d was left %s (by a stopped daemon or a held move): %s", pid, where, done)
+    return {p: out[p] for p in order}
+

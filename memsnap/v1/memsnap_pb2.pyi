@@ -252,7 +252,7 @@ class GpuInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., uuid: _Optional[str] = ..., driver_version: _Optional[str] = ..., device_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms", "parked_reason", "parked_unix_ms", "logical_bytes", "new_bytes")
+    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms", "parked_reason", "parked_unix_ms", "logical_bytes", "new_bytes", "host_bytes", "device_bytes", "phases", "restore_phases")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,10 @@ class CheckpointInfo(_message.Message):
     PARKED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_PHASES_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: CheckpointState
     pid: int
@@ -303,7 +307,11 @@ class CheckpointInfo(_message.Message):
     parked_unix_ms: int
     logical_bytes: int
     new_bytes: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., new_bytes: _Optional[int] = ...) -> None: ...
+    host_bytes: int
+    device_bytes: int
+    phases: _containers.RepeatedCompositeFieldContainer[Phase]
+    restore_phases: _containers.RepeatedCompositeFieldContainer[Phase]
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., new_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., restore_phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("target", "stop", "wait", "tcp_established", "name", "keep_last", "keep_within_s", "fail_on_in_flight")
@@ -353,7 +361,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., gpu_map: _Optional[_Mapping[str, str]] = ..., tcp_established: _Optional[bool] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("pid", "job", "restore_ms", "verify_ms", "fetch_ms", "from_store", "paged_in_ms")
+    __slots__ = ("pid", "job", "restore_ms", "verify_ms", "fetch_ms", "from_store", "paged_in_ms", "phases")
     PID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +369,7 @@ class RestoreResponse(_message.Message):
     FETCH_MS_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     PAGED_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     pid: int
     job: Job
     restore_ms: int
@@ -368,7 +377,8 @@ class RestoreResponse(_message.Message):
     fetch_ms: int
     from_store: bool
     paged_in_ms: int
-    def __init__(self, pid: _Optional[int] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., restore_ms: _Optional[int] = ..., verify_ms: _Optional[int] = ..., fetch_ms: _Optional[int] = ..., from_store: _Optional[bool] = ..., paged_in_ms: _Optional[int] = ...) -> None: ...
+    phases: _containers.RepeatedCompositeFieldContainer[Phase]
+    def __init__(self, pid: _Optional[int] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., restore_ms: _Optional[int] = ..., verify_ms: _Optional[int] = ..., fetch_ms: _Optional[int] = ..., from_store: _Optional[bool] = ..., paged_in_ms: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("job",)

@@ -25,118 +25,14 @@ from memsnap.gpu.errors import GpuError, GpuPreflightError, GpuUnavailable
 from memsnap.gpu.hook import NvidiaGpuHook, load_hook
 from memsnap.gpu.recovery import recover_pids, settle
 from memsnap.gpu.tool import CudaCheckpointCli
+from tests.unit.fake_cuda import ILLEGAL_STATE, NOT_SUPPORTED, TIMEOUT, FakeLib, stages
+from tests.unit.fake_cuda import fake_proc as _proc
+from tests.unit.fake_cuda import ops as _ops
+from tests.unit.fake_cuda import smi_runner as _smi_runner
 
 OLD = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 NEW = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
 THIRD = "GPU-0f0f0f0f-1e1e-2d2d-3c3c-4b4b4b4b4b4b"
-
-# -- a fake libcuda: a small state machine that records every call -------------------------------
-ILLEGAL_STATE, TIMEOUT, NOT_INITIALIZED, NOT_SUPPORTED = 401, 909, 3, 801
-# c_char_p results point into these bytes, so they must live for the whole run.
-_NAMES = {
-    ILLEGAL_STATE: b"CUDA_ERROR_ILLEGAL_STATE",
-    TIMEOUT: b"CUDA_ERROR_TIMEOUT",
-    NOT_INITIALIZED: b"CUDA_ERROR_NOT_INITIALIZED",
-    NOT_SUPPORTED: b"CUDA_ERROR_NOT_SUPPORTED",
-}
-_TEXTS = {
-    ILLEGAL_STATE: b"operation not permitted in this state",
-    TIMEOUT: b"the operation timed out",
-    NOT_SUPPORTED: b"operation not supported",
-}
-_MOVES = {
-    "Lock": (ProcessState.RUNNING, ProcessState.LOCKED),
-    "Checkpoint": (ProcessState.LOCKED, ProcessState.CHECKPOINTED),
-    "Restore": (ProcessState.CHECKPOINTED, ProcessState.LOCKED),
-    "Unlock": (ProcessState.LOCKED, ProcessState.RUNNING),
-}
-
-
-class FakeLib:
-    """Records (call, pid) and moves each pid through CUprocessState like the driver does."""
-
-    def __init__(self, pids: Sequence[int] = (), version: int = 13000) -> None:
-        self.states = {p: ProcessState.RUNNING for p in pids}
-        self.version = version
-        self.fail: dict[tuple[str, int], int] = {}
-        self.calls: list[tuple[str, int]] = []
-        self.lock_timeouts: list[int] = []
-        self.restore_pairs: list[list[tuple[bytes, bytes]]] = []
-        # pid -> states GetState reports first (CUDA 13.4's CHECKPOINTING/RESTORING), before the real one
-        self.transient: dict[int, list[ProcessState]] = {}
-        self.tid_error: dict[int, int] = {}
-
-    def cuInit(self, flags: int) -> int:
-        self.calls.append(("Init", flags))
-        return 0
-
-    def cuDriverGetVersion(self, out: Any) -> int:
-        out.contents.value = self.version
-        return 0
-
-    def cuGetErrorName(self, result: int, out: Any) -> int:
-        out.contents.value = _NAMES.get(result)
-        return 0 if result in _NAMES else 1
-
-    def cuGetErrorString(self, result: int, out: Any) -> int:
-        out.contents.value = _TEXTS.get(result)
-        return 0 if result in _TEXTS else 1
-
-    def _move(self, op: str, pid: int) -> int:
-        self.calls.append((op, pid))
-        if (op, pid) in self.fail:
-            return self.fail[(op, pid)]
-        src, dst = _MOVES[op]
-        if self.states.get(pid) is not src:
-            return ILLEGAL_STATE
-        self.states[pid] = dst
-        return 0
-
-    def cuCheckpointProcessLock(self, pid: int, args: Any) -> int:
-        self.lock_timeouts.append(args.contents.timeoutMs)
-        assert bytes(args.contents)[4:] == bytes(60)
-        return self._move("Lock", pid)
-
-    def cuCheckpointProcessCheckpoint(self, pid: int, args: Any) -> int:
-        assert bytes(args.contents) == bytes(64)
-        return self._move("Checkpoint", pid)
-
-    def cuCheckpointProcessRestore(self, pid: int, args: Any) -> int:
-        a = args.contents
-        self.restore_pairs.append(
-            [
-                (bytes(a.gpuPairs[i].oldUuid.bytes), bytes(a.gpuPairs[i].newUuid.bytes))
-                for i in range(a.gpuPairsCount)
-            ]
-        )
-        assert bytes(a.reserved) == bytes(len(a.reserved)) and a.reserved1 == 0
-        return self._move("Restore", pid)
-
-    def cuCheckpointProcessUnlock(self, pid: int, args: Any) -> int:
-        assert bytes(args.contents) == bytes(64)
-        return self._move("Unlock", pid)
-
-    def cuCheckpointProcessGetState(self, pid: int, out: Any) -> int:
-        self.calls.append(("GetState", pid))
-        if pid not in self.states:
-            return NOT_INITIALIZED
-        queued = self.transient.get(pid)
-        out.contents.value = int(queued.pop(0) if queued else self.states[pid])
-        return 0
-
-    def cuCheckpointProcessGetRestoreThreadId(self, pid: int, out: Any) -> int:
-        if pid in self.tid_error:
-            return self.tid_error[pid]
-        if pid not in self.states:
-            return NOT_INITIALIZED
-        out.contents.value = pid + 1
-        return 0
-
-
-def _ops(lib: FakeLib) -> list[tuple[str, int]]:
-    """The state-changing calls, without queries."""
-    return [c for c in lib.calls if c[0] in _MOVES or c[0] == "dump"]
-
 
 def _setup(pids: Sequence[int] = (10, 20), version: int = 13000) -> tuple[FakeLib, GpuCheckpointer]:
     lib = FakeLib(pids, version)
@@ -328,16 +224,13 @@ def test_lock_checkpoint_dump_restore_unlock_order() -> None:
         assert lib.states == {10: ProcessState.CHECKPOINTED, 20: ProcessState.CHECKPOINTED}
         lib.calls.append(("dump", 0))
         sus.resume()  # leave-running dump: give the GPU back
-    assert _ops(lib) == [
-        ("Lock", 10),
-        ("Lock", 20),
-        ("Checkpoint", 10),
-        ("Checkpoint", 20),
-        ("dump", 0),
-        ("Restore", 10),
-        ("Unlock", 10),
-        ("Restore", 20),
-        ("Unlock", 20),
+    # every stage for all pids (in parallel) before the next: lock, checkpoint | dump | restore, unlock
+    assert stages(lib) == [
+        ("Lock", frozenset({10, 20})),
+        ("Checkpoint", frozenset({10, 20})),
+        ("dump", frozenset({0})),
+        ("Restore", frozenset({10, 20})),
+        ("Unlock", frozenset({10, 20})),
     ]
     assert lib.lock_timeouts == [5000, 5000]
     rec = sus.record()
@@ -355,7 +248,8 @@ def test_released_dump_then_restore_after_criu() -> None:
     assert sus.pending == ()
     seconds = ckpt.restore([10, 20], {10: [(OLD, NEW)], 20: [(OLD, NEW)]})
     assert set(seconds) == {"restore", "unlock"}
-    assert _ops(lib)[4:] == [("dump", 0), ("Restore", 10), ("Restore", 20), ("Unlock", 10), ("Unlock", 20)]
+    both = frozenset({10, 20})
+    assert stages(lib)[2:] == [("dump", frozenset({0})), ("Restore", both), ("Unlock", both)]
     assert lib.restore_pairs[-1] == [(b.uuid_bytes(OLD), b.uuid_bytes(NEW))]
     assert set(lib.states.values()) == {ProcessState.RUNNING}
 
@@ -365,7 +259,7 @@ def test_second_checkpoint_failure_rolls_everything_back() -> None:
     lib.fail[("Checkpoint", 20)] = ILLEGAL_STATE
     with pytest.raises(GpuError, match="CUDA_ERROR_ILLEGAL_STATE"):
         ckpt.suspend([10, 20], timeout_ms=5000)
-    assert _ops(lib)[4:] == [("Restore", 10), ("Unlock", 10), ("Unlock", 20)]
+    assert stages(lib)[2:] == [("Restore", frozenset({10})), ("Unlock", frozenset({10, 20}))]
     assert set(lib.states.values()) == {ProcessState.RUNNING}
 
 
@@ -374,7 +268,8 @@ def test_lock_timeout_unlocks_the_others_and_leaves_the_timed_out_pid_alone() ->
     lib.fail[("Lock", 20)] = TIMEOUT
     with pytest.raises(GpuError, match="CUDA_ERROR_TIMEOUT"):
         ckpt.suspend([10, 20, 30], timeout_ms=100)
-    assert _ops(lib) == [("Lock", 10), ("Lock", 20), ("Unlock", 10)]
+    # (all locks are asked at once: the others got theirs, and are unlocked again; nothing was checkpointed)
+    assert stages(lib) == [("Lock", frozenset({10, 20, 30})), ("Unlock", frozenset({10, 30}))]
     assert ("GetState", 20) in lib.calls
     assert set(lib.states.values()) == {ProcessState.RUNNING}
 
@@ -394,7 +289,7 @@ def test_exception_inside_with_resumes() -> None:
     with pytest.raises(RuntimeError, match="criu dump failed"), ckpt.suspend([10, 20], timeout_ms=5000):
         raise RuntimeError("criu dump failed")
     assert set(lib.states.values()) == {ProcessState.RUNNING}
-    assert _ops(lib)[-4:] == [("Restore", 10), ("Unlock", 10), ("Restore", 20), ("Unlock", 20)]
+    assert stages(lib)[-2:] == [("Restore", frozenset({10, 20})), ("Unlock", frozenset({10, 20}))]
 
 
 def test_resume_failure_inside_with_is_a_note_not_a_mask() -> None:
@@ -446,29 +341,6 @@ def test_probe_reports_the_drivers_own_error_for_pids_without_cuda_state() -> No
 
 
 # -- detection over a fake /proc -----------------------------------------------------------------
-def _proc(
-    root: Path,
-    tree: dict[int, list[int]],
-    fds: dict[int, list[str]],
-    nspid: dict[int, int] | None = None,
-    children_files: bool = True,
-) -> str:
-    parents = {kid: pid for pid, kids in tree.items() for kid in kids}
-    for pid in set(tree) | set(parents):
-        d = root / str(pid)
-        (d / "task" / str(pid)).mkdir(parents=True)
-        if children_files:
-            (d / "task" / str(pid) / "children").write_text(" ".join(map(str, tree.get(pid, []))) + " ")
-        (d / "stat").write_text(f"{pid} (py (x) y) S {parents.get(pid, 1)} 0 0\n")
-        (d / "comm").write_text("python\n")
-        inner = f"\t{nspid[pid]}" if nspid and pid in nspid else ""
-        (d / "status").write_text(f"Name:\tpython\nNSpid:\t{pid}{inner}\n")
-        (d / "fd").mkdir()
-        for i, target in enumerate(fds.get(pid, ["/dev/null"])):
-            os.symlink(target, d / "fd" / str(i))
-    return str(root)
-
-
 def test_find_cuda_processes_walks_the_tree(tmp_path: Path) -> None:
     proc = _proc(
         tmp_path,
@@ -507,16 +379,6 @@ def test_mps_and_driver_version(tmp_path: Path) -> None:
     )
     assert detect.kernel_driver_version(proc) == "580.65.06"
     assert detect.driver_branch("570.86.10") == 570
-
-
-def _smi_runner(gpus: str, apps: str, rc: int = 0) -> tuple[list[list[str]], Any]:
-    seen: list[list[str]] = []
-
-    def run(argv: Sequence[str], timeout: float | None) -> tuple[int, str]:
-        seen.append(list(argv))
-        return rc, gpus if "--query-gpu" in argv[1] else apps
-
-    return seen, run
 
 
 def test_gpu_info_parses_nvidia_smi(tmp_path: Path) -> None:
