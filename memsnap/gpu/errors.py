@@ -6,9 +6,10 @@ from memsnap.errors import FailedPrecondition, MemsnapError
 
 
 class GpuError(MemsnapError):
-    """A CUDA checkpoint operation failed; carries the driver's error name and text."""
+    """A CUDA checkpoint operation failed; carries the driver's error name and text. The driver refused (or timed
+    out locking) this job's processes: a precondition of the job, not a fault of memsnapd (never INTERNAL)."""
 
-    code = "INTERNAL"
+    code = "FAILED_PRECONDITION"
 
     def __init__(
         self,

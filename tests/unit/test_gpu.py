@@ -266,8 +266,9 @@ def test_second_checkpoint_failure_rolls_everything_back() -> None:
 def test_lock_timeout_unlocks_the_others_and_leaves_the_timed_out_pid_alone() -> None:
     lib, ckpt = _setup([10, 20, 30])
     lib.fail[("Lock", 20)] = TIMEOUT
-    with pytest.raises(GpuError, match="CUDA_ERROR_TIMEOUT"):
+    with pytest.raises(GpuError, match="CUDA_ERROR_TIMEOUT") as err:
         ckpt.suspend([10, 20, 30], timeout_ms=100)
+    assert err.value.code == "FAILED_PRECONDITION"  # (a job whose GPU cannot be locked: never INTERNAL)
     # (all locks are asked at once: the others got theirs, and are unlocked again; nothing was checkpointed)
     assert stages(lib) == [("Lock", frozenset({10, 20, 30})), ("Unlock", frozenset({10, 30}))]
     assert ("GetState", 20) in lib.calls
