@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,9 @@ class Procs:
         self.started.append(p)
         if stopped:
             os.kill(p.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10  # (the stop lands asynchronously: a test reading 'R' raced it)
+            while state_of(p.pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.001)
         return p.pid, jobs.start_time(p.pid)
 
 
