@@ -258,7 +258,8 @@ def test_a_lazy_move_whose_restore_meets_the_sources_file_lock_fails_fast_and_le
         assert "lock on " + str(locked) in r.stderr or "holds a conflicting lock" in r.stderr, r.stderr
         assert took < 40, f"the failed lazy move took {took:.0f} s"
         # The target: lazy-pages never crashed, no criu left, no job, drains not held back.
-        logs = list(dst.state.glob("work/*.restore-*/lazy-pages.log"))
+        logs = [*dst.state.glob("work/*.restore-*/lazy-pages.log"),  # (a failed restore's: in work/failed)
+                *dst.state.glob("work/failed/*.restore-*/lazy-pages.log")]
         assert logs and not [p for p in logs if "BUG at" in p.read_text()]
         wait_for(lambda: not lazy_pages_of(dst) and not [
             p for p in psutil.Process(dst.proc.pid).children(recursive=True) if p.name() == "criu"],
