@@ -39,6 +39,7 @@ class Result:
     first_answer_ms: float = 0.0  # a client's first answered request after the program came back
     p99_ms: float = 0.0  # the client's request latency, p99, over the operation's check
     error: str = ""
+    refused: str = ""  # an operation refused by design (the job untouched, running on): why
     detail: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,7 +81,8 @@ class Runner:
         finally:
             res.seconds = time.monotonic() - t0
             self.results.append(res)
-            self.log(f"{res.program:12} {res.op:20} {'ok' if res.ok else 'FAILED'} {res.seconds:6.1f} s"
+            verdict = "FAILED" if not res.ok else "refused" if res.refused else "ok"
+            self.log(f"{res.program:12} {res.op:20} {verdict} {res.seconds:6.1f} s"
                      + (f" frozen {res.frozen_ms:.0f} ms" if res.frozen_ms else "")
                      + (f" downtime {res.downtime_ms:.0f} ms" if res.downtime_ms else "")
                      + (f" first answer {res.first_answer_ms:.0f} ms" if res.first_answer_ms else "")
@@ -152,8 +154,16 @@ class Runner:
         lazy = "--lazy" in flags
         net = ["--move-ip", f"{p.service_ip}/24"] if p.tcp else []
         keep = p.tcp and not lazy
-        out = _json(src, "migrate", p.job, "--to", dst.name, *flags, *net, *(["--tcp-established"] if keep else []),
-                    timeout=600)
+        try:
+            out = _json(src, "migrate", p.job, "--to", dst.name, *flags, *net,
+                        *(["--tcp-established"] if keep else []), timeout=600)
+        except AssertionError as exc:
+            # By design on one host (README, known limits): the copy there cannot take a lock its stopped original
+            # holds on a file both nodes see; the move rolls back and the job runs on here, its data intact.
+            if "conflicting lock" in str(exc) and "resumed on this node" in str(exc):
+                res.refused = "the job held a lock on a file both nodes share"
+                return keep
+            raise
         res.downtime_ms = float(out.get("downtime_ms", 0))
         res.detail["phases"] = out.get("phases", {})
         p.adopt(dst, out["target_job"], int(out["target_pid"]))
@@ -236,10 +246,12 @@ def summary(results: list[Result]) -> dict[str, Any]:
     by_op: dict[str, Any] = {}
     for op in sorted({r.op for r in results}):
         rs = [r for r in results if r.op == op]
-        row: dict[str, Any] = {"runs": len(rs), "failed": sum(not r.ok for r in rs)}
+        row: dict[str, Any] = {"runs": len(rs), "failed": sum(not r.ok for r in rs),
+                               "refused": sum(bool(r.refused) for r in rs)}
         for k in ("seconds", "frozen_ms", "downtime_ms", "first_answer_ms", "p99_ms"):
             xs = [getattr(r, k) for r in rs if getattr(r, k)]
             if xs:
                 row[k] = {"median": q(xs, 0.5), "p99": q(xs, 0.99), "max": q(xs, 1.0)}
         by_op[op] = row
-    return {"operations": len(results), "failed": sum(not r.ok for r in results), "by_op": by_op}
+    return {"operations": len(results), "failed": sum(not r.ok for r in results),
+            "refused": sum(bool(r.refused) for r in results), "by_op": by_op}
