@@ -697,8 +697,24 @@ def assert_node_healthy(d: DaemonProc, restorable: set[str] | None = None, jobs:
         if not bad:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"node {d.base.name} unhealthy: " + "; ".join(bad))
+            raise AssertionError(f"node {d.base.name} unhealthy: " + "; ".join(bad) + _whence(d, bad))
         time.sleep(0.2)
+
+
+def _whence(d: DaemonProc, bad: list[str]) -> str:
+    """For a checkpoint left over: its row and what the daemon's log said of it (a failure in CI is all we see)."""
+    import json
+    import re
+
+    ids = {i for b in bad if b.startswith("restorable:") for i in re.findall(r"ck-[0-9]{8}-[0-9]{6}-[0-9a-f]+", b)}
+    if not ids:
+        return ""
+    rows = [c for c in json.loads(d.ctl("--json", "list", check=True).stdout) if c["id"] in ids]
+    try:
+        said = [ln[:300] for ln in d.log.read_text(errors="replace").splitlines() if any(i in ln for i in ids)]
+    except OSError:
+        said = []
+    return f"\nleft over: {json.dumps(rows)[:3000]}\nits log lines:\n" + "\n".join(said[-30:])
 
 
 # -- real programs (tests/e2e/test_private_tmp.py, tests/soak) -------------------------------------------------

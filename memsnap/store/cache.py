@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -94,9 +95,14 @@ class ChunkCache:
         with self._lock:
             if cid in self._lru:
                 return None
-        tmp = self.root / f".tmp-{os.getpid()}-{threading.get_ident()}-{cid}"
+        # A name of its own each time: one fetch stages a chunk its image holds twice twice, before the commit.
+        tmp = self.root / f".tmp-{secrets.token_hex(8)}-{cid}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.warning("cannot cache chunk %s: %s", cid, exc)
+            return None
+        try:
             with os.fdopen(fd, "wb") as f:
                 f.write(stored)
         except OSError as exc:

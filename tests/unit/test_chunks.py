@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -22,7 +23,9 @@ from memsnap.store.chunks import (
     ChunkError,
     Chunking,
     ChunkReader,
+    chunk_id,
     chunk_key,
+    encode_chunk,
     referenced_chunks,
 )
 from memsnap.store.posix import PosixStore
@@ -337,3 +340,17 @@ def test_a_raw_chunk_that_starts_with_the_zstd_magic_comes_back_from_the_cache(
     assert entry.read_bytes()[:4] == pages[:4] and entry.stat().st_size != n  # stored as a zstd frame
     got = _fetch(store, m, tmp_path / "out2", cache)
     assert (tmp_path / "out2" / "pages-1.img").read_bytes() == pages and got["from_cache"] == got["chunks"]
+
+
+def test_a_chunk_staged_twice_before_commit_is_cached_once_without_warnings(tmp_path: Path, caplog) -> None:
+    # An image that holds the same chunk twice stages it twice in one fetch, from one thread, before the
+    # commit: each staging needs a name of its own (the second used to clash with the first and delete it).
+    raw = b"x" * 4096
+    cid, stored = chunk_id(raw), encode_chunk(raw, 0)
+    cache = ChunkCache(tmp_path / "cache", 1 << 20)
+    with caplog.at_level(logging.WARNING, logger="memsnap.chunks"):
+        staged = [cache.stage(cid, stored), cache.stage(cid, stored)]
+        cache.commit([s for s in staged if s is not None])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert cache.size_bytes == len(stored) and sorted(p.name for p in (tmp_path / "cache").iterdir()) == [cid]
+    assert cache.get(cid, len(raw)) == raw
