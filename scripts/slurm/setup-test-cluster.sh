@@ -4,7 +4,7 @@
 #   - installs slurm-wlm + munge (Debian 12: Slurm 22.05),
 #   - creates /etc/munge/munge.key if missing and starts munged,
 #   - writes /etc/slurm/slurm.conf for this host (two partitions on the node:
-#     `low` (default, PriorityTier=1, GraceTime=30) and `high` (PriorityTier=10);
+#     `low` (default, PriorityTier=1, GraceTime=10) and `high` (PriorityTier=10);
 #     preempt/partition_prio + PreemptMode=REQUEUE, so a `high` job that needs
 #     the resources of a running `low` job preempts and requeues it),
 #   - starts slurmctld and slurmd directly (no systemd needed) and waits until
@@ -14,7 +14,7 @@
 # If the generated config differs from the one on disk, the daemons are restarted.
 # Refuses to overwrite a slurm.conf it did not write (set FORCE=1 to override).
 #
-# Environment overrides: GRACE_TIME (30), KILL_WAIT (30), MIN_JOB_AGE (30),
+# Environment overrides: GRACE_TIME (10), KILL_WAIT (30), MIN_JOB_AGE (30),
 # WAIT_SECS (60).
 #
 # Tests that need preemption must make the `high` job need the `low` job's
@@ -22,7 +22,7 @@
 # with -c "$(nproc)".
 set -euo pipefail
 
-GRACE_TIME=${GRACE_TIME:-30}
+GRACE_TIME=${GRACE_TIME:-10}
 KILL_WAIT=${KILL_WAIT:-30}
 MIN_JOB_AGE=${MIN_JOB_AGE:-30}
 WAIT_SECS=${WAIT_SECS:-60}

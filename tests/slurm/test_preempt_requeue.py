@@ -1,7 +1,7 @@
 """Preemption checkpoints a job, requeue restores it: real Slurm 22.05, real memsnapd, real CRIU.
 
 The cluster is the one-node cluster of scripts/slurm/setup-test-cluster.sh (partitions low and high,
-PreemptMode=REQUEUE, GraceTime=30, KillWait=30). The batch scripts exec `memsnapctl slurm run` and
+PreemptMode=REQUEUE, GraceTime=10, KillWait=30). The batch scripts exec `memsnapctl slurm run` and
 reach the session's memsnapd through MEMSNAP_SOCKET (sbatch --export). The test cluster has no
 Prolog/Epilog configured (its hooks would not know the test daemon's socket), so the tests run
 scripts/slurm/epilog.sh themselves, with the environment slurmd gives it, where an epilog would run.
