@@ -28,7 +28,7 @@ from typing import Any, NoReturn, Protocol
 import grpc
 
 from memsnap import failpoints, net
-from memsnap.catalog import DURABLE, FAILED, Catalog, CheckpointRecord, JobRecord
+from memsnap.catalog import FAILED, Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError
 from memsnap.config import Config
 from memsnap.criu import CriuApi, NotifyCallback
@@ -228,10 +228,11 @@ def rollback(host: MoveHost, move: Move, step: str, why: str, code: str) -> NoRe
 
 def _drop_own_image(host: MoveHost, ckpt_id: str) -> None:
     """A move that did not happen leaves no image behind here either: the job runs on, and nobody asked for a
-    checkpoint. One that became durable meanwhile (--via-store) stays, a checkpoint like any other; a failed
+    checkpoint. That holds for the durable image a --via-store move made (its stored copy too: the target said
+    it failed, or does not run the job, and a target never deletes a stored copy it only cataloged); a failed
     lazy dump's record stays FAILED with its logs (end_lazy_dump)."""
     rec = host.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
-    if rec is None or rec.state in (DURABLE, FAILED) or rec.marks.lazy_move:
+    if rec is None or rec.state == FAILED or rec.marks.lazy_move:
         return
     try:
         host.delete(ROOT, ckpt_id)

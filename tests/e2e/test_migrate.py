@@ -156,17 +156,21 @@ class BlindDaemon(DaemonProc):
                 'mount -t tmpfs tmpfs "$0" && exec "$@"', self.hide, *super().args()]
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["streamed", "lazy"])
-def test_target_that_cannot_restore_leaves_the_job_running_here(lazy, pair, jobs_to_kill, tmp_path):
+@pytest.mark.parametrize("how", ["", "--lazy", "--via-store"], ids=["streamed", "lazy", "via-store"])
+def test_target_that_cannot_restore_leaves_the_job_running_here(how, pair, jobs_to_kill, tmp_path):
     # The target's restore fails after the image has arrived and CRIU put the tree back (its catalog
     # cannot record the job), so the source must take the job back. (A target that cannot see the source's
-    # log file used to be the way to fail it; a moved job logs locally now, see the next test.)
+    # log file used to be the way to fail it; a moved job logs locally now, see the next test.) --via-store:
+    # the image made durable for the move goes too (nobody asked for a checkpoint).
     a = pair.a
     blind = token_daemon(tmp_path / "broken", pair.token_file,
-                         env={"MEMSNAP_FAILPOINTS": "record-restored-fails"}).start()
+                         env={"MEMSNAP_FAILPOINTS": "record-restored-fails"})
+    if how == "--via-store":
+        blind.extra += ["--store-dir", str(a.store), "--hmac-key-file", str(a.state / "hmac.key")]
+    blind.start()
     try:
         job = _counter(a, jobs_to_kill, 32, "homebound")
-        r = _migrate(a, job["id"], "--to", blind.address, *(["--lazy"] if lazy else []))
+        r = _migrate(a, job["id"], "--to", blind.address, *([how] if how else []))
         assert r.returncode != 0
         assert "migration failed at restore on the target" in r.stderr, r.stderr
         assert "resumed on this node" in r.stderr
