@@ -678,6 +678,8 @@ def assert_node_healthy(d: DaemonProc, restorable: set[str] | None = None, jobs:
     ends on its own (a lazy restore paging in, a drain's pause)."""
     import json
 
+    left: set[str] = set()
+
     def problems() -> list[str]:
         bad = [f"criu left: {c}" for c in criu_of(d)]
         st = json.loads(d.ctl("--json", "status", check=True).stdout)
@@ -685,8 +687,10 @@ def assert_node_healthy(d: DaemonProc, restorable: set[str] | None = None, jobs:
             bad.append(f"drains paused: {st.get('drains_paused_reason')} {st.get('drains_held')}")
         pids = jobs if jobs is not None else sorted(running_job_pids(d))
         bad += [f"frozen: {s}" for s in stopped_in(pids)]
+        left.clear()
         if restorable is not None:
             got = restorable_ids(d)
+            left.update(got - restorable)
             if got != restorable:
                 bad.append(f"restorable: extra {sorted(got - restorable)}, missing {sorted(restorable - got)}")
         return bad
@@ -697,16 +701,15 @@ def assert_node_healthy(d: DaemonProc, restorable: set[str] | None = None, jobs:
         if not bad:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"node {d.base.name} unhealthy: " + "; ".join(bad) + _whence(d, bad))
+            raise AssertionError(f"node {d.base.name} unhealthy: " + "; ".join(bad) + _whence(d, left))
         time.sleep(0.2)
 
 
-def _whence(d: DaemonProc, bad: list[str]) -> str:
-    """For a checkpoint left over: its row and what the daemon's log said of it (a failure in CI is all we see)."""
+def _whence(d: DaemonProc, ids: set[str]) -> str:
+    """For checkpoints left over: their rows and what the daemon's log said of them (a failure in CI is all we
+    see)."""
     import json
-    import re
 
-    ids = {i for b in bad if b.startswith("restorable:") for i in re.findall(r"ck-[0-9]{8}-[0-9]{6}-[0-9a-f]+", b)}
     if not ids:
         return ""
     rows = [c for c in json.loads(d.ctl("--json", "list", check=True).stdout) if c["id"] in ids]
