@@ -129,7 +129,12 @@ class Program:
         """The program runs as another job now (a restore, a move, a resume)."""
         self.node, self.job, self.pid = node, job, pid
         jobs = json.loads(node.ctl("--json", "jobs", check=True).stdout)
-        self.log = next(j["log_path"] for j in jobs if j["id"] == job) or self.log
+        log = next(j["log_path"] for j in jobs if j["id"] == job) or self.log
+        # A restored copy's log is named after the first job's (<stem>.restore-<checkpoint>-<x>.log), and
+        # job_output() of the first log reads them all in order. Reading the copy's log alone would see none of
+        # what the program printed before: right after a resume it can be empty.
+        if not Path(log).name.startswith(Path(self.log).stem + ".restore-"):
+            self.log = log
 
     def stop(self) -> None:
         if self.client is not None:
