@@ -29,6 +29,14 @@ def _criu_ready() -> None:
         pytest.fail("criu is not installed: run scripts/install-criu.sh (CI does)")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the fast tier: scripts/test.sh runs `-m "unit and not root"` as uid 65534, the rest as root."""
+    unit = Path(__file__).resolve().parent / "unit"
+    for item in items:
+        if unit in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(autouse=True)
 def no_temp_dir_outlives_the_test() -> Iterator[None]:
     """Every tempfile.mkdtemp() a test (or its fixtures) makes in this process must be gone at its end:

@@ -13,7 +13,7 @@ import pytest
 
 from memsnap import manifest, metrics, phases
 from memsnap.config import QuotaConfig, UidQuota
-from memsnap.engine import ROOT, DumpHooks, Engine
+from memsnap.engine import ROOT, Caller, DumpHooks, Engine
 from memsnap.errors import QuotaExceeded, TierExhausted
 from memsnap.gpu.base import ProcessState
 from memsnap.gpu.driver import DriverApi
@@ -94,11 +94,12 @@ def test_the_tier_reservation_counts_the_device_memory_of_every_cuda_process(tmp
 
 def test_a_tier_quota_counts_device_memory(tmp_path: Path, procs: Procs) -> None:
     w = make_world(tmp_path, procs)
-    q = Quotas(QuotaConfig(), (UidQuota(0, (("tier_bytes", 2 << 30),)),), w.engine)
-    with pytest.raises(QuotaExceeded, match="memory tier"), q.admit_checkpoint(ROOT, str(w.pid)):
+    me = os.getuid()  # (the job is a `sleep` of whoever runs the tests: root, or 65534 in the unit tier)
+    q = Quotas(QuotaConfig(), (UidQuota(me, (("tier_bytes", 2 << 30),)),), w.engine)
+    with pytest.raises(QuotaExceeded, match="memory tier"), q.admit_checkpoint(Caller(me, os.getgid()), str(w.pid)):
         pytest.fail("admitted a 3 GiB GPU job under a 2 GiB tier quota")
-    q = Quotas(QuotaConfig(), (UidQuota(0, (("tier_bytes", 4 << 30),)),), w.engine)
-    with q.admit_checkpoint(ROOT, str(w.pid)):
+    q = Quotas(QuotaConfig(), (UidQuota(me, (("tier_bytes", 4 << 30),)),), w.engine)
+    with q.admit_checkpoint(Caller(me, os.getgid()), str(w.pid)):
         pass
 
 

@@ -108,6 +108,7 @@ def test_events_watch_is_an_fd_on_memory_events(tmp_path: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.root
 def test_a_cgroup2_mount_here_has_no_memory_controller(tmp_path: Path) -> None:
     """Documents why the v2 paths above run against a fake: v1 holds the memory controller on this node."""
     if os.geteuid() != 0:

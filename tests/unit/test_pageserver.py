@@ -120,6 +120,7 @@ def real_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.mark.root
 def test_a_real_dumps_pagemap_indexes_its_whole_pages_image(real_dump):
     files = {p.name: p.read_bytes() for p in real_dump.glob("pagemap-*.img")}
     idx = PageIndex.from_images(files)
@@ -131,6 +132,7 @@ def test_a_real_dumps_pagemap_indexes_its_whole_pages_image(real_dump):
     assert sum(n for _, _, n in lazy) >= 4 << 20  # the buffer is private anonymous memory: lazy
 
 
+@pytest.mark.root
 def test_the_real_dumps_pattern_is_where_the_index_says(real_dump):
     files = {p.name: p.read_bytes() for p in real_dump.glob("pagemap-*.img")}
     idx = PageIndex.from_images(files)

@@ -14,7 +14,8 @@ from memsnap import safefs
 
 NOBODY = 65534
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chowns files to another uid: needs root (CI is root)")
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="chowns files to another uid: needs root (CI is root)")]
 
 
 @contextmanager
