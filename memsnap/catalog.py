@@ -177,6 +177,8 @@ class Catalog:
         if "moved_from" not in cols:  # a catalog written before moved_from existed
             self._db.execute("ALTER TABLE jobs ADD COLUMN moved_from TEXT NOT NULL DEFAULT ''")
         self._lock = threading.RLock()
+        self._changes = threading.Condition(threading.Lock())
+        self._generation = 0  # one more for every checkpoint write: what waiters wake on
 
     def close(self) -> None:
         """Closes the database."""
@@ -195,9 +197,20 @@ class Catalog:
         marks = ",".join("?" for _ in _CK_FIELDS)
         with self._lock:
             self._db.execute(f"INSERT INTO checkpoints ({cols}) VALUES ({marks})", [row[c] for c in _CK_FIELDS])
+        self._changed()
 
     def update_checkpoint(self, ckpt_id: str, **changes: Any) -> None:
-        """Journals a change of some fields."""
+        """Journals a change of some fields, never of the state (memsnap.lifecycle.advance changes that)."""
+        if "state" in changes:
+            raise TypeError("a checkpoint's state changes through memsnap.lifecycle.advance")
+        self._update(ckpt_id, None, changes)
+
+    def update_if_state(self, ckpt_id: str, states: tuple[str, ...], **changes: Any) -> bool:
+        """Journals a change of some fields if the checkpoint is in one of states, in one statement; whether it
+        was. (memsnap.lifecycle's primitive: the check and the change cannot be split by another writer.)"""
+        return self._update(ckpt_id, states, changes) > 0
+
+    def _update(self, ckpt_id: str, states: tuple[str, ...] | None, changes: dict[str, Any]) -> int:
         if "meta" in changes:
             changes["meta"] = json.dumps(changes["meta"])
         bad = set(changes) - set(_CK_FIELDS)
@@ -205,8 +218,28 @@ class Catalog:
             raise KeyError(f"unknown checkpoint fields {bad}")
         _check_ints(*(v for v in changes.values() if isinstance(v, int) and not isinstance(v, bool)))
         sets = ",".join(f"{k}=?" for k in changes)
+        where = "" if states is None else f" AND state IN ({','.join('?' for _ in states)})"  # (IN (): none)
         with self._lock:
-            self._db.execute(f"UPDATE checkpoints SET {sets} WHERE id=?", [*changes.values(), ckpt_id])
+            n = self._db.execute(f"UPDATE checkpoints SET {sets} WHERE id=?{where}",
+                                 [*changes.values(), ckpt_id, *(states or ())]).rowcount
+        self._changed()
+        return int(n)
+
+    def generation(self) -> int:
+        """A number that grows with every checkpoint write (see wait_changed)."""
+        with self._changes:
+            return self._generation
+
+    def wait_changed(self, seen: int, timeout: float) -> int:
+        """Blocks until a checkpoint write after generation `seen`, or timeout; the generation now."""
+        with self._changes:
+            self._changes.wait_for(lambda: self._generation != seen, timeout)
+            return self._generation
+
+    def _changed(self) -> None:
+        with self._changes:
+            self._generation += 1
+            self._changes.notify_all()
 
     def get_checkpoint(self, ckpt_id: str) -> CheckpointRecord | None:
         """A checkpoint by id."""
@@ -235,6 +268,7 @@ class Catalog:
         """Forgets a checkpoint."""
         with self._lock:
             self._db.execute("DELETE FROM checkpoints WHERE id=?", (ckpt_id,))
+        self._changed()
 
     def counts_by_state(self) -> dict[str, int]:
         """How many checkpoints are in each state."""

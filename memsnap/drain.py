@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from memsnap import background, failpoints, manifest, safefs
+from memsnap import background, failpoints, lifecycle, manifest, safefs
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.malloc import idle_heap, release_memory
@@ -195,7 +195,8 @@ class DrainService:
             return  # (a committed move's source image: the target drains it; a received one: once committed)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
         attempts = rec.drain_attempts + 1
-        self.catalog.update_checkpoint(ckpt_id, state=DRAINING, drain_attempts=attempts, drained_bytes=0)
+        if not lifecycle.advance(self.catalog, ckpt_id, DRAINING, drain_attempts=attempts, drained_bytes=0):
+            return  # (deleted meanwhile)
         t0 = time.monotonic()
         try:
             stored = self._drain(rec)
@@ -208,7 +209,7 @@ class DrainService:
                 return
             delay = min(self.retry_max_s, self.retry_initial_s * 2 ** (attempts - 1))
             reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StoreError) else str(exc)
-            self.catalog.update_checkpoint(ckpt_id, state=STAGED, last_error=reason,
+            lifecycle.advance(self.catalog, ckpt_id, STAGED, last_error=reason,
                                            next_attempt_ms=now_ms() + int(delay * 1000))
             self._storage_error("put")
             # Tampering (a symlink where the store or tier had a directory) is an error, not a hiccup.
@@ -219,7 +220,7 @@ class DrainService:
         if self.catalog.get_checkpoint(ckpt_id) is None:
             self._forget(ckpt_id)
             return
-        self.catalog.update_checkpoint(ckpt_id, state=DURABLE, in_store=True, durable_ms=now_ms(),
+        lifecycle.advance(self.catalog, ckpt_id, DURABLE, in_store=True, durable_ms=now_ms(),
                                        drained_bytes=rec.size_bytes, stored_bytes=stored, last_error="",
                                        next_attempt_ms=0)
         secs = time.monotonic() - t0

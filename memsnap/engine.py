@@ -16,7 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, background, failpoints, jobinit, jobs, knobs, manifest, mounts, proc, progress, resolve
+from memsnap import (
+    __version__,
+    background,
+    failpoints,
+    jobinit,
+    jobs,
+    knobs,
+    lifecycle,
+    manifest,
+    mounts,
+    proc,
+    progress,
+    resolve,
+)
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -305,12 +318,10 @@ class Engine:
         """Waits until a checkpoint is durable or failed (or active() turns false); its latest record."""
         if self.drain is None:
             raise InvalidArgument("this daemon has no store configured, so nothing becomes durable")
+        self.get(caller, ckpt_id)
         with background.gate().urgent(ckpt_id):  # a waiter: its drain does not step aside (docs/background.md)
-            while active():
-                rec = self.get(caller, ckpt_id)
-                if rec.state in (DURABLE, FAILED):
-                    return rec
-                time.sleep(0.1)
+            lifecycle.wait(self.catalog, ckpt_id, lambda r: r is None or r.state in lifecycle.SETTLED,
+                           float("inf"), active)
         return self.get(caller, ckpt_id)
 
     def watch(self, caller: Caller, ckpt_id: str, active: Callable[[], bool]) -> Iterator[CheckpointRecord]:
@@ -318,17 +329,21 @@ class Engine:
         turns false). Authorization happens before the first record."""
         rec = self.get(caller, ckpt_id)
 
+        def key(r: CheckpointRecord) -> tuple[Any, ...]:
+            return r.state, r.drained_bytes, r.stored_bytes, r.last_error, r.in_tier
+
+        def changed_from(seen: tuple[Any, ...]) -> Callable[[CheckpointRecord | None], bool]:
+            return lambda r: r is None or key(r) != seen
+
         def changes(rec: CheckpointRecord) -> Iterator[CheckpointRecord]:
             last: tuple[Any, ...] = ()
             while active():
-                key = (rec.state, rec.drained_bytes, rec.stored_bytes, rec.last_error, rec.in_tier)
-                if key != last:
+                if key(rec) != last:
                     yield rec
-                    last = key
-                if rec.state in (DURABLE, FAILED):
+                    last = key(rec)
+                if rec.state in lifecycle.SETTLED:
                     return
-                time.sleep(0.1)
-                found = self.catalog.get_checkpoint(rec.id)
+                found = lifecycle.wait(self.catalog, rec.id, changed_from(last), float("inf"), active)
                 if found is None:
                     return
                 rec = found
@@ -481,7 +496,7 @@ class Engine:
                                job=job.id if job else "", name=name or (job.name if job else ""),
                                meta={"stop": stop, "pid_start": _start_or_zero(pid), "hold": hooks.hold})
         # Journal first: after a crash, recovery finds this row and removes the half-written image.
-        self.catalog.add_checkpoint(rec)
+        lifecycle.begin(self.catalog, rec)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
         staging = self.tier.new_staging(ckpt_id)
         work = self.work_root / ckpt_id
@@ -518,7 +533,7 @@ class Engine:
             tell() if quiet is not None else None
             self.tier.discard_staging(ckpt_id)
             reason = exc.reason if isinstance(exc, CriuError) else str(exc)
-            self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=reason)
+            lifecycle.advance(self.catalog, ckpt_id, FAILED, last_error=reason)
             clog.warning("dump failed: %s", reason)
             if isinstance(exc, CriuError):
                 raise FailedPrecondition(f"checkpoint of pid {pid} failed, the process was left running: "
@@ -546,7 +561,7 @@ class Engine:
                 suspension.resume()
             tell() if quiet is not None else None
             self.tier.discard_staging(ckpt_id)
-            self.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=f"publish failed: {exc}")
+            lifecycle.advance(self.catalog, ckpt_id, FAILED, last_error=f"publish failed: {exc}")
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
         clock.add("publish", time.monotonic() - t_publish)
         failpoints.hit("after-publish")
@@ -677,7 +692,7 @@ class Engine:
                                    size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms),
                                    dump_ms=int(man.dump_ms), in_tier=False, in_store=True, durable_ms=now_ms(),
                                    meta={**man.catalog_meta(), **({"home": home} if home != self.node else {})})
-            self.catalog.add_checkpoint(rec)
+            lifecycle.begin(self.catalog, rec)
             log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.get("host"))
             return rec
         return None
@@ -971,7 +986,7 @@ class Engine:
         spill = getattr(self.guard, "spill", None)  # a park image in guard.spill_dir lives in that tier
         if rec.meta.get("spill") and spill is not None and spill is not self:
             spill.tier.remove(rec.id)
-        self.catalog.delete_checkpoint(rec.id)
+        lifecycle.forget(self.catalog, rec.id)
 
     def try_delete(self, ckpt_id: str, veto: Callable[[CheckpointRecord], str]) -> str:
         """Deletes a checkpoint (memsnap.gc) unless someone holds its lock (a fetch, restore, evict or
@@ -1091,7 +1106,7 @@ class Engine:
             # A dump was cut short: roll back. CRIU unfreezes on its own failure, but a --stop dump that
             # had finished left the tree stopped: never leave a job frozen.
             self.tier.discard_staging(rec.id)
-            self.catalog.update_checkpoint(rec.id, state=FAILED, last_error="daemon stopped during the dump")
+            lifecycle.advance(self.catalog, rec.id, FAILED, last_error="daemon stopped during the dump")
             marks = rec.marks
             if (rec.meta.get("stop") or marks.hold) and \
                     proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
@@ -1150,8 +1165,8 @@ class Engine:
                 # The tier is memory: a reboot empties it. Only the stored copy remains, if any.
                 self.catalog.update_checkpoint(rec.id, in_tier=False)
                 if not rec.in_store and rec.state in (STAGED, DRAINING):
-                    self.catalog.update_checkpoint(rec.id, state=FAILED,
-                                                   last_error="tier copy lost before it became durable")
+                    lifecycle.advance(self.catalog, rec.id, FAILED,
+                                      last_error="tier copy lost before it became durable")
                 fixed["lost_tier"] += 1
         # CUDA state a killed daemon left locked or checkpointed (journaled before the GPU step): jobs that
         # run on by now (SIGCONT above) must get it back, or they hang in their next CUDA call forever.

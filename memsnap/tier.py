@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memsnap import failpoints, manifest, safefs
+from memsnap import failpoints, lifecycle, manifest, safefs
 from memsnap.catalog import STAGED, Catalog, now_ms
 
 log = logging.getLogger("memsnap.tier")
@@ -245,7 +245,7 @@ def publish_image(tier: MemoryTier, catalog: Catalog, key: bytes, staging: Path,
         failpoints.hit(failpoint)
     tier.publish(staging, man.id)
     meta = {**(keep_meta or {}), **man.catalog_meta(), "fingerprint": manifest.fingerprint(tier.path(man.id))}
-    catalog.update_checkpoint(man.id, state=STAGED, in_tier=True, size_bytes=man.size_bytes,
+    lifecycle.advance(catalog, man.id, STAGED, in_tier=True, size_bytes=man.size_bytes,
                               last_used_ms=now_ms(), meta=meta, **record)
     return man.size_bytes
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memsnap import background, failpoints, knobs, manifest, net, proc
+from memsnap import background, failpoints, knobs, lifecycle, manifest, net, proc
 from memsnap.auth import transfer_key
 from memsnap.catalog import DUMPING, FAILED, CheckpointRecord, now_ms
 from memsnap.client import ClientError
@@ -98,7 +98,7 @@ def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
     except proc.ProcessNotFound:
         pid_start = 0.0
     rec.meta = {**rec.meta, "stop": False, "hold": True, "pid_start": pid_start}
-    host.catalog.add_checkpoint(rec)
+    lifecycle.begin(host.catalog, rec)
     staging = host.tier.new_staging(rec.id)
     work = host.work_root / rec.id
     work.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -126,9 +126,9 @@ def end_lazy_dump(host: MoveHost, ckpt_id: str, error: str = "") -> None:
     """A failed lazy dump stays in the catalog as FAILED, with its logs; a moved one goes."""
     host.tier.discard_staging(ckpt_id)
     if error:
-        host.catalog.update_checkpoint(ckpt_id, state=FAILED, last_error=error)
+        lifecycle.advance(host.catalog, ckpt_id, FAILED, last_error=error)
         return
-    host.catalog.delete_checkpoint(ckpt_id)
+    lifecycle.forget(host.catalog, ckpt_id)
     if not knobs.keep_logs():
         shutil.rmtree(host.work_root / ckpt_id, ignore_errors=True)
 

@@ -32,7 +32,7 @@ from typing import Any
 import blake3
 import grpc
 
-from memsnap import manifest
+from memsnap import lifecycle, manifest
 from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument
 from memsnap.move.peer import PeerClient
@@ -334,7 +334,7 @@ class ImageReceiver:
         self._reservations = [self.host.reserve(self._reserved)]
         files: dict[str, _Incoming] = {}
         # Journal first: if this daemon dies mid-stream, recovery removes the partial image.
-        self.host.catalog.add_checkpoint(CheckpointRecord(id=ckpt_id, state=DUMPING, pid=0, owner_uid=0,
+        lifecycle.begin(self.host.catalog, CheckpointRecord(id=ckpt_id, state=DUMPING, pid=0, owner_uid=0,
                                                             created_ms=now_ms(), name="incoming",
                                                             meta={"move_incoming": "streamed"}))
         incoming = tier.new_staging(ckpt_id, area=INCOMING)
@@ -359,7 +359,7 @@ class ImageReceiver:
                     os.close(f.fd)
             tier.discard_staging(ckpt_id)
             log.warning("receiving %s failed: %s", ckpt_id, exc)
-            self.host.catalog.delete_checkpoint(ckpt_id)
+            lifecycle.forget(self.host.catalog, ckpt_id)
             raise
         finally:
             for r in self._reservations:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from memsnap import failpoints, proc
+from memsnap import failpoints, lifecycle, proc
 from memsnap.auth import call_token, transfer_key
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.convert import job_pb
@@ -233,7 +233,7 @@ class MoveTarget:
         # here and never deletes it from the store.
         meta = {"argv": list(info.argv), "host": info.hostname, "criu_version": info.criu_version,
                 "move_incoming": "store"}
-        self.engine.catalog.add_checkpoint(CheckpointRecord(
+        lifecycle.begin(self.engine.catalog, CheckpointRecord(
             id=info.id, state=DURABLE, pid=int(info.pid), owner_uid=int(info.owner_uid),
             created_ms=int(info.created_unix_ms), job=info.job, name=info.name,
             size_bytes=int(info.size_bytes),

@@ -1,0 +1,117 @@
+"""A checkpoint's life (memsnap.lifecycle): the legal next states, the one writer of them, and its waiters."""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import pytest
+
+from memsnap import lifecycle
+from memsnap.catalog import DRAINING, DUMPING, DURABLE, FAILED, STAGED, STATES, Catalog, CheckpointRecord, now_ms
+from memsnap.lifecycle import IllegalTransition
+
+PKG = Path(__file__).resolve().parents[2] / "memsnap"
+LEGAL = {(DUMPING, STAGED), (DUMPING, FAILED), (STAGED, DRAINING), (STAGED, FAILED), (DRAINING, DRAINING),
+         (DRAINING, STAGED), (DRAINING, DURABLE), (DRAINING, FAILED)}
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Catalog:
+    return Catalog(tmp_path)
+
+
+def new(catalog: Catalog, state: str = DUMPING, ckpt_id: str = "ck-1") -> str:
+    catalog.add_checkpoint(CheckpointRecord(id=ckpt_id, state=state, pid=1, owner_uid=0, created_ms=now_ms()))
+    return ckpt_id
+
+
+@pytest.mark.parametrize("src", STATES)
+@pytest.mark.parametrize("dst", STATES)
+def test_a_checkpoint_enters_only_the_states_its_state_may_be_followed_by(catalog: Catalog, src: str,
+                                                                            dst: str) -> None:
+    ck = new(catalog, src)
+    if (src, dst) in LEGAL:
+        assert lifecycle.advance(catalog, ck, dst, last_error="why")
+        rec = catalog.get_checkpoint(ck)
+        assert rec is not None and rec.state == dst and rec.last_error == "why"
+    else:
+        with pytest.raises(IllegalTransition, match=f"is {src}: it cannot become {dst}"):
+            lifecycle.advance(catalog, ck, dst, last_error="why")
+        rec = catalog.get_checkpoint(ck)
+        assert rec is not None and rec.state == src and rec.last_error == ""  # (nothing of the change was kept)
+
+
+def test_a_checkpoint_deleted_meanwhile_advances_nowhere_and_that_is_no_error(catalog: Catalog) -> None:
+    ck = new(catalog, STAGED)
+    lifecycle.forget(catalog, ck)
+    assert lifecycle.advance(catalog, ck, DRAINING) is False
+    assert catalog.get_checkpoint(ck) is None
+
+
+def test_a_checkpoint_is_born_dumping_or_durable_only(catalog: Catalog) -> None:
+    for i, state in enumerate((DUMPING, DURABLE)):
+        lifecycle.begin(catalog, CheckpointRecord(id=f"ck-ok{i}", state=state, pid=1, owner_uid=0,
+                                                  created_ms=now_ms()))
+    for state in (STAGED, DRAINING, FAILED):
+        with pytest.raises(IllegalTransition, match=f"cannot enter the catalog as {state}"):
+            lifecycle.begin(catalog, CheckpointRecord(id=f"ck-{state}", state=state, pid=1, owner_uid=0,
+                                                      created_ms=now_ms()))
+        assert catalog.get_checkpoint(f"ck-{state}") is None
+
+
+def test_a_settled_checkpoint_is_not_rewritten_by_a_late_writer(catalog: Catalog) -> None:
+    """Recovery marking a lost tier copy FAILED after the drain made it DURABLE (or the other way round): the
+    second writer loses loudly, and the record keeps what the first wrote."""
+    ck = new(catalog, DRAINING)
+    assert lifecycle.advance(catalog, ck, DURABLE, in_store=True)
+    with pytest.raises(IllegalTransition):
+        lifecycle.advance(catalog, ck, FAILED, last_error="tier copy lost before it became durable")
+    rec = catalog.get_checkpoint(ck)
+    assert rec is not None and rec.state == DURABLE and rec.in_store and rec.last_error == ""
+
+
+def test_only_the_lifecycle_changes_a_state_through_the_catalog(catalog: Catalog) -> None:
+    ck = new(catalog, STAGED)
+    with pytest.raises(TypeError, match="lifecycle"):
+        catalog.update_checkpoint(ck, state=DURABLE)
+    catalog.update_checkpoint(ck, drained_bytes=5)  # (other fields: anyone)
+    rec = catalog.get_checkpoint(ck)
+    assert rec is not None and rec.state == STAGED and rec.drained_bytes == 5
+
+
+def test_no_module_but_the_lifecycle_adds_deletes_or_changes_the_state_of_a_checkpoint() -> None:
+    writers = ("add_checkpoint", "delete_checkpoint", "update_if_state")
+    found = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "lifecycle.py" and path.parent == PKG:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in writers:
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.func.attr}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "update_checkpoint" and any(k.arg == "state" for k in node.keywords):
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} update_checkpoint(state=...)")
+    assert found == []
+
+
+def test_a_waiter_wakes_on_the_transition_not_at_its_next_tick(catalog: Catalog) -> None:
+    ck = new(catalog, DRAINING)
+    got: list[CheckpointRecord | None] = []
+    waiter = threading.Thread(target=lambda: got.append(lifecycle.wait(
+        catalog, ck, lambda r: r is not None and r.state in lifecycle.SETTLED, timeout=600, tick=600)))
+    waiter.start()
+    lifecycle.advance(catalog, ck, DURABLE)
+    waiter.join(60)  # (it would sleep its 600 s tick if nothing woke it)
+    assert not waiter.is_alive()
+    assert got and got[0] is not None and got[0].state == DURABLE
+
+
+def test_a_waiter_sees_a_deleted_checkpoint_as_none_and_gives_up_when_no_longer_active(catalog: Catalog) -> None:
+    ck = new(catalog, STAGED)
+    lifecycle.forget(catalog, ck)
+    assert lifecycle.wait(catalog, ck, lambda r: r is None, timeout=600) is None
+    ck = new(catalog, STAGED, "ck-2")
+    rec = lifecycle.wait(catalog, ck, lambda r: False, timeout=600, active=lambda: False)
+    assert rec is not None and rec.state == STAGED
