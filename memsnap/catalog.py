@@ -55,6 +55,10 @@ CREATE TABLE IF NOT EXISTS jobs (
   moved_from TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS ckpt_job ON checkpoints(job);
+CREATE TABLE IF NOT EXISTS guard_jobs (
+  job_id TEXT PRIMARY KEY,
+  data TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS retention (
   series TEXT PRIMARY KEY,
   policy TEXT NOT NULL DEFAULT '{}'
@@ -336,6 +340,26 @@ class Catalog:
         return (r[0] for r in rows)
 
     # -- retention policies (memsnap.retention): one per series, set by run/checkpoint --keep-* -------
+    # -- the memory guard's job table (memsnap.guard) ----------------------------------
+    def guard_jobs(self) -> dict[str, dict[str, Any]]:
+        """The guard's table: job id -> what it knows of the job."""
+        with self._lock:
+            rows = self._db.execute("SELECT job_id, data FROM guard_jobs").fetchall()
+        return {str(k): json.loads(v) for k, v in rows}
+
+    def save_guard_jobs(self, table: dict[str, dict[str, Any]]) -> None:
+        """Replaces the guard's table, in one transaction (on disk before it returns, like every write here)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM guard_jobs")
+                self._db.executemany("INSERT INTO guard_jobs (job_id, data) VALUES (?, ?)",
+                                     [(k, json.dumps(v)) for k, v in table.items()])
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
     def set_policy(self, series: str, policy: dict[str, Any]) -> None:
         """Records a series' own retention rules (memsnap.retention.Policy.to_dict())."""
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import re
@@ -63,6 +64,23 @@ def ticks(log_path: str | Path, hostpid: int | None = None) -> list[Tick]:
 # The job log dirs of every daemon this test session started: a job that moved writes to a log of its own in the
 # target's log dir, named after its parent like a restored copy's (Engine.restore_own_log, moved=True).
 LOG_DIRS: set[Path] = set()
+
+
+def guard_table(state_dir: str | Path) -> dict[str, Any]:
+    """The memory guard's job table, read from the daemon's catalog (read-only, beside the running daemon)."""
+    import sqlite3
+
+    db = Path(state_dir) / "catalog.db"
+    if not db.exists():
+        return {}
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        rows = con.execute("SELECT job_id, data FROM guard_jobs").fetchall()
+    except sqlite3.OperationalError:  # (no table yet)
+        return {}
+    finally:
+        con.close()
+    return {k: json.loads(v) for k, v in rows}
 
 
 def job_output(log_path: str | Path) -> str:

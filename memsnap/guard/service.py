@@ -27,7 +27,7 @@ RUNNING, PARKED, RESUMED, ENDED, KILLED = "running", "parked", "resumed", "ended
 
 @dataclass
 class GuardedJob:
-    """What the guard knows of a job (kept in <state>/guard/jobs.json, not in the catalog schema)."""
+    """What the guard knows of a job (kept in the catalog's guard_jobs table, beside the checkpoints)."""
 
     job_id: str
     owner_uid: int
@@ -90,16 +90,30 @@ class Guard:
 
     # -- persistence ------------------------------------------------------------------
     def _load(self) -> dict[str, GuardedJob]:
-        try:
-            raw = json.loads((self.dir / "jobs.json").read_text())
-            return {k: GuardedJob(**v) for k, v in raw.items()}
-        except (OSError, ValueError, TypeError):
-            return {}
+        """The guard's table from the catalog. A table an older memsnapd kept in <state>/guard/jobs.json (replaced
+        without fsync, outside the journal) moves into the catalog once."""
+        raw = self.engine.catalog.guard_jobs()
+        legacy = self.dir / "jobs.json"
+        if not raw and legacy.exists():
+            try:
+                raw = json.loads(legacy.read_text())
+                if not isinstance(raw, dict):
+                    raise ValueError("not a table")
+                self.engine.catalog.save_guard_jobs(raw)
+            except (OSError, ValueError) as exc:
+                log.warning("guard: ignoring %s (%s)", legacy, exc)
+                raw = {}
+            legacy.unlink(missing_ok=True)
+        jobs: dict[str, GuardedJob] = {}
+        for k, v in raw.items():
+            try:
+                jobs[k] = GuardedJob(**v)
+            except TypeError as exc:
+                log.warning("guard: forgetting job %s, whose row does not parse: %s", k, exc)
+        return jobs
 
     def _save(self) -> None:
-        tmp = self.dir / f".jobs.json.{os.getpid()}"
-        tmp.write_text(json.dumps({k: asdict(v) for k, v in self._jobs.items()}))
-        os.replace(tmp, self.dir / "jobs.json")
+        self.engine.catalog.save_guard_jobs({k: asdict(v) for k, v in self._jobs.items()})
 
     def get(self, job_id: str) -> GuardedJob | None:
         with self._lock:

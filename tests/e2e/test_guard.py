@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import NOBODY, DaemonProc, counter_argv, start_digest, ticks, wait_for
+from tests.helpers import NOBODY, DaemonProc, counter_argv, guard_table, start_digest, ticks, wait_for
 
 V1 = Path("/sys/fs/cgroup/memory")
 pytestmark = pytest.mark.skipif(not (V1 / "memory.oom_control").exists(),
@@ -30,8 +30,7 @@ TRIALS = int(os.environ.get("MEMSNAP_GUARD_TRIALS", "10"))
 
 
 def guard_jobs(d: DaemonProc) -> dict[str, Any]:
-    path = d.state / "guard" / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return guard_table(d.state)
 
 
 def job_row(d: DaemonProc, job_id: str, patient: bool = False) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.helpers import NOBODY, DaemonProc, wait_for
+from tests.helpers import NOBODY, DaemonProc, guard_table, wait_for
 
 
 def _refusal(d: DaemonProc, *args: str) -> dict[str, object]:
@@ -45,7 +45,7 @@ def test_nobody_resuming_roots_guarded_job_that_is_not_parked_learns_not_its_sta
                         check=True)
     job = json.loads(r.stdout)
     jobs_to_kill.append(int(job["pid"]))
-    wait_for(lambda: (open_daemon.state / "guard" / "jobs.json").exists(), 10, what="the guard to adopt it")
+    wait_for(lambda: job["job"] in guard_table(open_daemon.state), 10, what="the guard to adopt it")
     err = _refusal(open_daemon, "resume", job["job"])
     assert err["code"] == "PERMISSION_DENIED", err
     _says_nothing_of(err, int(job["pid"]), "running", "not parked")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DaemonProc, counter_argv, start_digest, wait_for
+from tests.helpers import DaemonProc, counter_argv, guard_table, start_digest, wait_for
 from tests.slurm.slurmtools import job, output_ticks, release_requeued, sbatch, wait_job
 
 pytestmark = [pytest.mark.slurm,
@@ -22,8 +22,7 @@ pytestmark = [pytest.mark.slurm,
 
 
 def _guard_jobs(d: DaemonProc) -> dict:
-    path = d.state / "guard" / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return guard_table(d.state)
 
 
 def _named(d: DaemonProc, name: str) -> set[str]:
