@@ -238,27 +238,6 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                                   note=note)
 
     @translate
-    def ReceiveImage(self, request_iterator: Iterator[pb.ImageChunk],
-                     context: grpc.ServicerContext) -> pb.ReceiveImageResponse:
-        got: pb.ReceiveImageResponse = self.migrator.receive(caller_of(context), _checked_chunks(request_iterator),
-                                                             context)
-        return got
-
-    @translate
-    def PageTunnel(self, request_iterator: Iterator[pb.TunnelChunk],
-                   context: grpc.ServicerContext) -> Iterator[pb.TunnelChunk]:
-        out: Iterator[pb.TunnelChunk] = self.migrator.tunnels.serve(caller_of(context), request_iterator, context)
-        return out
-
-    @translate
-    def RestoreReceived(self, request: pb.RestoreReceivedRequest,
-                        context: grpc.ServicerContext) -> pb.RestoreResponse:
-        caller = caller_of(context)
-        _check_restore_received(request)
-        res: pb.RestoreResponse = self.migrator.restore_received(caller, request, context)
-        return res
-
-    @translate
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.StopJobResponse:
         job, killed, ms = self.engine.stop_job(caller_of(context), v.key("job", request.job),
                                                timeout_s=_timeout(request.timeout_s),

@@ -47,11 +47,9 @@ LOCAL, PEER, ADMIN = "local", "peer", "admin"
 _SERVICE = "/memsnap.v1.Memsnap/"
 _PEER_SERVICE = "/memsnap.v1.Peer/"
 # What a peer needs to move a job here: the preflight (Status), the image and page transfer, the restore
-# and commit (the Peer service; the same three on Memsnap for sources from before it), and ListJobs
-# (which shows a peer only the jobs that moves brought here).
+# and commit (the Peer service), and ListJobs (which shows a peer only the jobs that moves brought here).
 PEER_METHODS = frozenset({
-    _SERVICE + "Status", _SERVICE + "ReceiveImage", _SERVICE + "PageTunnel", _SERVICE + "RestoreReceived",
-    _SERVICE + "ListJobs", "/grpc.health.v1.Health/Check",
+    _SERVICE + "Status", _SERVICE + "ListJobs", "/grpc.health.v1.Health/Check",
     _PEER_SERVICE + "ReceiveImage", _PEER_SERVICE + "PageTunnel", _PEER_SERVICE + "RestoreReceived",
     _PEER_SERVICE + "CommitMove",
 })

@@ -208,11 +208,6 @@ class Gate:
             finally:
                 self._leave(key)
 
-    def kick(self) -> None:
-        """Wakes paused work to look again (tests; release() does it by itself)."""
-        with self._cv:
-            self._cv.notify_all()
-
     # -- reporting --------------------------------------------------------------------------------
     def paused_seconds(self) -> float:
         """Seconds during which some background work was held back, in all."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
@@ -155,18 +154,6 @@ class MemsnapClient:
     def migrate(self, req: pb.MigrateRequest, timeout: float = LONG_S) -> pb.MigrateResponse:
         """Moves a job to another daemon."""
         return self._call("Migrate", req, timeout)  # type: ignore[return-value]
-
-    def receive_image(self, chunks: Iterator[pb.ImageChunk], timeout: float = LONG_S) -> grpc.Future:
-        """Peer side of a move: streams image chunks; the future's result() is a ReceiveImageResponse."""
-        return self.stub.ReceiveImage.future(chunks, timeout=timeout, metadata=self._md)
-
-    def page_tunnel(self, chunks: Iterator[pb.TunnelChunk], timeout: float = LONG_S) -> Any:
-        """Peer side of a lazy move: a bidirectional stream of page-server bytes (an iterator and a call)."""
-        return self.stub.PageTunnel(chunks, timeout=timeout, metadata=self._md)
-
-    def restore_received(self, req: pb.RestoreReceivedRequest, timeout: float = LONG_S) -> pb.RestoreResponse:
-        """Peer side of a move: restores an image sent to the peer (or one it fetches from the store)."""
-        return self._call("RestoreReceived", req, timeout)  # type: ignore[return-value]
 
     def stop_job(self, job: str, timeout_s: float = 10.0, kill: bool = False,
                  timeout: float = 60.0) -> pb.StopJobResponse:

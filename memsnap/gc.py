@@ -6,8 +6,9 @@ only if, at that moment, nothing uses it (a restore, a move, a park, a drain). A
 (retention.not_ours: the node its job moved to, else the one that made it) stays: only the row here goes,
 reported as forgotten. (2) For root only, the
 chunk sweep of the whole store: mark = the chunks every stored manifest references (every node's, since
-nodes share a store) plus those of drains in flight here; sweep = unreferenced chunks older than the
-grace period, with no drain of any node running (the store locks of memsnap.store.chunkgc). A crash
+nodes share a store); sweep = unreferenced chunks older than the grace period, with no drain of any node
+running (the store locks of memsnap.store.chunkgc: a drain holds its lock from its first chunk to its
+manifest, so the mark reads the manifest of every drain that could have written a chunk). A crash
 anywhere leaves every chunk a durable checkpoint references: a manifest is deleted before any chunk it
 alone referenced, and a chunk is deleted only once no manifest references it.
 """
@@ -226,7 +227,9 @@ class StoreSweeper:
     """Mark and sweep over the chunked store behind a drain (memsnap.store.chunks).
 
     Mark: the chunks and packs every stored manifest in the store references (every node's), minus those of `gone`
-    (a dry run's deletions), plus those drains in flight here report. Sweep: chunks outside the mark
+    (a dry run's deletions). A drain in flight has no manifest yet; its chunks are safe all the same: the
+    sweep waits for its store lock to go (the manifest is written by then) or deletes nothing, and they are
+    younger than its checkpoint, from which this node's grace is counted. Sweep: chunks outside the mark
     uploaded longer ago than the grace period (counted from the moment the oldest checkpoint still dumping or
     draining here was taken), inside the store-wide sweep lock: no drain of any node runs from the mark to
     the last deletion, and each drain forgets what the sweep's record lists (memsnap.store.chunkgc). A
@@ -271,9 +274,6 @@ class StoreSweeper:
             except StoreError as exc:
                 raise SweepRefused(f"the stored manifest of {ckpt_id} cannot be read ({exc}): the sweep stopped "
                                    "before deleting anything; try again when the store answers") from exc
-        inflight = getattr(self.drain, "inflight_chunks", None)
-        if inflight is not None:
-            keep |= set(inflight())
         return keep
 
     def sweep(self, dry_run: bool, now: float, gone: set[str]) -> SweepResult:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import MutableMapping
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -111,16 +110,3 @@ def setup_logging(fmt: str = "text", level: str | int = "info", stream: IO[str] 
     root.addHandler(handler)
     root.setLevel(numeric)
 
-
-class CheckpointLogger(logging.LoggerAdapter[logging.Logger]):
-    """A LoggerAdapter that adds checkpoint_id to every record, merged with per-call extra."""
-
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
-        """Merge the adapter's fields under the call's own extra."""
-        kwargs["extra"] = {**(self.extra or {}), **(kwargs.get("extra") or {})}
-        return msg, kwargs
-
-
-def ckpt_logger(logger: logging.Logger, checkpoint_id: str, **fields: Any) -> CheckpointLogger:
-    """Wrap logger so every line carries checkpoint_id (and any extra fields such as job, pid)."""
-    return CheckpointLogger(logger, {"checkpoint_id": checkpoint_id, **fields})

@@ -85,10 +85,6 @@ class MemoryCgroups:
             raise CgroupError(f"bad cgroup name {name!r}")
         return self.parent / name
 
-    def relpath(self, cg: Path) -> str:
-        """The cgroup as the kernel shows it in /proc/PID/cgroup (and CRIU records it)."""
-        return "/" + str(cg.relative_to(self.root))
-
     def of_pid(self, pid: int) -> Path | None:
         """The job cgroup (below parent) that pid is in, or None (another cgroup, or gone)."""
         want = "memory" if self.version == 1 else ""

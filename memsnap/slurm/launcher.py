@@ -361,11 +361,6 @@ class Launcher:
         j = next((r for r in rows if w is not None and r.id == w.job_id), None)
         return (j.guard_state, j.parked_reason) if j is not None else ("", "")
 
-    def _parked(self) -> str:
-        """Why memsnapd's memory guard parked the workload (checkpointed and stopped it), or ""."""
-        state, reason = self._guard_state()
-        return reason or "parked" if state == "parked" else ""
-
     def _parked_after_exit(self) -> str:
         """Why the guard parked the workload that just went away, or "" if it ended by itself. A park kills
         the dumped tree before the guard records it parked, so a workload gone without an exit status (its

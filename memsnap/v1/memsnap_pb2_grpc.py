@@ -89,21 +89,6 @@ class MemsnapStub:
                 request_serializer=memsnap_dot_v1_dot_memsnap__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.MigrateResponse.FromString,
                 _registered_method=True)
-        self.ReceiveImage = channel.stream_unary(
-                '/memsnap.v1.Memsnap/ReceiveImage',
-                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.ImageChunk.SerializeToString,
-                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.ReceiveImageResponse.FromString,
-                _registered_method=True)
-        self.RestoreReceived = channel.unary_unary(
-                '/memsnap.v1.Memsnap/RestoreReceived',
-                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreReceivedRequest.SerializeToString,
-                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
-                _registered_method=True)
-        self.PageTunnel = channel.stream_stream(
-                '/memsnap.v1.Memsnap/PageTunnel',
-                request_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
-                response_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
-                _registered_method=True)
         self.StopJob = channel.unary_unary(
                 '/memsnap.v1.Memsnap/StopJob',
                 request_serializer=memsnap_dot_v1_dot_memsnap__pb2.StopJobRequest.SerializeToString,
@@ -207,30 +192,8 @@ class MemsnapServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Migrate(self, request, context):
-        """Moves a job to another node's daemon.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReceiveImage(self, request_iterator, context):
-        """Deprecated, for sources from before the Peer service (peer.proto), which carries these now and
-        adds CommitMove. Peer side of Migrate: receives image files (chunked, checksummed) into the tier.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def RestoreReceived(self, request, context):
-        """Peer side of Migrate: restores a received image and reports the new pid.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PageTunnel(self, request_iterator, context):
-        """Peer side of a lazy Migrate: carries CRIU's page-server protocol between the source's lazy dump
-        and the target's lazy-pages daemon, inside this authenticated channel (no extra port to open).
+        """Moves a job to another node's daemon. The target's side of a move is the Peer service (peer.proto);
+        its ReceiveImage, RestoreReceived and PageTunnel are no longer served here (UNIMPLEMENTED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -341,21 +304,6 @@ def add_MemsnapServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.MigrateRequest.FromString,
                     response_serializer=memsnap_dot_v1_dot_memsnap__pb2.MigrateResponse.SerializeToString,
-            ),
-            'ReceiveImage': grpc.stream_unary_rpc_method_handler(
-                    servicer.ReceiveImage,
-                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.ImageChunk.FromString,
-                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.ReceiveImageResponse.SerializeToString,
-            ),
-            'RestoreReceived': grpc.unary_unary_rpc_method_handler(
-                    servicer.RestoreReceived,
-                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreReceivedRequest.FromString,
-                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.SerializeToString,
-            ),
-            'PageTunnel': grpc.stream_stream_rpc_method_handler(
-                    servicer.PageTunnel,
-                    request_deserializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
-                    response_serializer=memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
             ),
             'StopJob': grpc.unary_unary_rpc_method_handler(
                     servicer.StopJob,
@@ -685,87 +633,6 @@ class Memsnap:
             '/memsnap.v1.Memsnap/Migrate',
             memsnap_dot_v1_dot_memsnap__pb2.MigrateRequest.SerializeToString,
             memsnap_dot_v1_dot_memsnap__pb2.MigrateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReceiveImage(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/memsnap.v1.Memsnap/ReceiveImage',
-            memsnap_dot_v1_dot_memsnap__pb2.ImageChunk.SerializeToString,
-            memsnap_dot_v1_dot_memsnap__pb2.ReceiveImageResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RestoreReceived(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/memsnap.v1.Memsnap/RestoreReceived',
-            memsnap_dot_v1_dot_memsnap__pb2.RestoreReceivedRequest.SerializeToString,
-            memsnap_dot_v1_dot_memsnap__pb2.RestoreResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PageTunnel(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/memsnap.v1.Memsnap/PageTunnel',
-            memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.SerializeToString,
-            memsnap_dot_v1_dot_memsnap__pb2.TunnelChunk.FromString,
             options,
             channel_credentials,
             insecure,

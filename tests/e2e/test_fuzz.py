@@ -126,10 +126,10 @@ class Gen:
         self.plain = r.random() < 0.4
         rpc = r.choices(
             ["Status", "RunJob", "ListJobs", "Checkpoint", "Restore", "ListCheckpoints", "GetCheckpoint",
-             "DeleteCheckpoint", "EvictCheckpoint", "WatchCheckpoint", "Migrate", "ReceiveImage",
-             "RestoreReceived", "PageTunnel", "StopJob", "DeleteJob", "Prune", "JobLogs", "ResumeJob",
-             "Peer.CommitMove", "Peer.RestoreReceived", "Peer.ReceiveImage", "Peer.PageTunnel", "Gc"],
-            weights=[3, 3, 3, 14, 12, 5, 8, 8, 8, 6, 10, 8, 8, 4, 6, 6, 2, 5, 5, 4, 4, 4, 2, 2])[0]
+             "DeleteCheckpoint", "EvictCheckpoint", "WatchCheckpoint", "Migrate", "StopJob", "DeleteJob",
+             "Prune", "JobLogs", "ResumeJob", "Peer.CommitMove", "Peer.RestoreReceived", "Peer.ReceiveImage",
+             "Peer.PageTunnel", "Gc"],
+            weights=[3, 3, 3, 14, 12, 5, 8, 8, 8, 6, 10, 6, 6, 2, 5, 5, 4, 12, 12, 6, 2])[0]
         if rpc == "Status":
             return rpc, pb.StatusRequest()
         if rpc == "StopJob":
@@ -169,14 +169,14 @@ class Gen:
                                           move_ip=self.s(), tcp_established=self.b(),
                                           move_ip_dev_source=self.s(), move_ip_dev_target=self.s(),
                                           to_token=self.s(), plain_restore=self.b())
-        if rpc in ("ReceiveImage", "Peer.ReceiveImage"):
+        if rpc == "Peer.ReceiveImage":
             chunks = [pb.ImageChunk(checkpoint_id=self.s("fz-" + str(r.getrandbits(32))), file=self.s(),
                                     offset=self.n(), data=r.randbytes(r.choice([0, 1, 256])),
                                     blake3=r.randbytes(r.choice([0, 32])), file_done=self.b(),
                                     manifest=r.choice([b"", b"{}", r.randbytes(64)]), expected_bytes=self.n())
                       for _ in range(r.choice([0, 1, 2, 3]))]
             return rpc, chunks
-        if rpc in ("RestoreReceived", "Peer.RestoreReceived"):
+        if rpc == "Peer.RestoreReceived":
             req = pb.RestoreReceivedRequest(checkpoint_id=self.s(), lazy=self.b(), lazy_tunnel=self.s(),
                                             add_ip=self.s(), add_ip_dev=self.s(), tcp_established=self.b(),
                                             early_resume=self.b(), commit=self.b())
@@ -184,7 +184,7 @@ class Gen:
                 req.from_store.CopyFrom(pb.CheckpointInfo(id=self.s(), name=self.s(), owner_uid=r.choice(
                     [0, 65534, (1 << 32) - 1]), size_bytes=self.n()))
             return rpc, req
-        # PageTunnel: only verdict queries and malformed openings (a real opening waits for lazy-pages).
+        # Peer.PageTunnel: only verdict queries and malformed openings (a real opening waits for lazy-pages).
         return rpc, [pb.TunnelChunk(tunnel_id=self.s(), data=r.randbytes(r.choice([0, 8])), done=True,
                                     ok=self.b(), error=self.s(), tag=r.randbytes(r.choice([0, 32])))
                      for _ in range(r.choice([0, 1, 2]))]
@@ -215,9 +215,9 @@ def fuzz(sock: str, seed: int, count: int, daemon_pid: int, uid: int | None) -> 
         per_rpc[rpc] += 1
         try:
             method = getattr(peer_stub, rpc[5:]) if rpc.startswith("Peer.") else getattr(stub, rpc)
-            if rpc in ("ReceiveImage", "Peer.ReceiveImage"):
+            if rpc == "Peer.ReceiveImage":
                 method(iter(req), timeout=10)
-            elif rpc in ("PageTunnel", "Peer.PageTunnel"):
+            elif rpc == "Peer.PageTunnel":
                 list(method(iter(req), timeout=5))
             elif rpc in ("WatchCheckpoint", "JobLogs"):
                 list(method(req, timeout=5))

@@ -341,11 +341,11 @@ def test_target_dies_before_replying_its_restored_copy_is_killed_at_restart(when
 
 def test_commit_of_an_unknown_move_is_refused(pair):
     from memsnap.client import ClientError
-    from memsnap.v1 import memsnap_pb2 as pb
+    from memsnap.move.peer import PeerClient
 
     with pair.b.client() as c:
         with pytest.raises(ClientError) as err:
-            c.restore_received(pb.RestoreReceivedRequest(checkpoint_id="ck-nope", commit=True), timeout=10)
+            PeerClient(c).commit_move("ck-nope", timeout=10)
     assert err.value.code.name == "FAILED_PRECONDITION"
 
 

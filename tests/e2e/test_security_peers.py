@@ -22,6 +22,7 @@ import pytest
 
 from memsnap.auth import peer_credential
 from memsnap.client import ClientError, MemsnapClient, Target
+from memsnap.move.peer import PeerClient
 from memsnap.v1 import memsnap_pb2 as pb
 from tests.helpers import (
     NOBODY,
@@ -45,7 +46,7 @@ import json, os, socket, sys, tempfile, threading
 import grpc
 import google.protobuf.json_format
 import memsnap.cli, memsnap.cli_migrate, memsnap.client
-from memsnap.v1 import memsnap_pb2 as pb, memsnap_pb2_grpc as pb_grpc
+from memsnap.v1 import memsnap_pb2 as pb, memsnap_pb2_grpc as pb_grpc, peer_pb2, peer_pb2_grpc
 try:
     import memsnap.slurm.cli
 except ImportError:
@@ -226,6 +227,13 @@ def test_a_peer_token_cannot_run_jobs(cluster_node):
             assert _code(lambda: c.list()) == "PERMISSION_DENIED"
             assert _code(lambda: c.delete("ck-nope")) == "PERMISSION_DENIED"
             assert _code(lambda: c.migrate(pb.MigrateRequest(target=str(mine.pid), to="x:1"))) == "PERMISSION_DENIED"
+            # A source that still sends the restore to the user service, as before the Peer service, finds
+            # nothing there (the interceptor passes an unknown method on to gRPC's own answer).
+            old = c.channel.unary_unary("/memsnap.v1.Memsnap/RestoreReceived")
+            with pytest.raises(grpc.RpcError) as e:
+                old(pb.RestoreReceivedRequest(checkpoint_id="ck-nope").SerializeToString(), timeout=10,
+                    metadata=[("authorization", f"Bearer {peer}")])
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
             # ListJobs (a move's confirmation) shows a peer only the jobs that moves brought here.
             assert [j.id for j in c.jobs()] == []
         with MemsnapClient(Target(address=d.address, token=admin)) as c:
@@ -285,7 +293,7 @@ def test_certificates_authorize_by_name_not_by_ca(tmp_path):
         with client(peer) as c:
             assert _code(lambda: c.status(timeout=10)) == "OK"
             assert _code(lambda: c.run(["id", "-u"])) == "PERMISSION_DENIED"
-            fut = c.receive_image(iter(_unsigned_image("ck-tls-unsigned")), timeout=30)
+            fut = PeerClient(c).receive_image(iter(_unsigned_image("ck-tls-unsigned")), timeout=30)
             with pytest.raises(grpc.RpcError) as e:
                 fut.result()
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -346,12 +354,18 @@ def serve():
         threading.Thread(target=pump, args=(up, c), daemon=True).start()
 
 threading.Thread(target=serve, daemon=True).start()
-stub = pb_grpc.MemsnapStub(grpc.insecure_channel("unix:" + here + "/s"))
-try:
-    stub.RestoreReceived(pb.RestoreReceivedRequest(checkpoint_id="ck-nope", commit=True), timeout=20)
-    out["commit"] = "OK"
-except grpc.RpcError as exc:
-    out["commit"] = exc.code().name
+ch = grpc.insecure_channel("unix:" + here + "/s")
+stub = pb_grpc.MemsnapStub(ch)
+for name, call in (("commit", lambda: peer_pb2_grpc.PeerStub(ch).CommitMove(
+                       peer_pb2.CommitMoveRequest(checkpoint_id="ck-nope"), timeout=20)),
+                   ("old_commit", lambda: ch.unary_unary("/memsnap.v1.Memsnap/RestoreReceived")(
+                       pb.RestoreReceivedRequest(checkpoint_id="ck-nope", commit=True).SerializeToString(),
+                       timeout=20))):
+    try:
+        call()
+        out[name] = "OK"
+    except grpc.RpcError as exc:
+        out[name] = exc.code().name
 job = stub.RunJob(pb.RunJobRequest(argv=["sleep", "600"], name="forged"), timeout=20).job
 out["job_uid"], out["job_pid"] = job.owner_uid, job.pid
 print(json.dumps(out))
@@ -368,6 +382,7 @@ def test_a_forged_relay_name_gets_no_root(guarded):
         # caller from SO_PEERCRED whatever its own socket is called: nobody, not root.
         assert out["private"] == "PermissionError"
         assert out["commit"] == "PERMISSION_DENIED"  # root would get FAILED_PRECONDITION (no such move)
+        assert out["old_commit"] == "UNIMPLEMENTED"  # the user service no longer carries the peer RPCs
         assert out["job_uid"] == NOBODY
     finally:
         kill_job(int(out["job_pid"]))
@@ -411,7 +426,7 @@ def _unsigned_image(ckpt_id: str) -> list[pb.ImageChunk]:
 def test_receive_image_without_a_node_token_refuses_an_unsigned_manifest(make_daemon):
     d = make_daemon("plain").start()  # no node token, no TCP: only local root can even try
     with d.client() as c:
-        fut = c.receive_image(iter(_unsigned_image("ck-unsigned-1")), timeout=30)
+        fut = PeerClient(c).receive_image(iter(_unsigned_image("ck-unsigned-1")), timeout=30)
         with pytest.raises(grpc.RpcError) as e:
             fut.result()
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

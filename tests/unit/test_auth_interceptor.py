@@ -17,7 +17,7 @@ NODE_TOKEN = b"n" * 64
 ADMIN_TOKEN = "a" * 64
 PEER_TOKEN = "p" * 64
 STATUS = "/memsnap.v1.Memsnap/Status"
-RECEIVE = "/memsnap.v1.Memsnap/ReceiveImage"
+RECEIVE = "/memsnap.v1.Peer/ReceiveImage"
 RESTORE = "/memsnap.v1.Memsnap/Restore"
 LIST_JOBS = "/memsnap.v1.Memsnap/ListJobs"
 

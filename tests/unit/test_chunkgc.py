@@ -203,3 +203,42 @@ def test_a_new_node_learns_the_stores_chunks_from_one_listing_not_a_check_per_ch
     assert store.calls["list"] == 3  # sweep records, chunks, packs
     assert store.calls["read_tail"] == len(_objects(m) - {chunk_key(c) for c in referenced_chunks(m)})
     assert _present(store, m)
+
+
+def test_gcs_sweep_never_deletes_the_chunks_of_a_drain_in_flight(tmp_path: Path, store: Counting) -> None:
+    # What keeps gc (memsnap.gc.StoreSweeper) off the chunks a drain is writing, before its manifest exists:
+    # the drain's store lock, which a sweep waits out (then marks the manifest) or defers on, deleting
+    # nothing; and, for a dry run (no lock), the grace counted back from when the checkpoint being drained
+    # here was taken. No list of in-flight chunks is needed.
+    from types import SimpleNamespace
+
+    from memsnap.catalog import DRAINING
+    from memsnap.gc import StoreSweeper
+    from memsnap.store import chunks
+
+    node = _node(store, tmp_path, "a", drain_wait_s=0.3)  # (the drain and the sweep share it, as in memsnapd)
+    pending = [SimpleNamespace(state=DRAINING, created_ms=int(time.time() * 1000) - 1000)]
+    catalog = SimpleNamespace(checkpoints=lambda states: [r for r in pending if r.state in states])
+    drain = SimpleNamespace(store=store, catalog=catalog,
+                            node_chunks=SimpleNamespace(store_gc=lambda s: node, index=lambda: node.index))
+    sweeper = StoreSweeper(drain, 0.0, chunks)
+    d, files = _tier(tmp_path, 7)
+    with node.draining() as grant:
+        job = ChunkedDrain(store, 0, node.index, Chunking(AVG), threads=2, trust_index=grant.trust_index,
+                           pack_size=store.pack_size)
+        with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
+            m = {"id": "ck-1", "files": files, "storage": job.run("ck-1", sfd, files, None, lambda n: None)}
+        assert _present(store, m) and not (store.store.root / "ck-1/manifest.json").exists()  # no manifest yet
+        dry = sweeper.sweep(True, time.time() + 60, set())
+        assert dry.deleted == 0 and dry.kept_in_grace == len(_objects(m))
+        with pytest.raises(SweepDeferred, match="deleted nothing"):
+            sweeper.sweep(False, time.time() + 60, set())
+        assert _present(store, m)
+        with store.open_writer("ck-1/manifest.json") as w:
+            w.write(json.dumps(m).encode())
+            w.commit()
+    pending.clear()  # durable: nothing dumping or draining here now, the grace counts from now
+    assert sweeper.sweep(False, time.time() + 60, set()).deleted == 0 and _present(store, m)
+    store.delete_keys(["ck-1/manifest.json"])  # the checkpoint deleted: its chunks go
+    assert sweeper.sweep(False, time.time() + 60, set()).deleted == len(referenced_chunks(m))
+    assert not _present(store, m)

@@ -17,4 +17,11 @@ def test_a_peer_may_call_every_peer_rpc() -> None:
 def test_a_peer_may_call_no_user_rpc_but_the_preflight_ones() -> None:
     service = memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"]
     allowed = {m.name for m in service.methods if f"/{service.full_name}/{m.name}" in PEER_METHODS}
-    assert allowed == {"Status", "ListJobs", "ReceiveImage", "PageTunnel", "RestoreReceived"}
+    assert allowed == {"Status", "ListJobs"}
+
+
+def test_the_user_service_no_longer_carries_the_peer_rpcs() -> None:
+    service = memsnap_pb2.DESCRIPTOR.services_by_name["Memsnap"]
+    assert not {"ReceiveImage", "PageTunnel", "RestoreReceived", "CommitMove"} & {m.name for m in service.methods}
+    assert {m for m in PEER_METHODS if m.startswith("/memsnap.v1.Memsnap/")} == {
+        "/memsnap.v1.Memsnap/Status", "/memsnap.v1.Memsnap/ListJobs"}  # (no entry left for a removed RPC)
