@@ -900,13 +900,13 @@ def resume_cmd(obj: Ctx, job: str, memory_limit: str) -> None:
 
 
 def _size_arg(text: str, hint: str) -> int:
-    """'256M', '1G', '1.5GiB', '1048576' -> bytes."""
-    import re
+    """'256M', '1G', '1.5GiB', '1048576' -> bytes (memsnap.units' grammar, as in the config file)."""
+    from memsnap.units import parse_size
 
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size such as 256M or 4G", param_hint=hint)
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from memsnap.units import parse_size
+from memsnap.units import MAX_SIZE, parse_rate, parse_size
 
 DEFAULT_CONFIG_PATH = "/etc/memsnap/memsnap.toml"
 OVERRIDE_SOURCE = "override"
@@ -225,22 +225,27 @@ def _names(value: object) -> tuple[str, ...]:
 
 
 def _size(value: object) -> int | None:
-    """Empty (None) or a positive byte count, an int or a string with a K/M/G/T suffix."""
-    expected = 'a size in bytes such as "64G", or "" for the default'
+    """Empty (None) or a byte count: an int, or a string in memsnap.units' grammar ("64G")."""
+    return _bytes(value, parse_size, 'a size in bytes such as "64G", or "" for the default')
+
+
+def _rate(value: object) -> int | None:
+    """Empty (None) or bytes per second: an int, or a string in memsnap.units' grammar ("100M/s", "100M")."""
+    return _bytes(value, parse_rate, 'bytes per second such as "100M/s", or "" for no cap')
+
+
+def _bytes(value: object, parse: Callable[[str], int], expected: str) -> int | None:
+    """Empty (None), an int from 1 to MAX_SIZE, or a string that parse reads (else _Bad(expected))."""
     if isinstance(value, str) and not value.strip():
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str):
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SIZE:
+        return value
+    if isinstance(value, str):
         try:
-            size = parse_size(value.strip().removesuffix("/s"))
-        except (ValueError, TypeError):
-            raise _Bad(expected) from None
-    else:
-        raise _Bad(expected)
-    if size <= 0:
-        raise _Bad(expected)
-    return size
+            return parse(value)
+        except ValueError:
+            pass
+    raise _Bad(expected)
 
 
 def _chunk_size(value: object) -> int:
@@ -347,7 +352,7 @@ class DrainConfig:
     """[drain]: the tier-to-store worker pool."""
 
     concurrency: int = _opt(2, _POSITIVE_INT, "parallel drain workers")
-    bandwidth: int | None = _opt(None, _size, "bytes/s cap (K/M/G suffix); empty = unlimited")
+    bandwidth: int | None = _opt(None, _rate, "bytes/s cap (K/M/G suffix, /s optional); empty = unlimited")
     compression_level: int = _opt(3, _int_range(0, 22), "zstd level; 0 = off")
     compression_threads: int = _opt(0, _int_min(0, "a non-negative integer"), "zstd threads; 0 = auto")
     retry_initial_s: float = _opt(1.0, _POSITIVE_SECONDS, "first retry delay")
