@@ -1,0 +1,5 @@
+"""python -m memsnap.cli: memsnapctl."""
+
+from memsnap.cli import main
+
+main()
