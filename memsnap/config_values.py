@@ -158,29 +158,30 @@ def ip_host_port(value: str) -> tuple[str, int]:
 
 def listen(value: object) -> str:
     """Empty (off) or HOST:PORT with an IP address or a host name (TCP only)."""
-    if isinstance(value, str):
-        if not value.strip():
-            return ""
-        try:
-            ip_host_port(value.strip())
-        except ValueError:
-            pass
-        else:
-            return value.strip()
+    if isinstance(value, str) and not value.strip():
+        return ""
+    if (found := _tcp_address(value)) is not None:
+        return found
     raise Bad('"" (off) or HOST:PORT with an IP address or host name, such as "127.0.0.1:9464" or "[::]:7443" '
                "(TCP only: unix: and other schemes are refused)")
 
 
 def address(value: object) -> str:
     """HOST:PORT with an IP address or a host name."""
-    if isinstance(value, str):
-        try:
-            ip_host_port(value.strip())
-        except ValueError:
-            pass
-        else:
-            return value.strip()
+    if (found := _tcp_address(value)) is not None:
+        return found
     raise Bad('HOST:PORT with an IP address or host name, such as "10.0.0.2:7443"')
+
+
+def _tcp_address(value: object) -> str | None:
+    """value, stripped, when it is HOST:PORT with an IP address or a host name; else None."""
+    if not isinstance(value, str):
+        return None
+    try:
+        ip_host_port(value.strip())
+    except ValueError:
+        return None
+    return value.strip()
 
 
 def name(value: object) -> str:
