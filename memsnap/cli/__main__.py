@@ -2,4 +2,5 @@
 
 from memsnap.cli import main
 
-main()
+if __name__ == "__main__":  # (not when imported: tests/helpers.py imports every module before dropping root)
+    main()
