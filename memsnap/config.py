@@ -1,36 +1,26 @@
-"""memsnapd configuration: a TOML file plus dotted-key overrides, validated into frozen dataclasses."""
+"""memsnapd configuration: a TOML file plus dotted-key overrides, validated into frozen dataclasses (each key's
+value grammar: memsnap.config_values)."""
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-import math
 import os
-import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from memsnap.units import parse_size
+from memsnap import config_values as val
+from memsnap.config_values import Parser
+from memsnap.config_values import ip_host_port as ip_host_port  # (re-exported: memsnap.auth, memsnap.move)
+from memsnap.config_values import parse_host_port as parse_host_port
 
 DEFAULT_CONFIG_PATH = "/etc/memsnap/memsnap.toml"
 OVERRIDE_SOURCE = "override"
 
-Parser = Callable[[object], object]
-
 
 class ConfigError(ValueError):
     """A config file or override is unreadable, unknown or has a bad value; the message names it."""
-
-
-class _Bad(Exception):
-    """Raised by a field parser with what it expected."""
-
-    def __init__(self, expected: str) -> None:
-        """Record the expectation text."""
-        super().__init__(expected)
-        self.expected = expected
 
 
 def _opt(default: object, parse: Parser, doc: str) -> Any:
@@ -38,269 +28,44 @@ def _opt(default: object, parse: Parser, doc: str) -> Any:
     return field(default=default, metadata={"parse": parse, "doc": doc})
 
 
-# --- value parsers -----------------------------------------------------------------------
-
-
-def _as_int(value: object) -> int | None:
-    """Return value as an int if it is one (or a decimal string), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
-        return int(value.strip())
-    return None
-
-
-def _as_float(value: object) -> float | None:
-    """Return value as a finite float if it is a number (or numeric string), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            return None
-    else:
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _string(value: object) -> str:
-    """Any string."""
-    if not isinstance(value, str):
-        raise _Bad("a string")
-    return value
-
-
-def _path(value: object) -> str:
-    """A non-empty path string."""
-    if not isinstance(value, str) or not value.strip():
-        raise _Bad("a non-empty path")
-    return value
-
-
-def _choice(*options: str) -> Parser:
-    """One of the given words, case-insensitive, normalised to lower case."""
-
-    def parse(value: object) -> str:
-        if isinstance(value, str) and value.strip().lower() in options:
-            return value.strip().lower()
-        raise _Bad("one of " + ", ".join(f'"{o}"' for o in options))
-
-    return parse
-
-
-def _int_min(minimum: int, expected: str) -> Parser:
-    """An integer >= minimum."""
-
-    def parse(value: object) -> int:
-        number = _as_int(value)
-        if number is None or number < minimum:
-            raise _Bad(expected)
-        return number
-
-    return parse
-
-
-def _int_range(low: int, high: int) -> Parser:
-    """An integer in [low, high]."""
-
-    def parse(value: object) -> int:
-        number = _as_int(value)
-        if number is None or not low <= number <= high:
-            raise _Bad(f"an integer from {low} to {high}")
-        return number
-
-    return parse
-
-
-def _float_min(minimum: float, strict: bool, expected: str) -> Parser:
-    """A finite number > minimum (strict) or >= minimum."""
-
-    def parse(value: object) -> float:
-        number = _as_float(value)
-        if number is None or number < minimum or (strict and number == minimum):
-            raise _Bad(expected)
-        return number
-
-    return parse
-
-
-def _mode(value: object) -> int:
-    """A permission mode: an int, or an octal string such as "0660"."""
-    expected = 'a file mode such as "0660" (a string, or 0o660 in TOML)'
-    if isinstance(value, int) and not isinstance(value, bool):
-        mode = value
-    elif isinstance(value, str) and re.fullmatch(r"(0o?)?[0-7]{1,4}", value.strip()):
-        mode = int(value.strip().removeprefix("0o") or "0", 8)
-    else:
-        raise _Bad(expected)
-    if not 0 <= mode <= 0o777:  # also catches decimal 660 written where octal was meant
-        raise _Bad(expected)
-    return mode
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    """Split "HOST:PORT" (or "[v6]:PORT") into host and port; raise ValueError if malformed."""
-    match = re.fullmatch(r"\[([0-9A-Fa-f:.%\w]+)\]:(\d{1,5})|([^\s:\[\]]*):(\d{1,5})", value)
-    if not match:
-        raise ValueError(f"not HOST:PORT: {value!r}")
-    host = match.group(1) if match.group(1) is not None else match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if port > 65535:
-        raise ValueError(f"port out of range: {port}")
-    return host, port
-
-
-# gRPC reads these words before a colon as an address scheme (a Unix or vsock socket, a resolver), not
-# as a host name: an address that starts with one is never a TCP address.
-GRPC_SCHEMES = frozenset({"unix", "unix-abstract", "vsock", "ipv4", "ipv6", "dns", "xds", "google-c2p"})
-_HOSTNAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
-
-
-def ip_host_port(value: str) -> tuple[str, int]:
-    """HOST:PORT where HOST is an IPv4/IPv6 literal or a DNS host name (never a gRPC scheme such as
-    unix: or unix-abstract:); raise ValueError otherwise."""
-    host, port = parse_host_port(value)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        if not _HOSTNAME_RE.fullmatch(host) or host.lower() in GRPC_SCHEMES or "%" in host:
-            raise ValueError(f"not an IP address or host name: {host!r}") from None
-    return host, port
-
-
-def _listen(value: object) -> str:
-    """Empty (off) or HOST:PORT with an IP address or a host name (TCP only)."""
-    if isinstance(value, str):
-        if not value.strip():
-            return ""
-        try:
-            ip_host_port(value.strip())
-        except ValueError:
-            pass
-        else:
-            return value.strip()
-    raise _Bad('"" (off) or HOST:PORT with an IP address or host name, such as "127.0.0.1:9464" or "[::]:7443" '
-               "(TCP only: unix: and other schemes are refused)")
-
-
-def _address(value: object) -> str:
-    """HOST:PORT with an IP address or a host name."""
-    if isinstance(value, str):
-        try:
-            ip_host_port(value.strip())
-        except ValueError:
-            pass
-        else:
-            return value.strip()
-    raise _Bad('HOST:PORT with an IP address or host name, such as "10.0.0.2:7443"')
-
-
-def _name(value: object) -> str:
-    """A node name: letters, digits, '.', '_' and '-'."""
-    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}", value.strip()):
-        return value.strip()
-    raise _Bad("a node name (letters, digits, '.', '_', '-')")
-
-
-def _name_or_empty(value: object) -> str:
-    """Empty, or a node name."""
-    if isinstance(value, str) and not value.strip():
-        return ""
-    return _name(value)
-
-
-def _names(value: object) -> tuple[str, ...]:
-    """A list of certificate names (SAN or CN), each a non-empty string."""
-    if isinstance(value, str):
-        value = [v for v in value.split(",") if v.strip()]  # a command-line flag: comma-separated
-    if isinstance(value, list | tuple) and all(isinstance(v, str) and v.strip() for v in value):
-        return tuple(v.strip() for v in value)
-    raise _Bad('a list of certificate names such as ["admin.example.org"]')
-
-
-def _size(value: object) -> int | None:
-    """Empty (None) or a positive byte count, an int or a string with a K/M/G/T suffix."""
-    expected = 'a size in bytes such as "64G", or "" for the default'
-    if isinstance(value, str) and not value.strip():
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str):
-        try:
-            size = parse_size(value.strip().removesuffix("/s"))
-        except (ValueError, TypeError):
-            raise _Bad(expected) from None
-    else:
-        raise _Bad(expected)
-    if size <= 0:
-        raise _Bad(expected)
-    return size
-
-
-def _chunk_size(value: object) -> int:
-    """A chunk size: a multiple of 4 KiB from 16 KiB to 16 MiB."""
-    size = _size(value)
-    if size is None or size % 4096 or not (16 << 10) <= size <= (16 << 20):
-        raise _Bad('a multiple of 4K from 16K to 16M, such as "1M"')
-    return size
-
-
-def _store_url(value: object) -> str:
-    """Empty or s3://BUCKET[/PREFIX]."""
-    if isinstance(value, str):
-        if not value.strip():
-            return ""
-        if re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/\S*)?", value.strip()):
-            return value.strip()
-    raise _Bad('"" or s3://BUCKET[/PREFIX]')
-
-
 # --- sections ----------------------------------------------------------------------------
-
-_POSITIVE_INT = _int_min(1, "a positive integer")
-_POSITIVE_SECONDS = _float_min(0.0, True, "a positive number of seconds")
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
     """[daemon]: API sockets, auth, metrics and logging."""
 
-    socket: str = _opt("/run/memsnap/memsnapd.sock", _path, "gRPC unix socket path")
-    socket_mode: int = _opt(0o660, _mode, "permissions of the unix socket")
-    socket_group: str = _opt("", _string, "group allowed to use the socket; empty = root's group")
-    listen: str = _opt("", _listen, "HOST:PORT (IP address or host name) for gRPC over TCP; empty = off")
-    node_name: str = _opt("", _name_or_empty, "this node's name in its peers' [[peers]] lists; empty = the host name")
+    socket: str = _opt("/run/memsnap/memsnapd.sock", val.path, "gRPC unix socket path")
+    socket_mode: int = _opt(0o660, val.mode, "permissions of the unix socket")
+    socket_group: str = _opt("", val.string, "group allowed to use the socket; empty = root's group")
+    listen: str = _opt("", val.listen, "HOST:PORT (IP address or host name) for gRPC over TCP; empty = off")
+    node_name: str = _opt("", val.name_or_empty,
+                          "this node's name in its peers' [[peers]] lists; empty = the host name")
     auth_token_file: str = _opt(
-        "", _string, "the node token (cluster secret, mode 0600): peer credentials derive from it; never sent")
+        "", val.string, "the node token (cluster secret, mode 0600): peer credentials derive from it; never sent")
     admin_token_file: str = _opt(
-        "", _string, "bearer token that makes a TCP caller an administrator (root); empty = no admin over TCP")
+        "", val.string, "bearer token that makes a TCP caller an administrator (root); empty = no admin over TCP")
     admin_identities: tuple[str, ...] = _opt(
-        (), _names, "client certificate names (SAN or CN) that are administrators over mutual TLS")
-    tls_cert: str = _opt("", _string, "server certificate (PEM) for TCP")
-    tls_key: str = _opt("", _string, "server private key (PEM) for TCP")
-    tls_ca: str = _opt("", _string, "CA bundle for client certificates (mutual TLS)")
-    metrics_listen: str = _opt("", _listen, "HOST:PORT for the Prometheus exporter; empty = off")
-    log_format: str = _opt("text", _choice("text", "json"), "text or json")
+        (), val.names, "client certificate names (SAN or CN) that are administrators over mutual TLS")
+    tls_cert: str = _opt("", val.string, "server certificate (PEM) for TCP")
+    tls_key: str = _opt("", val.string, "server private key (PEM) for TCP")
+    tls_ca: str = _opt("", val.string, "CA bundle for client certificates (mutual TLS)")
+    metrics_listen: str = _opt("", val.listen, "HOST:PORT for the Prometheus exporter; empty = off")
+    log_format: str = _opt("text", val.choice("text", "json"), "text or json")
     log_level: str = _opt(
-        "info", _choice("debug", "info", "warning", "error", "critical"), "minimum log level"
+        "info", val.choice("debug", "info", "warning", "error", "critical"), "minimum log level"
     )
     move_in_doubt_s: float = _opt(
-        600.0, _float_min(0.0, False, "a number of seconds >= 0"),
+        600.0, val.float_min(0.0, False, "a number of seconds >= 0"),
         "how long a job whose outgoing move is in doubt stays stopped here; 0 = until the target answers",
     )
     move_commit_timeout_s: float = _opt(
-        120.0, _POSITIVE_SECONDS,
+        120.0, val.POSITIVE_SECONDS,
         "how long a job restored here for an incoming move waits for the source's commit before it is killed "
         "(the source runs it on)",
     )
     private_tmp: bool = _opt(
-        True, lambda value: _bool(value),
+        True, val.boolean,
         "jobs get a /tmp of their own (a tmpfs whose files travel in their image) unless they ask for the host's "
         "(memsnapctl run --shared-tmp)",
     )
@@ -310,18 +75,18 @@ class DaemonConfig:
 class TierConfig:
     """[tier]: the memory tier that receives dumps."""
 
-    dir: str = _opt("/dev/shm/memsnap", _path, "directory on the memory filesystem")
-    capacity: int | None = _opt(None, _size, "bytes usable (K/M/G suffix); empty = fs size")
+    dir: str = _opt("/dev/shm/memsnap", val.path, "directory on the memory filesystem")
+    capacity: int | None = _opt(None, val.size, "bytes usable (K/M/G suffix); empty = fs size")
     reserve_margin: float = _opt(
         0.10,
-        _float_min(0.0, False, "a non-negative fraction such as 0.10"),
+        val.float_min(0.0, False, "a non-negative fraction such as 0.10"),
         "fraction added to the RSS estimate when reserving",
     )
-    kind: str = _opt("tmpfs", _choice("tmpfs", "numa", "devdax"), "tmpfs, numa or devdax")
-    numa_node: int = _opt(-1, _int_min(-1, "a NUMA node number, or -1 for none"), "-1 = none")
-    mount: bool = _opt(False, lambda value: _bool(value),
+    kind: str = _opt("tmpfs", val.choice("tmpfs", "numa", "devdax"), "tmpfs, numa or devdax")
+    numa_node: int = _opt(-1, val.int_min(-1, "a NUMA node number, or -1 for none"), "-1 = none")
+    mount: bool = _opt(False, val.boolean,
                        "memsnapd mounts a tmpfs on dir at start unless dir is a mount point already (never unmounted)")
-    huge_pages: str = _opt("within_size", _choice("within_size", "never", "always", "advise"),
+    huge_pages: str = _opt("within_size", val.choice("within_size", "never", "always", "advise"),
                            "huge= of the tmpfs that tier.mount mounts: within_size, never, always or advise")
 
 
@@ -329,16 +94,16 @@ class TierConfig:
 class StoreConfig:
     """[store]: durable storage that drains write to."""
 
-    dir: str = _opt("/var/lib/memsnap/store", _path, "POSIX directory store")
-    url: str = _opt("", _store_url, "s3://bucket/prefix; when set it wins over dir")
-    s3_endpoint: str = _opt("", _string, "S3 endpoint URL; empty = AWS default")
-    s3_region: str = _opt("", _string, "S3 region; empty = SDK default")
-    format: str = _opt("chunked", _choice("chunked", "whole"),
+    dir: str = _opt("/var/lib/memsnap/store", val.path, "POSIX directory store")
+    url: str = _opt("", val.store_url, "s3://bucket/prefix; when set it wins over dir")
+    s3_endpoint: str = _opt("", val.string, "S3 endpoint URL; empty = AWS default")
+    s3_region: str = _opt("", val.string, "S3 region; empty = SDK default")
+    format: str = _opt("chunked", val.choice("chunked", "whole"),
                        "chunked (content-addressed chunks, stored once) or whole (one object per image file)")
-    chunk_size: int = _opt(1 << 20, _chunk_size, "average chunk size (K/M suffix; a multiple of 4K, 16K-16M)")
-    chunk_cache_dir: str = _opt("", _string, "node-local chunk cache; empty = <state dir>/chunk-cache")
-    chunk_cache_size: int | None = _opt(2 << 30, _size, "chunk cache cap (K/M/G suffix); empty = no cache")
-    pack_size: int | None = _opt(32 << 20, _size, "a drain's new chunks go into packs of about this size (K/M "
+    chunk_size: int = _opt(1 << 20, val.chunk_size, "average chunk size (K/M suffix; a multiple of 4K, 16K-16M)")
+    chunk_cache_dir: str = _opt("", val.string, "node-local chunk cache; empty = <state dir>/chunk-cache")
+    chunk_cache_size: int | None = _opt(2 << 30, val.size, "chunk cache cap (K/M/G suffix); empty = no cache")
+    pack_size: int | None = _opt(32 << 20, val.size, "a drain's new chunks go into packs of about this size (K/M "
                                  "suffix); empty = an object per chunk")
 
 
@@ -346,13 +111,13 @@ class StoreConfig:
 class DrainConfig:
     """[drain]: the tier-to-store worker pool."""
 
-    concurrency: int = _opt(2, _POSITIVE_INT, "parallel drain workers")
-    bandwidth: int | None = _opt(None, _size, "bytes/s cap (K/M/G suffix); empty = unlimited")
-    compression_level: int = _opt(3, _int_range(0, 22), "zstd level; 0 = off")
-    compression_threads: int = _opt(0, _int_min(0, "a non-negative integer"), "zstd threads; 0 = auto")
-    retry_initial_s: float = _opt(1.0, _POSITIVE_SECONDS, "first retry delay")
-    retry_max_s: float = _opt(60.0, _POSITIVE_SECONDS, "longest retry delay")
-    max_pause_s: float = _opt(60.0, _float_min(0.0, False, "a non-negative number of seconds"),
+    concurrency: int = _opt(2, val.POSITIVE_INT, "parallel drain workers")
+    bandwidth: int | None = _opt(None, val.rate, "bytes/s cap (K/M/G suffix, /s optional); empty = unlimited")
+    compression_level: int = _opt(3, val.int_range(0, 22), "zstd level; 0 = off")
+    compression_threads: int = _opt(0, val.int_min(0, "a non-negative integer"), "zstd threads; 0 = auto")
+    retry_initial_s: float = _opt(1.0, val.POSITIVE_SECONDS, "first retry delay")
+    retry_max_s: float = _opt(60.0, val.POSITIVE_SECONDS, "longest retry delay")
+    max_pause_s: float = _opt(60.0, val.float_min(0.0, False, "a non-negative number of seconds"),
                               "a drain waits for foreground work (dump, restore, lazy paging) at most this "
                               "long in all; 0 = never waits (docs/background.md)")
 
@@ -361,25 +126,25 @@ class DrainConfig:
 class StateConfig:
     """[state]: journal and catalog."""
 
-    dir: str = _opt("/var/lib/memsnap/state", _path, "journal, catalog and keys")
+    dir: str = _opt("/var/lib/memsnap/state", val.path, "journal, catalog and keys")
 
 
 @dataclass(frozen=True)
 class SecurityConfig:
     """[security]: image integrity keys."""
 
-    hmac_key_file: str = _opt("", _string, "HMAC key; empty = <state dir>/hmac.key")
+    hmac_key_file: str = _opt("", val.string, "HMAC key; empty = <state dir>/hmac.key")
 
 
 @dataclass(frozen=True)
 class PeerConfig:
     """[[peers]]: a daemon this node trusts to move jobs to and from it (never an administrator)."""
 
-    name: str = _opt("", _name, "the peer's daemon.node_name")
-    address: str = _opt("", _address, "HOST:PORT where the peer's daemon listens")
+    name: str = _opt("", val.name, "the peer's daemon.node_name")
+    address: str = _opt("", val.address, "HOST:PORT where the peer's daemon listens")
     token_file: str = _opt(
-        "", _string, "a token shared with this peer only (mode 0600); empty = derived from the node token")
-    identity: str = _opt("", _string, "the name (SAN or CN) in the peer's certificate; empty = name")
+        "", val.string, "a token shared with this peer only (mode 0600); empty = derived from the node token")
+    identity: str = _opt("", val.string, "the name (SAN or CN) in the peer's certificate; empty = name")
 
     @property
     def cert_identity(self) -> str:
@@ -387,93 +152,36 @@ class PeerConfig:
         return self.identity or self.name
 
 
-def _fraction(value: object) -> float:
-    """A number from 0 to 1."""
-    number = _as_float(value)
-    if number is None or not 0.0 <= number <= 1.0:
-        raise _Bad("a fraction from 0 to 1 such as 0.05")
-    return number
-
-
-def _percent(value: object) -> float:
-    """A PSI percentage from 0 to 100 (0 = off)."""
-    number = _as_float(value)
-    if number is None or not 0.0 <= number <= 100.0:
-        raise _Bad("a percentage from 0 to 100 (0 = off)")
-    return number
-
-
-def _bool(value: object) -> bool:
-    """true or false."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.strip().lower() in ("true", "1", "yes")
-    raise _Bad("true or false")
-
-
 @dataclass(frozen=True)
 class GuardConfig:
     """[guard]: the memory-pressure guard (memsnap.guard): park jobs instead of letting them be OOM killed."""
 
-    enabled: bool = _opt(True, _bool, "watch job memory limits and node pressure")
-    mode: str = _opt("enforce", _choice("enforce", "observe"), "enforce parks; observe only logs what it would park")
-    cgroup_root: str = _opt("", _string, "memory cgroup mount; empty = detect (v1 /sys/fs/cgroup/memory, else v2)")
-    cgroup_parent: str = _opt("memsnap", _name, "cgroup under the root that holds one cgroup per limited job")
-    headroom: int | None = _opt(None, _size, "extra bytes given to a job stuck at its limit while it is dumped; "
+    enabled: bool = _opt(True, val.boolean, "watch job memory limits and node pressure")
+    mode: str = _opt("enforce", val.choice("enforce", "observe"), "enforce parks; observe only logs what it would park")
+    cgroup_root: str = _opt("", val.string, "memory cgroup mount; empty = detect (v1 /sys/fs/cgroup/memory, else v2)")
+    cgroup_parent: str = _opt("memsnap", val.name, "cgroup under the root that holds one cgroup per limited job")
+    headroom: int | None = _opt(None, val.size, "extra bytes given to a job stuck at its limit while it is dumped; "
                                 "empty = 16M + 5% of the limit")
-    poll_interval_s: float = _opt(0.2, _POSITIVE_SECONDS, "how often usage, PSI and MemAvailable are sampled")
-    psi_path: str = _opt("/proc/pressure/memory", _path, "PSI file the node policy reads")
-    psi_some_avg10: float = _opt(0.0, _percent, "park when PSI some avg10 stays above this (0 = off)")
-    psi_full_avg10: float = _opt(0.0, _percent, "park when PSI full avg10 stays above this (0 = off)")
-    mem_available_min: int | None = _opt(None, _size, "park when MemAvailable stays below this; empty = off")
-    sustain_s: float = _opt(10.0, _POSITIVE_SECONDS, "pressure must last this long before a park (T)")
-    cooldown_s: float = _opt(10.0, _POSITIVE_SECONDS, "wait this long after a park before parking another")
-    auto_resume: bool = _opt(True, _bool, "resume parked jobs, highest priority first, once pressure is gone")
-    resume_below_some_avg10: float = _opt(5.0, _percent, "resume only while PSI some avg10 stays below this")
-    resume_below_full_avg10: float = _opt(1.0, _percent, "resume only while PSI full avg10 stays below this")
-    resume_sustain_s: float = _opt(30.0, _POSITIVE_SECONDS, "pressure must stay low this long before a resume (T')")
-    resume_margin: int | None = _opt(None, _size, "MemAvailable must exceed image size + mem_available_min + this; "
+    poll_interval_s: float = _opt(0.2, val.POSITIVE_SECONDS, "how often usage, PSI and MemAvailable are sampled")
+    psi_path: str = _opt("/proc/pressure/memory", val.path, "PSI file the node policy reads")
+    psi_some_avg10: float = _opt(0.0, val.percent, "park when PSI some avg10 stays above this (0 = off)")
+    psi_full_avg10: float = _opt(0.0, val.percent, "park when PSI full avg10 stays above this (0 = off)")
+    mem_available_min: int | None = _opt(None, val.size, "park when MemAvailable stays below this; empty = off")
+    sustain_s: float = _opt(10.0, val.POSITIVE_SECONDS, "pressure must last this long before a park (T)")
+    cooldown_s: float = _opt(10.0, val.POSITIVE_SECONDS, "wait this long after a park before parking another")
+    auto_resume: bool = _opt(True, val.boolean, "resume parked jobs, highest priority first, once pressure is gone")
+    resume_below_some_avg10: float = _opt(5.0, val.percent, "resume only while PSI some avg10 stays below this")
+    resume_below_full_avg10: float = _opt(1.0, val.percent, "resume only while PSI full avg10 stays below this")
+    resume_sustain_s: float = _opt(30.0, val.POSITIVE_SECONDS, "pressure must stay low this long before a resume (T')")
+    resume_margin: int | None = _opt(None, val.size, "MemAvailable must exceed image size + mem_available_min + this; "
                                      "empty = 1G")
-    spill_dir: str = _opt("", _string, "park images go here (a disk directory, DAX or NUMA tmpfs) instead of the "
+    spill_dir: str = _opt("", val.string, "park images go here (a disk directory, DAX or NUMA tmpfs) instead of the "
                           "memory tier; empty = the tier, evicted once durable")
-    pressure_level: str = _opt("off", _choice("off", "low", "medium", "critical"),
+    pressure_level: str = _opt("off", val.choice("off", "low", "medium", "critical"),
                                "cgroup v1: also park a limited job when its cgroup's memory.pressure_level "
                                "reports this level (reclaim against its limit); off = only at the limit")
-    durable_wait_s: float = _opt(600.0, _POSITIVE_SECONDS, "how long a park into the tier waits for the drain "
+    durable_wait_s: float = _opt(600.0, val.POSITIVE_SECONDS, "how long a park into the tier waits for the drain "
                                  "before keeping the tier copy")
-
-
-def _count_or_unset(value: object) -> int | None:
-    """Empty (None: the rule is not set) or an integer >= 0."""
-    if isinstance(value, str) and not value.strip():
-        return None
-    number = _as_int(value)
-    if number is None or not 0 <= number <= 1_000_000:
-        raise _Bad('"" (not set) or a count from 0 to 1000000')
-    return number
-
-
-def _duration(value: object) -> float:
-    """Seconds: a number, or a string such as "90s", "30m", "2h", "7d", "1h30m"."""
-    from memsnap.retention import parse_duration
-
-    number = _as_float(value) if not isinstance(value, str) else None
-    if number is not None and number >= 0:
-        return number
-    if isinstance(value, str):
-        try:
-            return parse_duration(value)
-        except ValueError:
-            pass
-    raise _Bad('a duration such as "30m", "2h", "7d" (or seconds)')
-
-
-def _duration_or_unset(value: object) -> float | None:
-    """Empty (None: the rule is not set) or a duration."""
-    if isinstance(value, str) and not value.strip():
-        return None
-    return _duration(value)
 
 
 @dataclass(frozen=True)
@@ -481,11 +189,11 @@ class RetentionConfig:
     """[retention]: the default policy of `memsnapctl gc` (a job's own --keep-last/--keep-within win rule by
     rule) and the daemon's periodic gc. Both rules unset: every checkpoint is kept."""
 
-    keep_last: int | None = _opt(None, _count_or_unset, 'keep the newest N checkpoints of each job; "" = not set')
-    keep_within: float | None = _opt(None, _duration_or_unset,
+    keep_last: int | None = _opt(None, val.count_or_unset, 'keep the newest N checkpoints of each job; "" = not set')
+    keep_within: float | None = _opt(None, val.duration_or_unset,
                                      'keep checkpoints younger than this (e.g. "2h", "7d"); "" = not set')
-    gc_interval: float = _opt(3600.0, _duration, 'how often memsnapd runs gc (e.g. "1h"); 0 = never')
-    chunk_grace: float = _opt(86400.0, _duration, "a store chunk no manifest references is swept only once it "
+    gc_interval: float = _opt(3600.0, val.duration, 'how often memsnapd runs gc (e.g. "1h"); 0 = never')
+    chunk_grace: float = _opt(86400.0, val.duration, "a store chunk no manifest references is swept only once it "
                               "is older than this (uploads of drains still in flight on any node stay)")
 
 
@@ -494,11 +202,11 @@ class QuotaConfig:
     """[quota]: what each uid may use (memsnap.quota, docs/quota.md), checked before any work starts. These apply
     to every uid but root; a [quota.uid.UID] table sets a uid's own (root's too), key by key. "" = no limit."""
 
-    tier_bytes: int | None = _opt(None, _size, 'bytes of its checkpoints\' memory tier copies (K/M/G suffix); "" = '
+    tier_bytes: int | None = _opt(None, val.size, 'bytes of its checkpoints\' memory tier copies (K/M/G suffix); "" = '
                                   "no limit")
-    store_bytes: int | None = _opt(None, _size, 'bytes its durable checkpoints wrote to the store; "" = no limit')
-    jobs: int | None = _opt(None, _count_or_unset, 'running jobs; "" = no limit')
-    checkpoints: int | None = _opt(None, _count_or_unset, 'checkpoints it may restore (staged, draining, durable); '
+    store_bytes: int | None = _opt(None, val.size, 'bytes its durable checkpoints wrote to the store; "" = no limit')
+    jobs: int | None = _opt(None, val.count_or_unset, 'running jobs; "" = no limit')
+    checkpoints: int | None = _opt(None, val.count_or_unset, 'checkpoints it may restore (staged, draining, durable); '
                                    '"" = no limit')
 
 
@@ -660,7 +368,7 @@ def _build(name: str, cls: type[Any], values: dict[str, tuple[object, str]]) -> 
             raise ConfigError(f"{source}: {name}.{key}: unknown key")
         try:
             kwargs[key] = fields[key].metadata["parse"](value)
-        except _Bad as bad:
+        except val.Bad as bad:
             raise ConfigError(
                 f"{source}: {name}.{key}: expected {bad.expected}, got {_show(value)}"
             ) from None

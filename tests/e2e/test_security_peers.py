@@ -45,7 +45,7 @@ _DROP = """
 import json, os, socket, sys, tempfile, threading
 import grpc
 import google.protobuf.json_format
-import memsnap.cli, memsnap.cli_migrate, memsnap.client
+import memsnap.cli, memsnap.client
 from memsnap.v1 import memsnap_pb2 as pb, memsnap_pb2_grpc as pb_grpc, peer_pb2, peer_pb2_grpc
 try:
     import memsnap.slurm.cli

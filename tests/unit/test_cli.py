@@ -52,6 +52,17 @@ def test_help_does_not_import_grpc():
     assert r.stderr.strip().endswith("NOGRPC") and "Exit status:" in r.stdout and "migrate" in r.stdout
 
 
+def test_python_m_runs_memsnapctl_and_importing_its_main_module_runs_nothing():
+    # (tests/helpers.py imports every memsnap module, __main__ included, before it drops root)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", "import memsnap.cli.__main__", "status"], capture_output=True,
+                       text=True, env=env)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    r = subprocess.run([sys.executable, "-m", "memsnap.cli", "no-such-command"], capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 2 and "No such command 'no-such-command'" in r.stderr
+
+
 def test_yaml_output_of_nested_data():
     data = {"id": "ck-1", "size_bytes": 3, "in_tier": True, "argv": ["python", "x: y"], "gpus": [], "note": ""}
     assert cli_fmt.to_yaml(data) == "\n".join([

@@ -89,7 +89,7 @@ def test_the_logs_header_line_is_escaped_and_the_jobs_own_output_is_not() -> Non
             return [SimpleNamespace(data=b"# memsnap: restored from ck-\x1b[31m; earlier output: /x\n\x1b[1mjob"),
                     SimpleNamespace(data=b" output\x1b[0m\n")]
 
-    got = b"".join(cli._log_chunks(Client(), "j", False, 0))  # type: ignore[arg-type]
+    got = b"".join(cli.jobs._log_chunks(Client(), "j", False, 0))  # type: ignore[arg-type]
     assert got == b"# memsnap: restored from ck-\\x1b[31m; earlier output: /x\n\x1b[1mjob output\x1b[0m\n"
 
 

@@ -13,11 +13,6 @@ LONG_OK = {
     "memsnap.engine": "checkpoint, restore, evict and recovery share the per-checkpoint locks and the "
                       "journal order; split next along those lines (restore.py), not before the move "
                       "package and the typed CRIU seam have settled",
-    "memsnap.cli": "one click command tree that grew the job lifecycle commands and the guard's resume in the "
-                   "same session as the redesign; next: the lifecycle commands into cli_jobs.py, registered "
-                   "like cli_migrate (left to avoid a third concurrent rewrite of one file)",
-    "memsnap.config": "617 lines: the [guard] section's 19 keys pushed a flat, declarative key table just "
-                      "over the limit; splitting a table of keys would hide it, not simplify it",
     "memsnap.guard.service": "623 lines: park and resume share the job table and the cgroup headroom steps; "
                              "split the node policy loop out next",
 }

@@ -1,4 +1,4 @@
-"""Bandwidth throttle and size parsing."""
+"""Bandwidth throttle (sizes and rates: test_units.py)."""
 
 from __future__ import annotations
 
@@ -8,40 +8,8 @@ import pytest
 
 from memsnap.store import throttle as throttle_module
 from memsnap.store.throttle import Throttle
-from memsnap.units import parse_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-
-
-@pytest.mark.parametrize(
-    ("text", "value"),
-    [
-        ("123", 123),
-        ("0", 0),
-        ("512K", 512 * KiB),
-        ("512k", 512 * KiB),
-        ("100M", 100 * MiB),
-        ("1G", GiB),
-        ("1.5G", 3 * GiB // 2),
-        ("2T", 2 << 40),
-        ("1Ki", KiB),
-        ("1KiB", KiB),
-        ("4mib", 4 * MiB),
-        ("10MB", 10 * MiB),
-        ("10M/s", 10 * MiB),
-        ("1.5GiB/s", 3 * GiB // 2),
-        (" 8 M ", 8 * MiB),
-        ("100B", 100),
-    ],
-)
-def test_parse_size(text: str, value: int) -> None:
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "abc", "-1", "1X", "1KK", "1.5", "M", "1 G B B", "1e6"])
-def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(ValueError, match="size"):
-        parse_size(text)
 
 
 class FakeClock:
