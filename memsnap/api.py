@@ -378,8 +378,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         context: grpc.ServicerContext) -> pb.RestoreResponse:
         caller = caller_of(context)
         _check_restore_received(request)
-        if request.commit:
-            raise InvalidArgument("commit is Peer.CommitMove's job on the Peer service")
         res: pb.RestoreResponse = self.mover.restore_received(caller, request, context)
         return res
 

@@ -84,8 +84,6 @@ class MoveTarget:
         """Peer side: takes the moved address, restores the received image, checks that the job runs."""
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may restore moves")
-        if req.commit:
-            return self.commit(req.checkpoint_id)
         tunnel = None
         early = req.early_resume and not req.lazy and not req.tcp_established and \
             self.engine.criu.lazy_pages_supported()  # (else a plain restore: the reply comes later)

@@ -533,7 +533,7 @@ class TunnelChunk(_message.Message):
     def __init__(self, tunnel_id: _Optional[str] = ..., data: _Optional[bytes] = ..., done: _Optional[bool] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., tag: _Optional[bytes] = ...) -> None: ...
 
 class RestoreReceivedRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store", "early_resume", "commit")
+    __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store", "early_resume")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     LAZY_FIELD_NUMBER: _ClassVar[int]
     LAZY_TUNNEL_FIELD_NUMBER: _ClassVar[int]
@@ -542,7 +542,6 @@ class RestoreReceivedRequest(_message.Message):
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     EARLY_RESUME_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     lazy: bool
     lazy_tunnel: str
@@ -551,8 +550,7 @@ class RestoreReceivedRequest(_message.Message):
     tcp_established: bool
     from_store: CheckpointInfo
     early_resume: bool
-    commit: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., early_resume: _Optional[bool] = ..., commit: _Optional[bool] = ...) -> None: ...
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., early_resume: _Optional[bool] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
     __slots__ = ("job", "timeout_s", "kill")

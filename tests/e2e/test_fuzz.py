@@ -179,7 +179,7 @@ class Gen:
         if rpc == "Peer.RestoreReceived":
             req = pb.RestoreReceivedRequest(checkpoint_id=self.s(), lazy=self.b(), lazy_tunnel=self.s(),
                                             add_ip=self.s(), add_ip_dev=self.s(), tcp_established=self.b(),
-                                            early_resume=self.b(), commit=self.b())
+                                            early_resume=self.b())
             if r.random() < 0.3:
                 req.from_store.CopyFrom(pb.CheckpointInfo(id=self.s(), name=self.s(), owner_uid=r.choice(
                     [0, 65534, (1 << 32) - 1]), size_bytes=self.n()))

@@ -359,7 +359,8 @@ stub = pb_grpc.MemsnapStub(ch)
 for name, call in (("commit", lambda: peer_pb2_grpc.PeerStub(ch).CommitMove(
                        peer_pb2.CommitMoveRequest(checkpoint_id="ck-nope"), timeout=20)),
                    ("old_commit", lambda: ch.unary_unary("/memsnap.v1.Memsnap/RestoreReceived")(
-                       pb.RestoreReceivedRequest(checkpoint_id="ck-nope", commit=True).SerializeToString(),
+                       # (an old source's commit bit: field 9, now reserved)
+                       pb.RestoreReceivedRequest(checkpoint_id="ck-nope").SerializeToString() + b"\x48\x01",
                        timeout=20))):
     try:
         call()
