@@ -477,7 +477,7 @@ class Engine:
             return self._ckpt_locks.setdefault(ckpt_id, threading.RLock())
 
     @contextmanager
-    def _ckpt_lock(self, ckpt_id: str) -> Iterator[None]:
+    def checkpoint_lock(self, ckpt_id: str) -> Iterator[None]:
         """Serialises fetch, publish, evict and delete of one checkpoint's tier and store copies."""
         with self._lock_for(ckpt_id):
             yield
@@ -732,7 +732,7 @@ class Engine:
             res = restore_from_store(self, rec, t0, gpu_map, tcp_established, notify, restore_opts)
             if res is not None:
                 return res
-        with self._ckpt_lock(rec.id):
+        with self.checkpoint_lock(rec.id):
             images, fetch_ms, from_store = self._local_copy(rec)
             t1 = time.monotonic()
             try:
@@ -973,13 +973,13 @@ class Engine:
         rec = self.get(caller, ckpt_id)
         if rec.state == DUMPING:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
-        with self._ckpt_lock(ckpt_id):
+        with self.checkpoint_lock(ckpt_id):
             self._refuse_in_use(ckpt_id)
             self._delete_copies(rec)
 
     def _delete_copies(self, rec: CheckpointRecord) -> None:
         """Store copy (when this node owns it: retention.not_ours), tier copy (and a park image's spill copy),
-        then the catalog row; the caller holds _ckpt_lock(rec.id)."""
+        then the catalog row; the caller holds checkpoint_lock(rec.id)."""
         if rec.in_store and self.drain is not None and not not_ours(rec, self.node):
             self.drain.delete(rec)
         self.tier.remove(rec.id)
@@ -1012,7 +1012,7 @@ class Engine:
         if rec.state != DURABLE or not rec.in_store:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is {rec.state}, not durable: evicting its tier copy "
                                      "would lose it; wait for the drain ('memsnapctl watch')")
-        with self._ckpt_lock(ckpt_id):
+        with self.checkpoint_lock(ckpt_id):
             self._refuse_in_use(ckpt_id)
             self._evict(rec)
         out = self.catalog.get_checkpoint(ckpt_id)
@@ -1026,7 +1026,7 @@ class Engine:
                                      "is done")
 
     def _evict(self, rec: CheckpointRecord) -> None:
-        """Drops a tier copy; the caller holds _ckpt_lock(rec.id)."""
+        """Drops a tier copy; the caller holds checkpoint_lock(rec.id)."""
         # Journal first: a crash after this leaves a stray dir that recovery removes.
         self.catalog.update_checkpoint(rec.id, in_tier=False)
         self.tier.remove(rec.id)

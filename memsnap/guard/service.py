@@ -570,7 +570,7 @@ class Guard:
                             cur = self.get(job_id)
                             # under the checkpoint's lock, and not while a plain restore reads the tier copy
                             # (CRIU reads it after the engine let go of that lock; its work dir marks it)
-                            with eng._ckpt_lock(ckpt_id):
+                            with eng.checkpoint_lock(ckpt_id):
                                 restoring = self._being_restored(ckpt_id)
                                 if not restoring and cur is not None and cur.state == PARKED:
                                     from memsnap.engine import ROOT

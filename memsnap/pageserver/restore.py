@@ -183,7 +183,7 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     caller restores from it)."""
     drain = engine.drain
     root = engine.work_root / f"{rec.id}.lazystore-{secrets.token_hex(3)}"
-    with engine._ckpt_lock(rec.id):
+    with engine.checkpoint_lock(rec.id):
         cur = engine.catalog.get_checkpoint(rec.id)
         if cur is None or (cur.in_tier and engine.tier.has(rec.id)) or not cur.in_store:
             return None

@@ -416,7 +416,7 @@ def test_a_copy_in_use_is_skipped_not_waited_for(small: Engine) -> None:
     done = threading.Event()
 
     def hold() -> None:
-        with small._ckpt_lock("ck-old"):
+        with small.checkpoint_lock("ck-old"):
             held.set()
             done.wait(10)
 

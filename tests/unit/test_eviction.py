@@ -54,7 +54,7 @@ def test_a_copy_in_use_is_skipped_not_waited_for(tmp_path: Path) -> None:
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with e._ckpt_lock("ck-old"):  # a restore or fetch of ck-old in another thread
+        with e.checkpoint_lock("ck-old"):  # a restore or fetch of ck-old in another thread
             held.set()
             release.wait(10)
 
