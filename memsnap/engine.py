@@ -933,7 +933,7 @@ class Engine:
             self._lazy = alive
 
     def _local_copy(self, rec: CheckpointRecord) -> tuple[Path, float, bool]:
-        """The tier copy, fetched from the store first when it was evicted (caller holds _ckpt_lock)."""
+        """The tier copy, fetched from the store first when it was evicted (caller holds checkpoint_lock)."""
         cur = self.catalog.get_checkpoint(rec.id)  # another restore may have fetched it while we waited
         if cur is not None:
             rec.in_tier, rec.in_store, rec.meta = cur.in_tier, cur.in_store, cur.meta
@@ -1020,7 +1020,7 @@ class Engine:
         return out
 
     def _refuse_in_use(self, ckpt_id: str) -> None:
-        """Refuses to drop a tier copy that a restore still reads (the caller holds _ckpt_lock)."""
+        """Refuses to drop a tier copy that a restore still reads (the caller holds checkpoint_lock)."""
         if self.tier_copy_in_use(ckpt_id):
             raise FailedPrecondition(f"a restore is still reading the tier copy of {ckpt_id}; try again when it "
                                      "is done")
