@@ -27,9 +27,10 @@ from memsnap import (
     manifest,
     mounts,
     proc,
-    progress,
     resolve,
 )
+from memsnap.caller import ROOT as ROOT  # (re-exported: callers import them from here)
+from memsnap.caller import Caller as Caller
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -47,14 +48,11 @@ from memsnap.criu import (
     CriuError,
     DumpOptions,
     NotifyCallback,
-    RestoreOptions,
-    guard_lazy_restore,
     own_mount_ns,
 )
 from memsnap.errors import (
     Aborted,
     FailedPrecondition,
-    IntegrityFailure,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -62,32 +60,18 @@ from memsnap.errors import (
 )
 from memsnap.lazyguard import LazyGuard
 from memsnap.manifest import Manifest
+from memsnap.pageserver.restore import restore_from_store
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
+from memsnap.restorer import RESERVE_SLACK, Restorer, RestoreRequest
+from memsnap.restorer import RestoreResult as RestoreResult
 from memsnap.retention import not_ours
 from memsnap.tier import MemoryTier, TierFull, publish_image
 
 log = logging.getLogger("memsnap.engine")
 
-# Reservation = resident memory * (1 + margin) + this, for CRIU's small images and page alignment.
-_RESERVE_SLACK = 16 << 20
 
 
-@dataclass(frozen=True)
-class Caller:
-    """Who is asking, from SO_PEERCRED on the Unix socket (uid 0 for authenticated TCP peers)."""
-
-    uid: int
-    gid: int = 0
-    pid: int = 0
-
-    @property
-    def is_root(self) -> bool:
-        """Root may act on anything."""
-        return self.uid == 0
-
-
-ROOT = Caller(0, 0, 0)
 
 
 class DrainHook(Protocol):
@@ -146,21 +130,6 @@ class MoveRecovery(Protocol):
 
 
 @dataclass
-class RestoreResult:
-    """A restored job and what the restore cost."""
-
-    pid: int
-    job: JobRecord
-    restore_ms: float
-    verify_ms: float
-    fetch_ms: float = 0.0
-    from_store: bool = False
-    lazy_server: Any = None  # the lazy-pages process of a lazy restore
-    work_dir: Path | None = None
-    phases: dict[str, float] = field(default_factory=dict)  # memsnap.phases.RESTORE: seconds each
-
-
-@dataclass
 class DumpHooks:
     """Extras for a dump that feeds a move to another node (memsnap.move); all optional."""
 
@@ -215,13 +184,7 @@ class Engine:
         self._evict_lock = threading.Lock()
         self._ckpt_locks: dict[str, threading.RLock] = {}
         self._ckpt_locks_lock = threading.Lock()
-        # Restores whose CRIU still reads a tier copy, by checkpoint id: evict and delete must wait for them.
-        self._reading: dict[str, int] = {}
-        self._lazy: list[tuple[str, Any, Path]] = []
-        self._lazy_lock = threading.Lock()
-        # Work dirs of lazy restores whose job.pid is not written yet: their lazy-pages may have served
-        # every page already (small jobs), but reap_lazy must not remove the dir under the restore.
-        self._restoring: set[Path] = set()
+        self.restorer = Restorer(self, from_store=restore_from_store)  # every restore (memsnap.restorer)
         self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
         self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
         self.gc: Any = None  # memsnap.gc.Collector, set by the daemon
@@ -432,7 +395,7 @@ class Engine:
         except proc.ProcessNotFound as exc:
             raise NotFound(str(exc)) from exc
         device = self.gpu.device_bytes(pid) if self.gpu is not None else 0
-        return int((host + device) * (1 + self.cfg.reserve_margin)) + _RESERVE_SLACK
+        return int((host + device) * (1 + self.cfg.reserve_margin)) + RESERVE_SLACK
 
     def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
@@ -494,7 +457,7 @@ class Engine:
         # crash can finish or roll back a --stop whose job CRIU left stopped.
         rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
                                job=job.id if job else "", name=name or (job.name if job else ""),
-                               meta={"stop": stop, "pid_start": _start_or_zero(pid), "hold": hooks.hold})
+                               meta={"stop": stop, "pid_start": proc.start_time_or_zero(pid), "hold": hooks.hold})
         # Journal first: after a crash, recovery finds this row and removes the half-written image.
         lifecycle.begin(self.catalog, rec)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
@@ -556,7 +519,7 @@ class Engine:
         except Exception as exc:
             # The dump worked but the image is not safely staged: the job must go on.
             if frozen_after:
-                _resume_stopped(pid)
+                proc.resume_stopped(pid)
             if suspension is not None:
                 suspension.resume()
             tell() if quiet is not None else None
@@ -582,7 +545,7 @@ class Engine:
             if quiet is not None:
                 with clock.timed("quiesce_resume"):
                     tell()
-        self._note_phases(ckpt_id, "phases", clock)
+        self.note_phases(ckpt_id, "phases", clock)
         shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
         clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
                   stats.wall_ms)
@@ -603,7 +566,7 @@ class Engine:
             self.catalog.update_checkpoint(rec.id, meta=meta)
         return write
 
-    def _note_phases(self, ckpt_id: str, key: str, clock: PhaseClock) -> None:
+    def note_phases(self, ckpt_id: str, key: str, clock: PhaseClock) -> None:
         """An operation's phases into the checkpoint's record (memsnapctl show) and the phase histogram."""
         cur = self.catalog.get_checkpoint(ckpt_id)
         if cur is not None:
@@ -713,254 +676,25 @@ class Engine:
             raise FailedPrecondition("CRIU cannot restore lazily on this node (no userfaultfd; see 'criu check "
                                      "--feature lazy_pages'); restore without --lazy")
         with background.gate().foreground("restore"):
-            return self._restore(caller, key, lazy, gpu_map, tcp_established, notify, restore_opts,
-                                 lazy_ps_socket, lazy_guard)
+            return self.restorer.restore(caller, key, RestoreRequest(lazy, gpu_map, tcp_established, notify,
+                                                                     restore_opts, lazy_ps_socket, lazy_guard))
 
-    def _restore(self, caller: Caller, key: str, lazy: bool, gpu_map: dict[str, str] | None,
-                 tcp_established: bool, notify: NotifyCallback | None, restore_opts: dict[str, Any] | None,
-                 lazy_ps_socket: int, lazy_guard: LazyGuard | None) -> RestoreResult:
-        rec = self.latest_restorable(caller, key)
-        if rec.state not in RESTORABLE:
-            why = f": {rec.last_error}" if rec.last_error else ""
-            raise FailedPrecondition(f"checkpoint {rec.id} is {rec.state} and cannot be restored{why}")
-        t0 = time.monotonic()
-        if lazy and lazy_ps_socket < 0 and not rec.in_tier and rec.in_store and self.drain is not None and \
-                getattr(self.drain, "store", None) is not None:
-            # No tier copy: page it in from the store while the job runs (memsnap.pageserver).
-            from memsnap.pageserver.restore import restore_from_store
-
-            res = restore_from_store(self, rec, t0, gpu_map, tcp_established, notify, restore_opts)
-            if res is not None:
-                return res
-        with self.checkpoint_lock(rec.id):
-            images, fetch_ms, from_store = self._local_copy(rec)
-            t1 = time.monotonic()
-            try:
-                # A copy fetched from the store was hashed while it streamed in; a tier copy is hashed now.
-                # The signed manifest must be this record's: (checkpoint id, job, owner uid).
-                man = manifest.verify_dir(images, self.key, trusted=rec.meta.get("fingerprint"),
-                                          bound_to=(rec.id, rec.job, rec.owner_uid))
-            except manifest.IntegrityError as exc:
-                self.observe("restore", "integrity", time.monotonic() - t0)
-                raise IntegrityFailure(f"{exc}; checkpoint {rec.id} was not restored") from exc
-            self._mark_reading(rec.id, +1)  # until CRIU is done with the tier copy (evict/delete refuse)
-        try:
-            return self._restore_verified(rec, man, images, t0, t1, fetch_ms, from_store, lazy, gpu_map,
-                                          tcp_established, notify, restore_opts, lazy_ps_socket, lazy_guard)
-        finally:
-            self._mark_reading(rec.id, -1)
-
-    def _mark_reading(self, ckpt_id: str, delta: int) -> None:
-        with self._ckpt_locks_lock:
-            n = self._reading.get(ckpt_id, 0) + delta
-            if n > 0:
-                self._reading[ckpt_id] = n
-            else:
-                self._reading.pop(ckpt_id, None)
+    def restore_own_log(self, caller: Caller, key: str, moved: bool = False, **kw: Any) -> RestoreResult:
+        """restore(), the restored job writing to a log of its own (Restorer.restore_own_log)."""
+        return self.restorer.restore_own_log(caller, key, moved, **kw)
 
     def tier_copy_in_use(self, ckpt_id: str) -> bool:
-        """Whether a restore (CRIU, or a lazy restore's pager) still reads this checkpoint's tier copy."""
-        with self._ckpt_locks_lock:
-            if self._reading.get(ckpt_id):
-                return True
-        return self.lazy_in_use(ckpt_id)
-
-    def _restore_verified(self, rec: CheckpointRecord, man: dict[str, Any], images: Path, t0: float, t1: float,
-                          fetch_ms: float, from_store: bool, lazy: bool, gpu_map: dict[str, str] | None,
-                          tcp_established: bool, notify: NotifyCallback | None,
-                          restore_opts: dict[str, Any] | None, lazy_ps_socket: int,
-                          guard: LazyGuard | None = None) -> RestoreResult:
-        """restore() once the image is verified: CRIU puts the tree back, then it is recorded as a job. A lazy
-        restore's guard (made here unless given) kills its tasks before lazy-pages when its pages cannot come."""
-        verify_ms = (time.monotonic() - t1) * 1000
-        if man.get("pages_remote") and lazy_ps_socket < 0:
-            raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
-                                     "on the source node, so it cannot be restored on its own")
-        if not man.get("own_pidns", False) and proc.alive(rec.pid):
-            raise FailedPrecondition(
-                f"pid {rec.pid} is in use, and this checkpoint needs it back: stop that process first, "
-                "or start jobs with 'memsnapctl run' (own PID namespace) so that restores never collide")
-        if not man.get("own_pidns", False):
-            proc.wait_pid_free(rec.pid, 10)
-        work = self.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
-        work.mkdir(parents=True, mode=0o700)
-        restore_opts, new_log = self._log_for_mount(rec, man, dict(restore_opts or {}))
-        failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
-        failpoints.delay("slow-restore-10s", 10.0)  # (tests: several calls meet a restore in flight)
-        t2 = time.monotonic()
-        guard = (guard or LazyGuard(rec.id)) if lazy else None
-        server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket, guard) if guard else None
-        new_pid = 0
-        try:
-            try:
-                opts = dict(restore_opts or {})
-                if guard is not None:
-                    opts["on_criu"], notify = guard.on_criu, guard.notify(notify)
-                new_pid = self.criu.restore(images, work, RestoreOptions(
-                    tcp_established=tcp_established, shell_job=False, lazy_pages=lazy,
-                    tcp_close=not tcp_established or bool(man.get("tcp_close")),
-                    own_mntns=bool(man.get("own_mntns", False)), **opts), notify=notify)
-            except CriuError as exc:
-                if server is not None:
-                    _kill_group(server.pid)
-                self.observe("restore", "error", time.monotonic() - t0)
-                why = guard.why if guard is not None and guard.why else exc.reason
-                kept = self._keep_failure(work)
-                raise FailedPrecondition(f"restore of {rec.id} failed: {why} (log: {kept / Path(exc.log_path).name})") \
-                    from exc
-            if guard is not None and (why := guard.restored(new_pid)):
-                self.observe("restore", "error", time.monotonic() - t0)
-                raise FailedPrecondition(f"paging in {rec.id} failed: {why}; the restored copy was killed (logs: "
-                                         f"{self._keep_failure(work)})")
-            if server is not None:
-                failpoints.delay("slow-restore-bookkeeping", 2.5)  # (the daemon's reaper ticks meanwhile)
-                rc = guard_lazy_restore(work, new_pid)  # from here, its supervisor kills it if paging fails
-                if rc:  # (the tree is killed below)
-                    self.observe("restore", "error", time.monotonic() - t0)
-                    kept = self._keep_failure(work)
-                    raise FailedPrecondition(f"paging in {rec.id} failed (lazy-pages exit {rc}, see "
-                                             f"{kept}/lazy-pages.log); the restored copy was killed")
-        except BaseException:
-            if new_pid:
-                proc.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
-            if new_log:
-                Path(new_log).unlink(missing_ok=True)
-            raise
-        finally:
-            with self._lazy_lock:
-                self._restoring.discard(work)
-        restore_ms = (time.monotonic() - t2) * 1000
-        if man.get("parked"):
-            _resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
-        clock = PhaseClock()
-        for name, ms in (("fetch", fetch_ms), ("verify", verify_ms), ("criu_restore", restore_ms)):
-            clock.add(name, ms / 1000) if ms else None
-        try:
-            job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log, clock)
-        except BaseException:
-            proc.kill_tree(new_pid)
-            self.observe("restore", "error", time.monotonic() - t0)
-            raise
-        self._note_phases(rec.id, "restore_phases", clock)
-        self.observe("restore", "ok", time.monotonic() - t0)
-        log.info("restored as pid %d", new_pid, extra={"checkpoint_id": rec.id, "job": job.id})
-        return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
-                             fetch_ms=fetch_ms, from_store=from_store, lazy_server=server, work_dir=work,
-                             phases=clock.rounded())
-
-    def _keep_failure(self, work: Path) -> Path:
-        """A failed restore's work dir (CRIU's logs) moves to <work>/failed, where no cleanup of its checkpoint
-        (a move's target drops what it received) takes it away; the newest 32 stay. Its new place."""
-        failed = self.work_root / "failed"
-        try:
-            failed.mkdir(mode=0o700, exist_ok=True)
-            dest = failed / work.name
-            work.rename(dest)
-        except OSError:
-            return work
-        for old in sorted(failed.iterdir(), key=lambda p: p.stat().st_mtime)[:-32]:
-            shutil.rmtree(old, ignore_errors=True)
-        return dest
-
-    def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
-                         gpu_map: Any, log_path: str = "", clock: PhaseClock | None = None) -> JobRecord:
-        """Brings a restored tree's GPU state back, tells its quiesce hooks to resume, and records it as a job
-        (the caller kills it on error)."""
-        clock = clock or PhaseClock()
-        if failpoints.armed("record-restored-fails"):
-            raise OSError("failpoint record-restored-fails: the catalog could not be written")
-        if server is not None and failpoints.armed("kill-lazy-pages"):
-            _kill_lazy_pages(server.pid)
-        if self.gpu is not None and man.get("gpus"):
-            try:
-                clock.gpu(self.gpu.restore(new_pid, gpu_map, man.get("gpus")))
-            except Exception as exc:
-                # A restored tree whose CUDA state cannot come back would stay locked forever.
-                raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
-        t_tell = time.monotonic()
-        if self.quiesce.resume(new_pid, rec.id, restored=True):  # (its quiesce hooks, if it has any)
-            clock.add("quiesce_resume", time.monotonic() - t_tell)
-        if server is None and not knobs.keep_logs():
-            shutil.rmtree(work, ignore_errors=True)
-        job = JobRecord(id="job-" + secrets.token_hex(4), name=restored_job_name(rec, man), pid=new_pid,
-                        pid_start=_start_or_zero(new_pid), owner_uid=rec.owner_uid,
-                        argv=list(man.get("argv", [])), log_path=log_path or str(man.get("log_path", "")),
-                        started_ms=now_ms(), restored_from=rec.id)
-        self.catalog.add_job(job)
-        self.catalog.update_checkpoint(rec.id, last_used_ms=now_ms())
-        if self.guard is not None:  # a guarded job stays guarded, here or on the node it moved to
-            try:
-                self.guard.restored(job, rec, man)
-            except Exception as exc:
-                log.warning("could not guard restored job %s again: %s", job.id, exc, extra={"job": job.id})
-        return job
-
-    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int, guard: LazyGuard) -> Any:
-        """Starts `criu lazy-pages` on the tier copy (or the source's, over ps_socket); it serves faults
-        and pushes the rest, then exits. guard learns of it."""
-        if guard.why:  # (the pages' source failed already)
-            raise FailedPrecondition(f"lazy restore of {ckpt_id} failed before it started: {guard.why}")
-        server = guard.server = self.criu.start_lazy_pages(images, work, ps_socket)
-        sock = work / "lazy-pages.socket"
-        deadline = time.monotonic() + 10
-        while not sock.exists():
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise FailedPrecondition(f"lazy-pages server for {ckpt_id} did not start; see {work}/lazy-pages.log")
-            time.sleep(0.002)
-        with self._lazy_lock:
-            self._lazy.append((ckpt_id, server, work))
-            self._restoring.add(work)
-        # Serving pages is foreground work until lazy-pages exits: drains step aside (memsnap.background).
-        background.gate().hold_while("lazy pages", lambda: server.poll() is None)
-        return server
+        """Whether a restore still reads this checkpoint's tier copy (Restorer.tier_copy_in_use)."""
+        return self.restorer.tier_copy_in_use(ckpt_id)
 
     def lazy_in_use(self, ckpt_id: str) -> bool:
-        """Whether a lazy restore still pages from this checkpoint's tier copy (so it must stay)."""
-        self.reap_lazy()
-        with self._lazy_lock:
-            return any(c == ckpt_id for c, _, _ in self._lazy)
+        """Whether a lazy restore still pages from this checkpoint's tier copy."""
+        return self.restorer.lazy_in_use(ckpt_id)
 
     def reap_lazy(self) -> None:
         """Forgets lazy-pages servers that have served every page."""
-        with self._lazy_lock:
-            alive = []
-            for ckpt_id, server, work in self._lazy:
-                if server.poll() is None or work in self._restoring:
-                    alive.append((ckpt_id, server, work))
-                elif not knobs.keep_logs():
-                    shutil.rmtree(work, ignore_errors=True)
-            self._lazy = alive
+        self.restorer.reap_lazy()
 
-    def _local_copy(self, rec: CheckpointRecord) -> tuple[Path, float, bool]:
-        """The tier copy, fetched from the store first when it was evicted (caller holds checkpoint_lock)."""
-        cur = self.catalog.get_checkpoint(rec.id)  # another restore may have fetched it while we waited
-        if cur is not None:
-            rec.in_tier, rec.in_store, rec.meta = cur.in_tier, cur.in_store, cur.meta
-        if rec.in_tier and self.tier.has(rec.id):
-            return self.tier.path(rec.id), 0.0, False
-        if not rec.in_store or self.drain is None:
-            raise FailedPrecondition(f"checkpoint {rec.id} has no tier copy and no stored copy; it is lost")
-        t0 = time.monotonic()
-        reservation = self.reserve(rec.size_bytes + _RESERVE_SLACK)
-        try:
-            staging = self.tier.new_staging(rec.id, unique=True)  # never shared with another fetch
-            progress.phase("fetch", rec.size_bytes, progress.dir_bytes(staging, (manifest.MANIFEST,)))  # (its bar)
-            try:
-                self.drain.fetch(rec, staging)
-                failpoints.delay("slow-fetch", 3.0)  # (tests: a client polls the fetch's progress meanwhile)
-                self.tier.remove(rec.id)  # a stray copy left by a crash (the catalog says not in tier)
-                self.tier.publish(staging, rec.id)
-            except BaseException:
-                self.tier.discard(staging)
-                raise
-        finally:
-            reservation.release()
-        # The fetch hashed every byte as it streamed in: remember that, so verification need not re-read.
-        rec.meta["fingerprint"] = manifest.fingerprint(self.tier.path(rec.id))
-        self.catalog.update_checkpoint(rec.id, in_tier=True, meta=rec.meta)
-        progress.phase("restore")
-        return self.tier.path(rec.id), (time.monotonic() - t0) * 1000, True
 
     # -- catalog operations ---------------------------------------------------------
     def list_checkpoints(self, caller: Caller, job: str = "") -> list[CheckpointRecord]:
@@ -1042,7 +776,7 @@ class Engine:
     def resume_held(self, pid: int, ckpt_id: str = "") -> None:
         """Lets a held tree run on (SIGCONT), after a move that did not happen: the CUDA state its dump left
         checkpointed (journaled in the record) is restored and unlocked, then its quiesce hooks hear resume."""
-        _resume_stopped(pid)  # (first: the driver's restore needs the process's CUDA restore thread to run)
+        proc.resume_stopped(pid)  # (first: the driver's restore needs the process's CUDA restore thread to run)
         rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
         meta = rec.meta if rec is not None else {}
         done = ["quiesce"]
@@ -1119,7 +853,7 @@ class Engine:
                     # A lazy dump's CRIU may still hold the tree for a moment after we died; SIGCONT
                     # only helps once it let go.
                     _wait_untraced(rec.pid, 30)
-                    _resume_stopped(rec.pid)
+                    proc.resume_stopped(rec.pid)
             fixed["failed_dumps"] += 1
         for rec in self.catalog.checkpoints(states=RESTORABLE):
             marks = rec.marks
@@ -1219,7 +953,6 @@ class Engine:
         Returns the job, whether SIGKILL was needed, and how long it took (ms). An ended job is left as is."""
         import signal
 
-        from memsnap import jobinit
 
         job = self.find_job(caller, key)
         t0 = time.monotonic()
@@ -1333,95 +1066,6 @@ class Engine:
                     return
                 time.sleep(0.2)
 
-    def restore_own_log(self, caller: Caller, key: str, moved: bool = False, **kw: Any) -> RestoreResult:
-        """restore(), with the restored job's output going to a log of its own: <first job's log stem>.restore-
-        <checkpoint>-<token>.log next to the parent's, which starts with a line naming the checkpoint and
-        the parent log. Two restores of one checkpoint never write into one file; the old log stays as it
-        was. Images whose job had no log (not started by memsnap) restore as before.
-
-        A job with a private /tmp writes its log through a bind mount in its own mount namespace (log_mount):
-        the restore binds its new log there (_log_for_mount). Any other job gets its new log as the file
-        every fd of the old one reopens (CRIU's inherit_fd); one in its own mount namespace without that mount
-        keeps its log (an fd handed in from the daemon's namespace would sit on a mount the job's namespace
-        does not own, and CRIU could not dump the job again).
-
-        moved: a job that moved here (RestoreReceived). Its log was the source's, in another daemon's state dir (on
-        another node it need not even exist): it gets one in this daemon's log dir, under the same name, and the
-        job records where it came from (moved_from: SOURCE_HOST/SOURCE_JOB)."""
-        rec = self.latest_restorable(caller, key)
-        parent = str(rec.meta.get("log_path") or "")
-        log_dir = self.launcher.log_dir.resolve()
-        moved_from = f"{rec.meta.get('host') or '?'}/{rec.job or rec.id}" if moved else ""
-        if not parent or (Path(parent).resolve().parent != log_dir and not moved) or rec.meta.get("own_mntns") \
-                or rec.meta.get("log_mount"):
-            res = self.restore(caller, key, **kw)
-            if moved_from:
-                self.catalog.update_job(res.job.id, moved_from=moved_from)
-                res.job.moved_from = moved_from
-            return res
-        path, fd = self._open_new_log(rec, parent, moved_from)
-        try:
-            opts = dict(kw.pop("restore_opts", None) or {})
-            # CRIU names a regular file by its path without the leading '/'; every fd the job had on its
-            # log (stdout and stderr) gets the new file instead.
-            opts["inherit_fds"] = {**opts.get("inherit_fds", {}), parent.lstrip("/"): fd}
-            res = self.restore(caller, rec.id, restore_opts=opts, **kw)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        self.catalog.update_job(res.job.id, log_path=str(path), **({"moved_from": moved_from} if moved else {}))
-        res.job.log_path, res.job.moved_from = str(path), moved_from
-        return res
-
-    def _open_new_log(self, rec: CheckpointRecord, parent: str, moved_from: str = "") -> tuple[Path, int]:
-        """A new log for a restored (or moved) copy of rec, in this node's log dir, owned by the job's uid, that
-        starts with a line naming where it came from; its path and an open fd."""
-        # Named after the first job of the chain, not the parent: the name stays the same length however many
-        # generations a job lives through (a name that grew by one parent per restore hit ENAMETOOLONG at the 6th).
-        root = Path(parent).stem.split(".restore-", 1)[0] if parent else (rec.job or rec.id)
-        path = self.launcher.log_dir.resolve() / f"{root}.restore-{rec.id}-{secrets.token_hex(3)}.log"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            if rec.owner_uid:
-                os.fchown(fd, rec.owner_uid, -1)
-            came = f"moved here from {moved_from} ({rec.id})" if moved_from else f"restored from {rec.id}"
-            os.write(fd, f"# memsnap: {came}; earlier output: {parent or '-'}\n".encode())
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        return path, fd
-
-    def _log_for_mount(self, rec: CheckpointRecord, man: dict[str, Any],
-                       opts: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        """For an image whose job log is a bind mount (its private /tmp): a new log of this node's own, bound
-        there by CRIU (opts["external"]); the options and the new log's path ("" for any other image)."""
-        key = str(man.get("log_mount") or "")
-        if not key:
-            return opts, ""
-        if key != mounts.LOG_MOUNT_KEY:
-            raise FailedPrecondition(f"checkpoint {rec.id} names a job log mount {_clip(key, 40)!r} this memsnap "
-                                     "does not know; restore it with the memsnap version that made it")
-        moved_from = f"{man.get('host') or '?'}/{rec.job or rec.id}" if rec.marks.move_incoming else ""
-        path, fd = self._open_new_log(rec, str(man.get("log_path") or ""), moved_from)
-        os.close(fd)
-        opts["external"] = [*opts.get("external", []), f"mnt[{key}]:{path}"]
-        return opts, str(path)
-
-
-def restored_job_name(rec: CheckpointRecord, man: dict[str, Any]) -> str:
-    """What a restored job is called: the job it was (not the checkpoint's own --name), else, for a process
-    memsnap did not start, its command's name; a checkpoint from before job names were signed: its name."""
-    if man.get("job_name"):
-        return str(man["job_name"])
-    if rec.job:
-        return rec.name or rec.job
-    argv = [str(a) for a in man.get("argv") or []]
-    argv = argv[4:] if jobinit.is_init(argv) else argv
-    return os.path.basename(argv[0])[:64] if argv and argv[0] else rec.name or rec.id
-
 
 def _below_tmp(path: Path) -> bool:
     return path.resolve().is_relative_to("/tmp")
@@ -1434,23 +1078,8 @@ def _file_size(path: str) -> int:
         return 0
 
 
-def _resume_stopped(pid: int) -> None:
-    import signal
-
-    for p in proc.tree(pid):
-        try:
-            p.send_signal(signal.SIGCONT)
-        except Exception:  # the process may be gone already
-            pass
 
 
-def _kill_group(pgid: int) -> None:
-    import signal
-
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _wait_untraced(pid: int, timeout: float) -> None:
@@ -1521,17 +1150,7 @@ def refuse_uncheckpointable(pid: int) -> None:
         raise InvalidArgument(f"pid {pid} is {what}: memsnap never checkpoints the daemon's own tree")
 
 
-def _start_or_zero(pid: int) -> float:
-    try:
-        return proc.start_time(pid)
-    except proc.ProcessNotFound:
-        return 0.0
 
 
 
-def _kill_lazy_pages(supervisor_pid: int) -> None:
-    """Kills lazy-pages itself, not its supervisor shell (failpoint kill-lazy-pages)."""
-    import psutil
 
-    for child in psutil.Process(supervisor_pid).children():
-        child.kill()

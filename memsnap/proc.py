@@ -194,3 +194,20 @@ def tcp_listeners(pid: int) -> list[int]:
             if len(f) > 9 and f[3] == "0A" and f[9] in inodes:  # 0A: TCP_LISTEN
                 ports.add(int(f[1].rsplit(":", 1)[1], 16))
     return sorted(ports)
+
+
+def resume_stopped(pid: int) -> None:
+    """SIGCONT to every process of pid's tree (a tree a dump or a park left stopped)."""
+    for p in tree(pid):
+        try:
+            p.send_signal(signal.SIGCONT)
+        except Exception:  # the process may be gone already
+            pass
+
+
+def start_time_or_zero(pid: int) -> float:
+    """pid's start time (start_time), or 0.0 when it is gone."""
+    try:
+        return start_time(pid)
+    except ProcessNotFound:
+        return 0.0

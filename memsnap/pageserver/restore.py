@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,10 +42,11 @@ from memsnap.lazyguard import LazyGuard
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
+from memsnap.restorer import PreparedImage
 from memsnap.store import StoreError, chunks
 
 if TYPE_CHECKING:
-    from memsnap.engine import Engine, RestoreResult
+    from memsnap.restorer import RestoreHost, Restorer, RestoreRequest, RestoreResult
 
 log = logging.getLogger("memsnap.pageserver")
 
@@ -176,11 +178,12 @@ def prepare(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], root: Pat
     return Prepared(root, man, index, source, (time.monotonic() - t0) * 1000)
 
 
-def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map: dict[str, str] | None,
-                       tcp_established: bool, notify: Any, restore_opts: dict[str, Any] | None) -> RestoreResult | None:
-    """engine.restore(lazy=True) of a checkpoint with no tier copy but a durable stored one: the job resumes
+def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
+                       req: RestoreRequest) -> RestoreResult | None:
+    """Restorer.restore(lazy=True) of a checkpoint with no tier copy but a durable stored one: the job resumes
     at once, its pages follow from the store. Returns None when the tier copy is there after all (the
     caller restores from it)."""
+    engine = restorer.host
     drain = engine.drain
     root = engine.work_root / f"{rec.id}.lazystore-{secrets.token_hex(3)}"
     with engine.checkpoint_lock(rec.id):
@@ -203,11 +206,11 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
             shutil.rmtree(root, ignore_errors=True)
             engine.observe("restore", "error", time.monotonic() - t0)
             raise
-        engine._mark_reading(rec.id, +1)  # (delete waits: from lazy-pages' start on, lazy_in_use says so)
+        restorer.mark_reading(rec.id, +1)  # (delete waits: from lazy-pages' start on, lazy_in_use says so)
     log.info("lazy restore of %s from the store: manifest %.0f ms, small files and eager pages %.0f ms",
              rec.id, (t_man - t0) * 1000, prep.fetch_ms, extra={"checkpoint_id": rec.id})
     guard = LazyGuard(rec.id)
-    watch = _Watch(engine, rec, prep, guard)
+    watch = _Watch(engine, rec, prep, guard, restorer.reap_lazy)
     ours, theirs = socket.socketpair()
     server = PageServer(ours, prep.index, prep.source, on_fail=watch.failed, name=rec.id,
                         on_first_request=prep.source.resumed.set if isinstance(prep.source, CutAfterResume)
@@ -216,8 +219,8 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     server.start()
     t1 = time.monotonic()
     try:
-        res = engine._restore_verified(rec, prep.man, prep.images, t0, t1, prep.fetch_ms, True, True, gpu_map,
-                                       tcp_established, notify, restore_opts, theirs.fileno(), guard)
+        res = restorer.restore_image(rec, PreparedImage(prep.man, prep.images, t0, t1, prep.fetch_ms, True),
+                                     replace(req, lazy=True, lazy_ps_socket=theirs.fileno(), lazy_guard=guard))
     except BaseException as exc:
         why = server.error
         server.fail("the restore failed")
@@ -228,7 +231,7 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
         raise
     finally:
         theirs.close()  # lazy-pages holds its own copy
-        engine._mark_reading(rec.id, -1)
+        restorer.mark_reading(rec.id, -1)
     res.verify_ms = 0.0  # (every file and chunk is verified as it arrives)
     try:
         watch.started(res)
@@ -237,7 +240,7 @@ def restore_from_store(engine: Engine, rec: CheckpointRecord, t0: float, gpu_map
     return res
 
 
-def _refused(engine: Engine, rec: CheckpointRecord, why: str, t0: float, then: str = "") -> None:
+def _refused(engine: RestoreHost, rec: CheckpointRecord, why: str, t0: float, then: str = "") -> None:
     msg = f"lazy restore from the store refused before the job resumed: {why}{then}"
     engine.catalog.update_checkpoint(rec.id, last_error=msg)
     engine.observe("restore", "store_failed", time.monotonic() - t0)
@@ -270,8 +273,10 @@ def _store_error(why: str) -> type[IntegrityFailure] | type[Unavailable]:
 class _Watch:
     """Follows one lazy restore from the store to its end: records a failure, kills the job, cleans up."""
 
-    def __init__(self, engine: Any, rec: CheckpointRecord, prep: Prepared, guard: LazyGuard) -> None:
+    def __init__(self, engine: RestoreHost, rec: CheckpointRecord, prep: Prepared, guard: LazyGuard,
+                 reap_lazy: Callable[[], None]) -> None:
         self.engine, self.rec, self.prep, self.guard = engine, rec, prep, guard
+        self.reap_lazy = reap_lazy
         self.server: PageServer | None = None
         self.pid = 0
         self.job_id = ""
@@ -361,5 +366,5 @@ class _Watch:
         self.prep.source.close()
         if not knobs.keep_logs():
             shutil.rmtree(self.prep.root, ignore_errors=True)
-        self.engine.reap_lazy()
+        self.reap_lazy()
 

@@ -225,7 +225,7 @@ def test_collector_keeps_checkpoints_in_use(tmp_path):
     for i, m in enumerate((50, 40, 30, 20)):
         _durable(gc, f"c{i}", m, hold=(i == 1))
     _durable(gc, "newest", 10)
-    gc.engine._mark_reading("c0", +1)  # a restore's CRIU reads c0's tier copy
+    gc.engine.restorer.mark_reading("c0", +1)  # a restore's CRIU reads c0's tier copy
     gc.engine.guard = SimpleNamespace(get=lambda job: SimpleNamespace(state="parked", checkpoint="c2"))
     lock = gc.engine._lock_for("c3")
     held = threading.Event()
@@ -247,7 +247,7 @@ def test_collector_keeps_checkpoints_in_use(tmp_path):
     assert rep.deleted == []
     assert rep.kept["c0"] == IN_RESTORE and rep.kept["c1"] == IN_MOVE and rep.kept["c2"] == PARKED
     assert rep.kept["c3"].startswith("busy") and rep.kept["newest"] == LAST_DURABLE
-    gc.engine._mark_reading("c0", -1)
+    gc.engine.restorer.mark_reading("c0", -1)
     gc.engine.guard = None
     assert [r.id for r in gc.run(ROOT).deleted] == ["c0", "c2", "c3"]
 
