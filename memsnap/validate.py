@@ -31,6 +31,11 @@ ENV_NAME_RE = re.compile(r"^[^=\x00]{1,1024}$")
 IFNAME_RE = re.compile(r"^[A-Za-z0-9._@:-]{1,15}$")
 
 
+def shorten(text: str, n: int = 200) -> str:
+    """At most n characters of text, unquoted, for a message."""
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def clip(text: str, n: int = CLIP) -> str:
     """At most n characters of caller input, quoted, for an error message."""
     return repr(text if len(text) <= n else text[:n] + "...")

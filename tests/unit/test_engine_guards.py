@@ -348,10 +348,10 @@ def test_an_id_with_a_slash_is_never_looked_up(eng: Engine) -> None:
 def test_a_second_live_job_of_the_same_name_is_refused(eng: Engine, sleeper: subprocess.Popen[bytes]) -> None:
     _job(eng, "job-a", sleeper.pid, 1000, "train")
     with pytest.raises(FailedPrecondition, match="uid 1000 already runs a job named 'train'"):
-        eng._refuse_live_duplicate(1000, "train")
-    eng._refuse_live_duplicate(1001, "train")
+        eng.jobtable._refuse_live_duplicate(1000, "train")
+    eng.jobtable._refuse_live_duplicate(1001, "train")
     _job(eng, "job-b", DEAD, 1000, "eval")
-    eng._refuse_live_duplicate(1000, "eval")
+    eng.jobtable._refuse_live_duplicate(1000, "eval")
 
 
 # -- eviction: least recently used durable tier copies first, never the last copy --------------------------
