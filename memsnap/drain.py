@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from memsnap import background, failpoints, lifecycle, manifest, safefs
+from memsnap import background, backoff, failpoints, lifecycle, manifest, safefs
 from memsnap.catalog import DRAINING, DURABLE, STAGED, Catalog, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.malloc import idle_heap, release_memory
@@ -207,7 +207,7 @@ class DrainService:
             if self.catalog.get_checkpoint(ckpt_id) is None:
                 self._forget(ckpt_id)  # deleted while draining
                 return
-            delay = min(self.retry_max_s, self.retry_initial_s * 2 ** (attempts - 1))
+            delay = backoff.Backoff(self.retry_initial_s, 2.0, self.retry_max_s).delay(attempts - 1)
             reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StoreError) else str(exc)
             lifecycle.advance(self.catalog, ckpt_id, STAGED, last_error=reason,
                                            next_attempt_ms=now_ms() + int(delay * 1000))

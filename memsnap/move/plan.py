@@ -28,6 +28,7 @@ from typing import Any, NoReturn, Protocol
 import grpc
 
 from memsnap import failpoints, net
+from memsnap.backoff import Backoff, retrying
 from memsnap.catalog import FAILED, Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError
 from memsnap.config import Config
@@ -46,6 +47,8 @@ log = logging.getLogger("memsnap.move")
 CONFIRM_S = 0.2
 # Codes that say the link broke, not that the target refused: what happened there must be asked.
 TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+TARGET_JOB_RETRY_S = 1.0  # between the tries at asking the target for a job
+IN_DOUBT_RETRY = Backoff(0.5, 1.5, 30.0)  # between the tries at an unanswered commit (cut to move_in_doubt_s)
 
 
 class MoveHost(Protocol):
@@ -260,18 +263,23 @@ def _resume_here(host: MoveHost, move: Move) -> str:
 # -- asking the target ----------------------------------------------------------------------------------
 def target_job(client: PeerClient, ckpt_id: str, tries: int = 3) -> pb.Job | None:
     """The running job restored from ckpt_id on the target, or None (a lost link is retried)."""
-    for attempt in range(tries):
-        try:
-            for j in client.jobs(timeout=10):
-                if j.restored_from == ckpt_id and j.running:
-                    return j
-            return None
-        except ClientError as exc:
-            if exc.code not in TRANSPORT_CODES or attempt == tries - 1:
-                log.warning("cannot ask the target about %s: %s", ckpt_id, exc)
-                return None
-            time.sleep(1.0)
-    return None
+    def find() -> pb.Job | None:
+        return next((j for j in client.jobs(timeout=10) if j.restored_from == ckpt_id and j.running), None)
+
+    try:
+        return retrying(find, _lost_link, (TARGET_JOB_RETRY_S,) * (tries - 1))
+    except ClientError as exc:
+        log.warning("cannot ask the target about %s: %s", ckpt_id, exc)
+        return None
+
+
+def _lost_link(exc: Exception) -> bool:
+    """Whether exc is a call that did not reach the peer or got no answer (asking again is worth it)."""
+    return isinstance(exc, ClientError) and exc.code in TRANSPORT_CODES
+
+
+def _why(exc: Exception) -> str:
+    return f"{exc.code.name}: {exc.message}" if isinstance(exc, ClientError) else str(exc)
 
 
 class Commitments:
@@ -312,26 +320,23 @@ class Commitments:
 
     def _ask_until_answered(self, client: PeerClient, ckpt_id: str, to: str, job: str) -> tuple[bool, str, str]:
         limit = self.cfg.daemon.move_in_doubt_s
-        deadline = time.monotonic() + limit if limit > 0 else float("inf")
-        attempt = 0
-        while True:
-            try:
-                client.commit_move(ckpt_id, timeout=10)
-                return True, "", "OK"
-            except ClientError as exc:
-                why = f"{exc.code.name}: {exc.message}"
-                if exc.code not in TRANSPORT_CODES:
-                    return False, why, exc.code.name  # the target answered: it does not keep the job
-            if time.monotonic() >= deadline:
-                return False, (f"{to} gave no answer for {limit:.0f} s ({why}); if it runs the job, it now runs "
-                               "on both nodes: stop one copy"), "UNAVAILABLE"
+
+        def in_doubt(attempt: int, exc: Exception) -> None:
             if attempt == 2:  # (a blip is retried quietly)
                 self._in_doubt[ckpt_id] = f"{job} -> {to}"
                 log.warning("the move of %s to %s is in doubt: the target cannot be reached (%s); the job stays "
-                            "stopped here and memsnapd keeps asking (daemon.move_in_doubt_s)", job, to, why,
-                            extra={"checkpoint_id": ckpt_id})
-            time.sleep(min(30.0, 0.5 * 1.5 ** attempt, max(0.1, deadline - time.monotonic())))
-            attempt += 1
+                            "stopped here and memsnapd keeps asking (daemon.move_in_doubt_s)", job, to,
+                            _why(exc), extra={"checkpoint_id": ckpt_id})
+
+        delays = IN_DOUBT_RETRY.delays(time.monotonic() + limit if limit > 0 else None, least_s=0.1)
+        try:
+            retrying(lambda: client.commit_move(ckpt_id, timeout=10), _lost_link, delays, on_retry=in_doubt)
+            return True, "", "OK"
+        except ClientError as exc:
+            if exc.code not in TRANSPORT_CODES:
+                return False, _why(exc), exc.code.name  # the target answered: it does not keep the job
+            return False, (f"{to} gave no answer for {limit:.0f} s ({_why(exc)}); if it runs the job, it now "
+                           "runs on both nodes: stop one copy"), "UNAVAILABLE"
 
     # -- after a crash mid-commit ------------------------------------------------------------------
     def settle(self, ckpt_ids: list[str], connect: Callable[[str], AbstractContextManager[PeerClient]]) -> None:

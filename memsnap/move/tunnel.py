@@ -35,6 +35,7 @@ import grpc
 
 from memsnap import background, failpoints, knobs, lifecycle, proc
 from memsnap.auth import call_token, transfer_key
+from memsnap.backoff import retrying
 from memsnap.engine import Caller
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, NotFound, PermissionDenied
 from memsnap.lazyguard import LazyGuard
@@ -49,6 +50,7 @@ _TUNNEL_ID = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 1 << 20
 # How long the source waits for the target's verdict after CRIU returned, and the target for lazy-pages.
 VERDICT_S = 30.0
+VERDICT_RETRY_S = (1.0, 2.0)  # between the 3 tries at asking the target for a lost verdict
 _KEEP_VERDICTS = 64
 
 
@@ -240,21 +242,24 @@ def shutdown(s: socket.socket) -> None:
 
 def ask_verdict(client: PeerClient, tunnel_id: str, token: str) -> tuple[bool, str] | None:
     """Asks the target, on a fresh (freshly sealed) call, how the lazy transfer ended (its verdict got lost)."""
-    for attempt in range(3):
+    def ask() -> tuple[bool, str] | None:
         query = Seal(token, tunnel_id, TO_TARGET).seal(pb.TunnelChunk(tunnel_id=tunnel_id, done=True))
         answer = Seal(token, tunnel_id, TO_SOURCE)
-        try:
-            for msg in client.page_tunnel(iter([query]), timeout=VERDICT_S + 10):
-                answer.check(msg)
-                if msg.done:
-                    return bool(msg.ok), msg.error
-            return None
-        except IntegrityFailure as exc:
-            log.warning("the target's verdict on the lazy transfer: %s", exc)
-            return None
-        except grpc.RpcError as exc:
-            log.warning("cannot ask the target how the lazy transfer ended: %s", exc)
-            time.sleep(1.0 + attempt)
+        for msg in client.page_tunnel(iter([query]), timeout=VERDICT_S + 10):
+            answer.check(msg)
+            if msg.done:
+                return bool(msg.ok), msg.error
+        return None
+
+    def no_answer(_: int, exc: Exception) -> None:
+        log.warning("cannot ask the target how the lazy transfer ended: %s", exc)
+
+    try:
+        return retrying(ask, grpc.RpcError, VERDICT_RETRY_S, on_retry=no_answer)
+    except IntegrityFailure as exc:
+        log.warning("the target's verdict on the lazy transfer: %s", exc)
+    except grpc.RpcError as exc:
+        no_answer(0, exc)
     return None
 
 

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsnap.backoff import retrying
 from memsnap.pageserver.images import PAGE, PE_PRESENT, PageIndex
 from memsnap.pageserver.sources import PageSource, SourceFailed
 
@@ -59,15 +60,14 @@ _RETRIES = (0.2, 0.5, 1.0)  # seconds between attempts at a block the store fail
 def read_retrying(source: PageSource, name: str, offset: int, length: int) -> bytes:
     """source.read_at, tried again (a few times, soon) when the store failed; never when a chunk did not
     verify."""
-    for delay in (*_RETRIES, None):
-        try:
-            return source.read_at(name, offset, length)
-        except SourceFailed as exc:
-            if exc.integrity or delay is None:
-                raise
-            log.warning("reading %s at %d: %s; trying again", name, offset, exc)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+    def again(_: int, exc: Exception) -> None:
+        log.warning("reading %s at %d: %s; trying again", name, offset, exc)
+
+    return retrying(lambda: source.read_at(name, offset, length), _store_failed, _RETRIES, on_retry=again)
+
+
+def _store_failed(exc: Exception) -> bool:
+    return isinstance(exc, SourceFailed) and not exc.integrity
 
 
 @dataclass

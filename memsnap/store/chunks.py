@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import blake3
 import zstandard
@@ -34,9 +34,6 @@ from memsnap.store.bad_objects import BAD
 from memsnap.store.base import Bytes, StoreWriter
 from memsnap.store.errors import BadObject, StoreError, StoreNotFound
 from memsnap.store.parse import MANIFEST_MAX, clip, is_count, load_json
-
-if TYPE_CHECKING:
-    from memsnap.store.cache import ChunkCache
 
 log = logging.getLogger("memsnap.chunks")
 
@@ -71,6 +68,13 @@ class ChunkStore(Protocol):
     def describe(self) -> str: ...
     def read_range(self, key: str, offset: int, length: int) -> bytes: ...
     def read_tail(self, key: str, length: int) -> tuple[bytes, int]: ...
+
+
+class ChunkCacheLike(Protocol):
+    """What a reader needs of the node's chunk cache (memsnap.store.cache.ChunkCache has it)."""
+
+    def get(self, cid: str, raw_len: int) -> bytes | None: ...
+    def put(self, cid: str, stored: bytes) -> None: ...
 
 
 def chunk_key(cid: str) -> str:
@@ -337,7 +341,7 @@ class ChunkReader:
     read (a restore fills it once every chunk was verified: fetch_chunked).
     """
 
-    def __init__(self, store: ChunkStore, stored_manifest: dict[str, Any], cache: ChunkCache | None = None,
+    def __init__(self, store: ChunkStore, stored_manifest: dict[str, Any], cache: ChunkCacheLike | None = None,
                  mem_chunks: int = 8, fill_cache: bool = True) -> None:
         if not is_chunked(stored_manifest):
             raise ChunkError("integrity check failed: not a chunked stored manifest")

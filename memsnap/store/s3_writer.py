@@ -8,14 +8,11 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from memsnap.store.base import Bytes, StoredObject, StoreWriter
 from memsnap.store.errors import StoreCorrupt, StoreError
 from memsnap.store.s3_errors import map_error, translate
-
-if TYPE_CHECKING:
-    from memsnap.store.s3 import S3Store
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -29,10 +26,28 @@ def b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
 
 
+class S3Target(Protocol):
+    """What a writer uses of its store (S3Store is one): the client and bucket, key naming, part sizing,
+    and the check and delete after the upload."""
+
+    client: Any
+    bucket: str
+    part_size: int
+    max_concurrency: int
+
+    def object_key(self, key: str) -> str: ...
+
+    def describe(self) -> str: ...
+
+    def verify(self, key: str, size: int, checksum: str, sha256: str) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+
 class S3Writer(StoreWriter):
     """Buffers part_size bytes at a time; at most max_concurrency parts are in flight."""
 
-    def __init__(self, store: S3Store, key: str) -> None:
+    def __init__(self, store: S3Target, key: str) -> None:
         self.key, self._store = key, store
         self._obj = store.object_key(key)
         self._buf = bytearray()

@@ -1,9 +1,13 @@
-"""No import cycle inside memsnap/, and no hand-written module grows past about 600 lines."""
+"""No import cycle inside memsnap/ (imports under `if TYPE_CHECKING` count: a type-only cycle is still two
+modules that cannot be understood or changed apart), and no hand-written module grows past about 600 lines."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "memsnap"
 GENERATED = ("memsnap.v1.", "memsnap.criurpc.")
@@ -17,6 +21,14 @@ LONG_OK = {
                              "split the node policy loop out next",
 }
 
+# Import cycles still allowed, each a pair of modules with the reason; the edges both ways between the two are
+# left out of the check. Remove an entry as soon as its cycle is broken (test_cycle_allow_list_is_not_stale).
+CYCLE_OK = {
+    ("memsnap.engine", "memsnap.pageserver.restore"):
+        "the lazy restore imports Engine and RestoreResult for its types while Engine calls restore_from_store; "
+        "being broken under the issue 'One owner for a checkpoint's life'",
+}
+
 
 def _module(path: Path) -> str:
     rel = path.relative_to(PKG.parent).with_suffix("")
@@ -27,18 +39,13 @@ def _module(path: Path) -> str:
 
 
 def _graph() -> dict[str, set[str]]:
-    """module -> memsnap modules it imports (anywhere in the file, function bodies included)."""
+    """module -> memsnap modules it imports (anywhere in the file: function bodies and `if TYPE_CHECKING`
+    blocks included)."""
     mods = {_module(p): p for p in PKG.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         deps: set[str] = set()
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-                       for n in ast.walk(block)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:  # (never imported at run time)
-                continue
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -80,8 +87,31 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+def _without_allowed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """graph less the edges (both ways) between the pairs in CYCLE_OK."""
+    allowed = {(a, b) for a, b in CYCLE_OK} | {(b, a) for a, b in CYCLE_OK}
+    return {n: {d for d in deps if (n, d) not in allowed} for n, deps in graph.items()}
+
+
 def test_memsnap_has_no_import_cycle() -> None:
-    assert _cycle(_graph()) == []
+    assert _cycle(_without_allowed(_graph())) == []
+
+
+def test_cycle_allow_list_is_not_stale() -> None:
+    graph = _graph()
+    fixed = [pair for pair in CYCLE_OK
+             if _cycle({n: graph.get(n, set()) & set(pair) for n in pair}) == []]
+    assert fixed == [], f"no longer a cycle: remove {fixed} from CYCLE_OK"
+
+
+def test_import_graph_counts_type_checking_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "memsnap"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from memsnap.b import B\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from memsnap.a import A\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+    assert _cycle(_graph()) == ["memsnap.a", "memsnap.b", "memsnap.a"]
 
 
 def test_import_graph_check_finds_a_cycle() -> None:
