@@ -26,6 +26,7 @@ from memsnap import (
     manifest,
     mounts,
     proc,
+    recovery,
     resolve,
 )
 from memsnap.caller import ROOT as ROOT  # (re-exported: callers import them from here)
@@ -63,6 +64,7 @@ from memsnap.manifest import Manifest
 from memsnap.pageserver.restore import restore_from_store
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
+from memsnap.recovery import MoveRecovery as MoveRecovery  # (re-exported)
 from memsnap.restorer import RESERVE_SLACK, Restorer, RestoreRequest
 from memsnap.restorer import RestoreResult as RestoreResult
 from memsnap.retention import not_ours
@@ -112,19 +114,6 @@ class GpuHook(Protocol):
 
     def device_bytes(self, root_pid: int) -> int:
         """Device memory the tree's CUDA processes use: what their checkpoint moves into the image."""
-
-
-class MoveRecovery(Protocol):
-    """What Engine.recover hands to the move code (memsnap.move.Mover) after a crash."""
-
-    def in_doubt(self, rec: CheckpointRecord) -> None:
-        """The source died while asking the target to keep the job: ask again (the copy stays stopped)."""
-
-    def abandon(self, rec: CheckpointRecord) -> None:
-        """Target: a move restored here that the source never committed (the source runs the job)."""
-
-    def lazy_target_interrupted(self, rec: CheckpointRecord) -> None:
-        """Target: the first half of a lazy move that was in flight."""
 
 
 @dataclass
@@ -459,16 +448,16 @@ class Engine:
         clock = PhaseClock()
 
         def tell() -> None:  # the job's quiesce hooks: resume (the same processes run on)
-            self.quiesce.resume(pid, ckpt_id, False, self._journal(rec, "quiesce"))
+            self.quiesce.resume(pid, ckpt_id, False, self.journal(rec, "quiesce"))
         try:
             # The job's own quiesce hooks first (memsnap.quiesce: NCCL suspended, caches dropped), then its GPU.
-            quiet = self.quiesce.quiesce(pid, ckpt_id, journal=self._journal(rec, "quiesce"))
+            quiet = self.quiesce.quiesce(pid, ckpt_id, journal=self.journal(rec, "quiesce"))
             clock.add("quiesce", quiet.seconds) if quiet is not None else None
             if self.gpu is not None:
                 with clock.timed("gpu_describe"):  # (finding the CUDA processes; nvidia-smi for their GPUs)
                     gpu_info = self.gpu.describe(pid)
                 if gpu_info:
-                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=self._journal(rec, "gpu"))
+                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=self.journal(rec, "gpu"))
                     clock.gpu(suspension.seconds)
             if hooks.before_dump is not None:
                 hooks.before_dump(staging)
@@ -521,7 +510,7 @@ class Engine:
             if suspension is not None:
                 suspension.release()
             proc.kill_tree(pid)
-            self._journal(rec, "quiesce")(None)  # (nobody left to tell)
+            self.journal(rec, "quiesce")(None)  # (nobody left to tell)
             if job is not None:
                 self.catalog.update_job(job.id, ended=True)
         else:
@@ -539,7 +528,7 @@ class Engine:
         assert out is not None
         return out
 
-    def _journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]:
+    def journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]:
         """write(entry) keeps a step recover() must undo in the record's meta[key] (None or False: done)."""
         def write(entry: Any) -> None:
             cur = self.catalog.get_checkpoint(rec.id)
@@ -805,102 +794,8 @@ class Engine:
 
     # -- crash recovery ---------------------------------------------------------------
     def recover(self, moves: MoveRecovery | None = None) -> dict[str, int]:
-        """Reconciles the catalog with the tier after a (possibly unclean) stop.
-
-        Checkpoints with move marks (catalog.MoveMarks) go to moves (memsnap.move.Mover): a commit in doubt
-        on the source, or a restored move the source never committed on the target. Without moves, held
-        copies in doubt stay stopped and restored moves stay as they are.
-        """
-        fixed = {"failed_dumps": 0, "stray_staging": 0, "stray_tier": 0, "lost_tier": 0}
-        for stale in self.work_root.glob("*.lazystore-*"):  # a lazy restore from the store ends with its daemon
-            shutil.rmtree(stale, ignore_errors=True)
-        in_doubt: set[str] = set()
-
-        def doubt(rec: CheckpointRecord) -> None:
-            in_doubt.add(rec.id)  # the mover asks the target; the copy here stays stopped meanwhile
-            if moves is not None:
-                moves.in_doubt(rec)
-
-        for rec in self.catalog.checkpoints(states=(DUMPING,)):
-            # A dump was cut short: roll back. CRIU unfreezes on its own failure, but a --stop dump that
-            # had finished left the tree stopped: never leave a job frozen.
-            self.tier.discard_staging(rec.id)
-            lifecycle.advance(self.catalog, rec.id, FAILED, last_error="daemon stopped during the dump")
-            marks = rec.marks
-            if (rec.meta.get("stop") or marks.hold) and \
-                    proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                if marks.moved_to:
-                    # A lazy move the target had confirmed complete: the job runs there now.
-                    self.end_held(rec.pid, rec.job, rec.id)
-                elif marks.committing_to:
-                    doubt(rec)
-                else:
-                    # A lazy dump's CRIU may still hold the tree for a moment after we died; SIGCONT
-                    # only helps once it let go.
-                    _wait_untraced(rec.pid, 30)
-                    proc.resume_stopped(rec.pid)
-            fixed["failed_dumps"] += 1
-        for rec in self.catalog.checkpoints(states=RESTORABLE):
-            marks = rec.marks
-            if marks.pages_remote:
-                if moves is not None:
-                    moves.lazy_target_interrupted(rec)
-                continue
-            if marks.move_pending or marks.move_incoming:
-                # Restored (or only received) here for a move that the source never committed: it runs the
-                # job itself, and the image goes.
-                if moves is not None:
-                    moves.abandon(rec)
-                continue
-            if marks.hold:
-                # A move was in flight: the target confirmed it (moved_to) or the job runs on here.
-                if proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                    if marks.moved_to:
-                        self.end_held(rec.pid, rec.job, rec.id)
-                    elif marks.committing_to:
-                        # We died while telling the target to keep the job: whether it runs there is
-                        # the target's to say.
-                        doubt(rec)
-                    else:
-                        self.resume_held(rec.pid, rec.id)
-                continue
-            # Published, but the daemon died before ending a --stop job: finish what was asked.
-            if rec.meta.get("stop") and rec.in_tier and self.tier.has(rec.id) and \
-                    proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                proc.kill_tree(rec.pid)
-                if rec.job:
-                    self.catalog.update_job(rec.job, ended=True)
-        for ckpt_id in list(self.tier.staging_ids()):
-            self.tier.discard_staging(ckpt_id)
-            fixed["stray_staging"] += 1
-        known = set(self.catalog.iter_ids())
-        for ckpt_id in self.tier.published_ids():
-            found = self.catalog.get_checkpoint(ckpt_id) if ckpt_id in known else None
-            if found is None or not found.in_tier:
-                self.tier.remove(ckpt_id)
-                fixed["stray_tier"] += 1
-        for rec in self.catalog.checkpoints():
-            if rec.in_tier and not self.tier.has(rec.id) and not rec.meta.get("spill"):  # (guard's spill tier)
-                # The tier is memory: a reboot empties it. Only the stored copy remains, if any.
-                self.catalog.update_checkpoint(rec.id, in_tier=False)
-                if not rec.in_store and rec.state in (STAGED, DRAINING):
-                    lifecycle.advance(self.catalog, rec.id, FAILED,
-                                      last_error="tier copy lost before it became durable")
-                fixed["lost_tier"] += 1
-        # CUDA state a killed daemon left locked or checkpointed (journaled before the GPU step): jobs that
-        # run on by now (SIGCONT above) must get it back, or they hang in their next CUDA call forever.
-        for rec in self.catalog.checkpoints():
-            if rec.meta.get("gpu") and self.gpu is not None and rec.id not in in_doubt:
-                log.warning("CUDA recovery for %s: %s", rec.id, self.gpu.recover(rec.meta["gpu"]))
-                self.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
-            if rec.meta.get("quiesce") and rec.id not in in_doubt:  # (a job that was asked to quiesce: resume it)
-                if proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
-                    self.quiesce.resume(rec.pid, rec.id, restored=False)
-                self._journal(rec, "quiesce")(None)
-        for job in self.catalog.jobs():
-            if not job.ended and not proc.alive(job.pid, job.pid_start):
-                self.catalog.update_job(job.id, ended=True)
-        return fixed
+        """Reconciles the catalog with the tier and the processes after a (possibly unclean) stop (recovery.py)."""
+        return recovery.recover(self, moves)
 
     def live_jobs_restored_from(self, ckpt_id: str) -> list[JobRecord]:
         """The jobs restored here from ckpt_id that still run."""
@@ -915,20 +810,6 @@ class Engine:
 
 def _below_tmp(path: Path) -> bool:
     return path.resolve().is_relative_to("/tmp")
-
-
-def _wait_untraced(pid: int, timeout: float) -> None:
-    """Waits until no tracer (a CRIU that outlived us) holds pid, or timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            return
-        tracer = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("TracerPid:")), "0")
-        if tracer == "0":
-            return
-        time.sleep(0.05)
 
 
 def scoped_name(caller: Caller, key: str) -> tuple[int, str, bool]:

@@ -12,7 +12,7 @@ from typing import Any
 import psutil
 import pytest
 
-from memsnap import engine as engine_module
+from memsnap import recovery as recovery_module
 from memsnap.catalog import Catalog, CheckpointRecord, JobRecord
 from memsnap.engine import Caller, Engine, EngineConfig, scoped_name
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -327,7 +327,7 @@ def test_recover_resumes_a_job_a_stop_dump_left_frozen(eng: Engine, sleeper: sub
     _ck(eng, "ck-d", 1000, state=DUMPING, pid=sleeper.pid, stop=True, pid_start=start)
     sleeper.send_signal(signal.SIGSTOP)
     psutil.Process(sleeper.pid).status()
-    monkeypatch.setattr(engine_module, "_wait_untraced", lambda pid, timeout: None)
+    monkeypatch.setattr(recovery_module, "_wait_untraced", lambda pid, timeout: None)
     eng.recover()
     assert psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED
     assert sleeper.poll() is None  # resumed, not killed
