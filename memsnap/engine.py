@@ -5,11 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import secrets
-import shutil
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,12 +16,8 @@ from typing import Any, Protocol
 from memsnap import (
     __version__,
     background,
-    failpoints,
     jobs,
-    knobs,
     lifecycle,
-    manifest,
-    mounts,
     proc,
     recovery,
     resolve,
@@ -35,7 +28,6 @@ from memsnap.catalog import (
     DRAINING,
     DUMPING,
     DURABLE,
-    FAILED,
     RESTORABLE,
     STAGED,
     Catalog,
@@ -43,12 +35,11 @@ from memsnap.catalog import (
     JobRecord,
     now_ms,
 )
+from memsnap.checkpointer import Checkpointer
+from memsnap.checkpointer import DumpHooks as DumpHooks  # (re-exported)
 from memsnap.criu import (
     CriuApi,
-    CriuError,
-    DumpOptions,
     NotifyCallback,
-    own_mount_ns,
 )
 from memsnap.errors import (
     Aborted,
@@ -65,10 +56,10 @@ from memsnap.pageserver.restore import restore_from_store
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.recovery import MoveRecovery as MoveRecovery  # (re-exported)
-from memsnap.restorer import RESERVE_SLACK, Restorer, RestoreRequest
+from memsnap.restorer import Restorer, RestoreRequest
 from memsnap.restorer import RestoreResult as RestoreResult
 from memsnap.retention import not_ours
-from memsnap.tier import MemoryTier, TierFull, publish_image
+from memsnap.tier import MemoryTier, TierFull
 from memsnap.validate import shorten
 
 log = logging.getLogger("memsnap.engine")
@@ -117,18 +108,6 @@ class GpuHook(Protocol):
 
 
 @dataclass
-class DumpHooks:
-    """Extras for a dump that feeds a move to another node (memsnap.move); all optional."""
-
-    hold: bool = False  # leave the tree stopped after staging; end_held() or resume_held() decides
-    before_dump: Callable[[Path], None] | None = None  # gets the staging dir just before CRIU starts
-    file_table: Callable[[], dict[str, dict[str, Any]] | None] | None = None  # {name: {size, blake3}}
-    notify: NotifyCallback | None = None  # CRIU notify callbacks (post-dump, ...)
-    dump_opts: dict[str, Any] = field(default_factory=dict)  # extra DumpOptions fields
-    manifest: dict[str, Any] = field(default_factory=dict)  # extra signed manifest fields (memsnap.guard: parked)
-
-
-@dataclass
 class EngineConfig:
     """Where things live and how to size reservations."""
 
@@ -173,6 +152,7 @@ class Engine:
         self._ckpt_locks_lock = threading.Lock()
         self.restorer = Restorer(self, from_store=restore_from_store)  # every restore (memsnap.restorer)
         self.jobtable = JobTable(self)  # jobs: run, stop, rm, prune, logs (memsnap.jobtable)
+        self.checkpointer = Checkpointer(self)  # every dump (memsnap.checkpointer)
         self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
         self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
         self.gc: Any = None  # memsnap.gc.Collector, set by the daemon
@@ -195,7 +175,7 @@ class Engine:
         """DumpOptions fields from the daemon's configuration (for dumps the engine does not run itself)."""
         return dict(self.cfg.extra_dump_opts)
 
-    def _authorize_uid(self, caller: Caller, owner: int, what: str) -> None:
+    def authorize_uid(self, caller: Caller, owner: int, what: str) -> None:
         if not caller.is_root and caller.uid != owner:
             raise PermissionDenied(f"uid {caller.uid} may not act on {what} owned by uid {owner}; "
                                    "run as its owner or as root")
@@ -218,7 +198,7 @@ class Engine:
             refuse_uncheckpointable(pid)
             job = self.catalog.job_by_pid(pid) or resolve.job_containing(self.catalog.jobs(), pid)
             if job is not None:  # (a pid inside a job: the whole job, its root, once the caller may act on it)
-                self._authorize_uid(caller, job.owner_uid, f"pid {pid}")
+                self.authorize_uid(caller, job.owner_uid, f"pid {pid}")
                 if job.pid != pid:
                     log.info("pid %d is in job %s: acting on the whole job", pid, job.id, extra={"job": job.id})
                 return job.pid, job
@@ -228,7 +208,7 @@ class Engine:
         job = self.catalog.get_job(target)
         if job is None:
             job = self._job_by_name(caller, target)
-        self._authorize_uid(caller, job.owner_uid, f"job {job.id}")  # before its pid or state is told
+        self.authorize_uid(caller, job.owner_uid, f"job {job.id}")  # before its pid or state is told
         if job.ended or not proc.alive(job.pid, job.pid_start):
             raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
         refuse_uncheckpointable(job.pid)
@@ -256,7 +236,7 @@ class Engine:
         rec = self.catalog.get_checkpoint(ckpt_id)
         if rec is None:
             raise NotFound(f"no checkpoint {ckpt_id!r}; 'memsnapctl list' shows the checkpoints")
-        self._authorize_uid(caller, rec.owner_uid, f"checkpoint {ckpt_id}")
+        self.authorize_uid(caller, rec.owner_uid, f"checkpoint {ckpt_id}")
         return rec
 
     def wait_settled(self, caller: Caller, ckpt_id: str, active: Callable[[], bool]) -> CheckpointRecord:
@@ -333,44 +313,20 @@ class Engine:
         with self._busy_lock:
             return pid in self._busy
 
-    # -- checkpoint -----------------------------------------------------------------
+    # -- checkpoint (memsnap.checkpointer) ----------------------------------------------
     def checkpoint(self, caller: Caller, target: str, stop: bool = False, tcp_established: bool = False,
                    name: str = "", hooks: DumpHooks | None = None) -> CheckpointRecord:
-        """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop.
-
-        hooks (memsnap.move) can hold the tree stopped instead, watch the staging dir while CRIU
-        writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
-        """
-        pid, job = self.resolve_pid(target, caller)
-        try:
-            owner = proc.owner_uid(pid)
-        except proc.ProcessNotFound as exc:
-            raise NotFound(str(exc)) from exc
-        self._authorize_uid(caller, owner, f"pid {pid}")
-        t_start = time.monotonic()
-        with self.exclusive(pid), background.gate().foreground("dump"):
-            reservation = self.reserve(self.dump_estimate(pid))
-            try:
-                rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, hooks)
-            except Exception:
-                self.observe("checkpoint", "error", time.monotonic() - t_start)
-                raise
-            finally:
-                reservation.release()
-        self.observe("checkpoint", "ok", time.monotonic() - t_start)
-        if self.drain is not None:
-            self.drain.enqueue(rec.id)
-        return rec
+        """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop."""
+        return self.checkpointer.checkpoint(caller, target, stop, tcp_established, name, hooks)
 
     def dump_estimate(self, pid: int) -> int:
-        """The tier room a dump of pid's tree reserves: its resident memory and its CUDA processes' device memory
-        (which their GPU checkpoint moves into host memory, so into the image), plus a margin."""
-        try:  # (a private /tmp's files go into the image too)
-            host = proc.tree_rss(pid) + proc.private_tmp_bytes(pid)
-        except proc.ProcessNotFound as exc:
-            raise NotFound(str(exc)) from exc
-        device = self.gpu.device_bytes(pid) if self.gpu is not None else 0
-        return int((host + device) * (1 + self.cfg.reserve_margin)) + RESERVE_SLACK
+        """The tier room a dump of pid's tree reserves: its resident memory and its CUDA processes' device memory."""
+        return self.checkpointer.dump_estimate(pid)
+
+    def new_manifest(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
+                     files: dict[str, dict[str, Any]], **fields: Any) -> Manifest:
+        """The manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, pages_remote, ...)."""
+        return self.checkpointer.new_manifest(rec, argv, own_ns, job, files, **fields)
 
     def reserve(self, nbytes: int) -> Any:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
@@ -420,114 +376,6 @@ class Engine:
         with self._lock_for(ckpt_id):
             yield
 
-    def _checkpoint_reserved(self, pid: int, job: JobRecord | None, owner: int, stop: bool,
-                             tcp_established: bool, name: str,
-                             hooks: DumpHooks | None = None) -> CheckpointRecord:
-        hooks = hooks or DumpHooks()
-        ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-        argv = proc.cmdline(pid)
-        own_ns = proc.in_own_pidns(pid)
-        own_mnt = own_mount_ns(pid)
-        # The intent (stop or not) and the process identity are journaled too, so that recovery after a
-        # crash can finish or roll back a --stop whose job CRIU left stopped.
-        rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
-                               job=job.id if job else "", name=name or (job.name if job else ""),
-                               meta={"stop": stop, "pid_start": proc.start_time_or_zero(pid), "hold": hooks.hold})
-        # Journal first: after a crash, recovery finds this row and removes the half-written image.
-        lifecycle.begin(self.catalog, rec)
-        clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
-        staging = self.tier.new_staging(ckpt_id)
-        work = self.work_root / ckpt_id
-        work.mkdir(parents=True, exist_ok=True, mode=0o700)
-        frozen_after = stop or hooks.hold
-        opts = DumpOptions(leave_running=not frozen_after, leave_stopped=frozen_after,
-                           tcp_established=tcp_established, shell_job=not proc.is_session_leader(pid),
-                           own_mntns=own_mnt, **{**self.cfg.extra_dump_opts, **hooks.dump_opts})
-        gpu_info: list[dict[str, Any]] = []
-        suspension = quiet = None
-        clock = PhaseClock()
-
-        def tell() -> None:  # the job's quiesce hooks: resume (the same processes run on)
-            self.quiesce.resume(pid, ckpt_id, False, self.journal(rec, "quiesce"))
-        try:
-            # The job's own quiesce hooks first (memsnap.quiesce: NCCL suspended, caches dropped), then its GPU.
-            quiet = self.quiesce.quiesce(pid, ckpt_id, journal=self.journal(rec, "quiesce"))
-            clock.add("quiesce", quiet.seconds) if quiet is not None else None
-            if self.gpu is not None:
-                with clock.timed("gpu_describe"):  # (finding the CUDA processes; nvidia-smi for their GPUs)
-                    gpu_info = self.gpu.describe(pid)
-                if gpu_info:
-                    suspension = self.gpu.suspend(pid, self.cfg.gpu_lock_timeout_ms, journal=self.journal(rec, "gpu"))
-                    clock.gpu(suspension.seconds)
-            if hooks.before_dump is not None:
-                hooks.before_dump(staging)
-            stats = self.criu.dump(pid, staging, work, opts, notify=hooks.notify)
-        except Exception as exc:
-            if suspension is not None:
-                try:
-                    suspension.resume()
-                except Exception as gpu_exc:  # keep CRIU's reason as the error; log the GPU one
-                    clog.error("could not resume CUDA state after a failed dump: %s", gpu_exc)
-            tell() if quiet is not None else None
-            self.tier.discard_staging(ckpt_id)
-            reason = exc.reason if isinstance(exc, CriuError) else str(exc)
-            lifecycle.advance(self.catalog, ckpt_id, FAILED, last_error=reason)
-            clog.warning("dump failed: %s", reason)
-            if isinstance(exc, CriuError):
-                raise FailedPrecondition(f"checkpoint of pid {pid} failed, the process was left running: "
-                                         f"{reason} (log: {exc.log_path})") from exc
-            raise
-        clock.add("freeze", stats.frozen_ms / 1000)  # (CRIU's own stats: how long the tree was frozen, the dump)
-        clock.add("dump", stats.wall_ms / 1000)
-        t_publish = time.monotonic()
-        try:
-            man = self.new_manifest(rec, argv, own_ns, job,
-                                    (hooks.file_table() if hooks.file_table else None)
-                                    or manifest.describe_files(staging),
-                                    frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
-                                    dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt,
-                                    tcp_close=not opts.tcp_established, phases=clock.rounded())
-            man.extra.update(hooks.manifest)  # signed too (memsnap.guard: parked)
-            size = publish_image(self.tier, self.catalog, self.key, staging, man, keep_meta=rec.meta,
-                                 failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
-                                 dump_ms=int(stats.wall_ms))
-        except Exception as exc:
-            # The dump worked but the image is not safely staged: the job must go on.
-            if frozen_after:
-                proc.resume_stopped(pid)
-            if suspension is not None:
-                suspension.resume()
-            tell() if quiet is not None else None
-            self.tier.discard_staging(ckpt_id)
-            lifecycle.advance(self.catalog, ckpt_id, FAILED, last_error=f"publish failed: {exc}")
-            raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
-        clock.add("publish", time.monotonic() - t_publish)
-        failpoints.hit("after-publish")
-        if hooks.hold:
-            pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
-        elif stop:
-            # The image is safely staged: now the job may end.
-            if suspension is not None:
-                suspension.release()
-            proc.kill_tree(pid)
-            self.journal(rec, "quiesce")(None)  # (nobody left to tell)
-            if job is not None:
-                self.catalog.update_job(job.id, ended=True)
-        else:
-            if suspension is not None:
-                suspension.resume()
-                clock.gpu({k: v for k, v in suspension.seconds.items() if k in ("restore", "unlock")})
-            if quiet is not None:
-                with clock.timed("quiesce_resume"):
-                    tell()
-        self.note_phases(ckpt_id, "phases", clock)
-        shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
-        clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
-                  stats.wall_ms)
-        out = self.catalog.get_checkpoint(ckpt_id)
-        assert out is not None
-        return out
-
     def journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]:
         """write(entry) keeps a step recover() must undo in the record's meta[key] (None or False: done)."""
         def write(entry: Any) -> None:
@@ -548,28 +396,6 @@ class Engine:
             self.catalog.update_checkpoint(ckpt_id, meta={**cur.meta, key: clock.rounded()})
         clock.observe(self.observe)
 
-    def new_manifest(self, rec: CheckpointRecord, argv: list[str], own_ns: bool, job: JobRecord | None,
-                     files: dict[str, dict[str, Any]], **fields: Any) -> Manifest:
-        """The manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, pages_remote, ...).
-
-        own_mntns (the tree has its own mount namespace) tells every later restore, here or on another
-        node, to restore that namespace; unless given, it is read from the (still frozen) tree.
-        """
-        if "own_mntns" not in fields:
-            fields["own_mntns"] = own_mount_ns(rec.pid)
-        if job is not None:  # (signed: a restore names its job after this, not after the checkpoint's --name)
-            fields.setdefault("extra", {})["job_name"] = job.name
-            guarded = self.guard.settings_of(job.id) if self.guard is not None else None
-            if guarded:  # (a restore, here or on another node, guards it the same way: Guard.restored)
-                fields["extra"]["guard"] = guarded
-        if "log_mount" not in fields and fields.get("own_mntns") and mounts.has_job_log(rec.pid):
-            fields["log_mount"] = mounts.LOG_MOUNT_KEY  # (Criu.dump made it external under that key)
-        fields.setdefault("extra", {})["node"] = self.node  # (signed: the node that may delete its stored copy)
-        return Manifest(id=rec.id, pid=rec.pid, job=rec.job, name=rec.name, uid=rec.owner_uid, files=files,
-                        argv=argv, host=self.hostname, kernel=platform.release(),
-                        criu_version=self.criu.version(), memsnap_version=__version__, created_ms=rec.created_ms,
-                        own_pidns=own_ns, log_path=job.log_path if job else "", **fields)
-
     # -- restore --------------------------------------------------------------------
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord:
         """A checkpoint id, or a job id/name -> the checkpoint to restore.
@@ -579,12 +405,12 @@ class Engine:
         """
         rec = self.catalog.get_checkpoint(key)
         if rec is not None:
-            self._authorize_uid(caller, rec.owner_uid, f"checkpoint {key}")
+            self.authorize_uid(caller, rec.owner_uid, f"checkpoint {key}")
             return rec
         restorable = self.catalog.checkpoints(states=RESTORABLE)
         job = self.catalog.get_job(key)
         if job is not None:
-            self._authorize_uid(caller, job.owner_uid, f"job {job.id}")
+            self.authorize_uid(caller, job.owner_uid, f"job {job.id}")
             cands = [r for r in restorable if r.owner_uid == job.owner_uid and r.job == job.id]
             owner, name, explicit = job.owner_uid, job.name, True
         else:
@@ -603,7 +429,7 @@ class Engine:
                 raise NotFound(f"no checkpoint {shorten(key)!r}; 'memsnapctl list' shows the checkpoints")
             cands = [adopted]
         rec = max(cands, key=lambda r: (r.created_ms, r.id))
-        self._authorize_uid(caller, rec.owner_uid, f"checkpoint {rec.id}")
+        self.authorize_uid(caller, rec.owner_uid, f"checkpoint {rec.id}")
         return rec
 
     def _catalog_from_store(self, name: str, owner: int) -> CheckpointRecord | None:

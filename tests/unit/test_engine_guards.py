@@ -58,14 +58,14 @@ def _ck(e: Engine, ck_id: str, owner: int, state: str = STAGED, job: str = "", n
 DEAD = 4194000  # above any pid this test machine hands out (pid_max is 4194304 at most)
 
 
-# -- _authorize_uid and scoped_name ------------------------------------------------------------------------
+# -- authorize_uid and scoped_name ------------------------------------------------------------------------
 def test_root_and_the_owner_may_act_others_may_not(eng: Engine) -> None:
-    eng._authorize_uid(ROOT, 1000, "x")
-    eng._authorize_uid(ALICE, 1000, "x")
+    eng.authorize_uid(ROOT, 1000, "x")
+    eng.authorize_uid(ALICE, 1000, "x")
     with pytest.raises(PermissionDenied, match=r"^uid 1001 may not act on pid 5 owned by uid 1000; run as its"):
-        eng._authorize_uid(BOB, 1000, "pid 5")
+        eng.authorize_uid(BOB, 1000, "pid 5")
     with pytest.raises(PermissionDenied):
-        eng._authorize_uid(ALICE, 0, "pid 1")
+        eng.authorize_uid(ALICE, 0, "pid 1")
 
 
 def test_scoped_name() -> None:
