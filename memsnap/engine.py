@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import socket
 import threading
@@ -24,6 +23,7 @@ from memsnap import (
 )
 from memsnap.caller import ROOT as ROOT  # (re-exported: callers import them from here)
 from memsnap.caller import Caller as Caller
+from memsnap.caller import scoped_name as scoped_name  # (re-exported)
 from memsnap.catalog import (
     DRAINING,
     DUMPING,
@@ -37,6 +37,7 @@ from memsnap.catalog import (
 )
 from memsnap.checkpointer import Checkpointer
 from memsnap.checkpointer import DumpHooks as DumpHooks  # (re-exported)
+from memsnap.copies import TierCopies
 from memsnap.criu import (
     CriuApi,
     NotifyCallback,
@@ -47,7 +48,6 @@ from memsnap.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    TierExhausted,
 )
 from memsnap.jobtable import JobTable
 from memsnap.lazyguard import LazyGuard
@@ -59,7 +59,7 @@ from memsnap.recovery import MoveRecovery as MoveRecovery  # (re-exported)
 from memsnap.restorer import Restorer, RestoreRequest
 from memsnap.restorer import RestoreResult as RestoreResult
 from memsnap.retention import not_ours
-from memsnap.tier import MemoryTier, TierFull
+from memsnap.tier import MemoryTier
 from memsnap.validate import shorten
 
 log = logging.getLogger("memsnap.engine")
@@ -147,10 +147,8 @@ class Engine:
         self.work_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._busy: set[int] = set()
         self._busy_lock = threading.Lock()
-        self._evict_lock = threading.Lock()
-        self._ckpt_locks: dict[str, threading.RLock] = {}
-        self._ckpt_locks_lock = threading.Lock()
         self.restorer = Restorer(self, from_store=restore_from_store)  # every restore (memsnap.restorer)
+        self.copies = TierCopies(catalog, tier, self.restorer.tier_copy_in_use)  # locks, room, eviction
         self.jobtable = JobTable(self)  # jobs: run, stop, rm, prune, logs (memsnap.jobtable)
         self.checkpointer = Checkpointer(self)  # every dump (memsnap.checkpointer)
         self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
@@ -195,7 +193,7 @@ class Engine:
                 raise InvalidArgument(f"{shorten(target)!r} is not a valid PID")
             if not proc.alive(pid):
                 raise NotFound(f"no process with pid {pid}; check the pid with 'ps' or 'memsnapctl jobs'")
-            refuse_uncheckpointable(pid)
+            resolve.refuse_uncheckpointable(pid)
             job = self.catalog.job_by_pid(pid) or resolve.job_containing(self.catalog.jobs(), pid)
             if job is not None:  # (a pid inside a job: the whole job, its root, once the caller may act on it)
                 self.authorize_uid(caller, job.owner_uid, f"pid {pid}")
@@ -211,7 +209,7 @@ class Engine:
         self.authorize_uid(caller, job.owner_uid, f"job {job.id}")  # before its pid or state is told
         if job.ended or not proc.alive(job.pid, job.pid_start):
             raise NotFound(f"job {job.id} is not running; restore one of its checkpoints instead")
-        refuse_uncheckpointable(job.pid)
+        resolve.refuse_uncheckpointable(job.pid)
         return job.pid, job
 
     def _job_by_name(self, caller: Caller, target: str) -> JobRecord:
@@ -329,52 +327,12 @@ class Engine:
         return self.checkpointer.new_manifest(rec, argv, own_ns, job, files, **fields)
 
     def reserve(self, nbytes: int) -> Any:
-        """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
+        """Reserves tier room, evicting durable tier copies least-recently-used first if needed (TierCopies)."""
+        return self.copies.reserve(nbytes)
 
-        A checkpoint whose lock someone holds (a fetch, restore, delete) is skipped, never waited for: the
-        caller may hold another checkpoint's lock, and waiting could deadlock.
-        """
-        with self._evict_lock:
-            skipped: set[str] = set()
-            while True:
-                try:
-                    return self.tier.reserve(nbytes)
-                except TierFull as exc:
-                    victim = self._lru_evictable(skipped)
-                    if victim is None or not self._fits_after_evicting(nbytes):
-                        raise TierExhausted(str(exc)) from exc
-                    lock = self._lock_for(victim.id)
-                    if not lock.acquire(blocking=False):
-                        skipped.add(victim.id)
-                        continue
-                    try:
-                        cur = self.catalog.get_checkpoint(victim.id)
-                        if cur is not None and cur.in_tier and not self.tier_copy_in_use(cur.id):
-                            log.info("evicting durable tier copy to make room", extra={"checkpoint_id": victim.id})
-                            self._evict(cur)
-                    finally:
-                        lock.release()
-
-    def _fits_after_evicting(self, nbytes: int) -> bool:
-        """Whether evicting every evictable tier copy would make room for nbytes (else evict nothing)."""
-        evictable = sum(r.size_bytes for r in self.catalog.checkpoints(states=(DURABLE,))
-                        if r.in_tier and r.in_store and not self.tier_copy_in_use(r.id))
-        return self.tier.free_bytes() + evictable >= nbytes
-
-    def _lru_evictable(self, skip: set[str] | None = None) -> CheckpointRecord | None:
-        durable = [r for r in self.catalog.checkpoints(states=(DURABLE,))
-                   if r.in_tier and r.in_store and r.id not in (skip or ()) and not self.tier_copy_in_use(r.id)]
-        return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
-
-    def _lock_for(self, ckpt_id: str) -> threading.RLock:
-        with self._ckpt_locks_lock:
-            return self._ckpt_locks.setdefault(ckpt_id, threading.RLock())
-
-    @contextmanager
-    def checkpoint_lock(self, ckpt_id: str) -> Iterator[None]:
+    def checkpoint_lock(self, ckpt_id: str) -> Any:
         """Serialises fetch, publish, evict and delete of one checkpoint's tier and store copies."""
-        with self._lock_for(ckpt_id):
-            yield
+        return self.copies.checkpoint_lock(ckpt_id)
 
     def journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]:
         """write(entry) keeps a step recover() must undo in the record's meta[key] (None or False: done)."""
@@ -508,7 +466,7 @@ class Engine:
         if rec.state == DUMPING:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is still being dumped; try again in a moment")
         with self.checkpoint_lock(ckpt_id):
-            self._refuse_in_use(ckpt_id)
+            self.copies.refuse_in_use(ckpt_id)
             self._delete_copies(rec)
 
     def _delete_copies(self, rec: CheckpointRecord) -> None:
@@ -525,7 +483,7 @@ class Engine:
     def try_delete(self, ckpt_id: str, veto: Callable[[CheckpointRecord], str]) -> str:
         """Deletes a checkpoint (memsnap.gc) unless someone holds its lock (a fetch, restore, evict or
         delete: never waited for) or veto(its current record) names a reason. "" once deleted, else why not."""
-        lock = self._lock_for(ckpt_id)
+        lock = self.copies.lock_for(ckpt_id)
         if not lock.acquire(blocking=False):
             return "busy: a fetch, restore or delete holds it"
         try:
@@ -547,23 +505,11 @@ class Engine:
             raise FailedPrecondition(f"checkpoint {ckpt_id} is {rec.state}, not durable: evicting its tier copy "
                                      "would lose it; wait for the drain ('memsnapctl watch')")
         with self.checkpoint_lock(ckpt_id):
-            self._refuse_in_use(ckpt_id)
-            self._evict(rec)
+            self.copies.refuse_in_use(ckpt_id)
+            self.copies.drop(rec)
         out = self.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out
-
-    def _refuse_in_use(self, ckpt_id: str) -> None:
-        """Refuses to drop a tier copy that a restore still reads (the caller holds checkpoint_lock)."""
-        if self.tier_copy_in_use(ckpt_id):
-            raise FailedPrecondition(f"a restore is still reading the tier copy of {ckpt_id}; try again when it "
-                                     "is done")
-
-    def _evict(self, rec: CheckpointRecord) -> None:
-        """Drops a tier copy; the caller holds checkpoint_lock(rec.id)."""
-        # Journal first: a crash after this leaves a stray dir that recovery removes.
-        self.catalog.update_checkpoint(rec.id, in_tier=False)
-        self.tier.remove(rec.id)
 
     # -- held trees (a move in progress) ------------------------------------------------
     def end_held(self, pid: int, job_id: str = "", ckpt_id: str = "") -> None:
@@ -636,52 +582,3 @@ class Engine:
 
 def _below_tmp(path: Path) -> bool:
     return path.resolve().is_relative_to("/tmp")
-
-
-def scoped_name(caller: Caller, key: str) -> tuple[int, str, bool]:
-    """'NAME' -> (caller's uid, NAME, False); 'UID:NAME' -> (UID, NAME, True), which only root may use for
-    another uid."""
-    uid_s, sep, rest = key.partition(":")
-    if sep and uid_s.isascii() and uid_s.isdigit() and len(uid_s) <= 10:
-        uid = int(uid_s)
-        if uid != caller.uid and not caller.is_root:
-            raise PermissionDenied(f"uid {caller.uid} may not name uid {uid}'s jobs or checkpoints")
-        return uid, rest, True
-    return caller.uid, key, False
-
-
-# PF_KTHREAD in /proc/PID/stat's flags field.
-_PF_KTHREAD = 0x00200000
-
-
-def refuse_uncheckpointable(pid: int) -> None:
-    """Refuses, before any work, what memsnap must never dump: PID 1, kernel threads, this daemon and its
-    ancestors (dumping one would freeze the daemon itself, or the whole system)."""
-    if pid == 1:
-        raise InvalidArgument("pid 1 is the system's init: memsnap never checkpoints it")
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        flags = int(stat.rsplit(")", 1)[1].split()[6])
-    except (OSError, IndexError, ValueError):
-        flags = 0
-    if pid == 2 or flags & _PF_KTHREAD:
-        raise InvalidArgument(f"pid {pid} is a kernel thread: memsnap cannot checkpoint it")
-    try:
-        tgid = next((int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
-                     if ln.startswith("Tgid:")), pid)
-    except (OSError, ValueError, IndexError):
-        tgid = pid
-    if tgid != pid:
-        raise InvalidArgument(f"{pid} is a thread of process {tgid}: pass the process id")
-    me = os.getpid()
-    ancestors = set()
-    p = me
-    while p > 1 and p not in ancestors:
-        ancestors.add(p)
-        try:
-            p = os.getppid() if p == me else int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    if pid in ancestors:
-        what = "memsnapd itself" if pid == me else "an ancestor of memsnapd"
-        raise InvalidArgument(f"pid {pid} is {what}: memsnap never checkpoints the daemon's own tree")

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Protocol, TypeVar
+
+from memsnap.errors import InvalidArgument
 
 MAX_DEPTH = 256  # ancestors walked at most (a pid chain is never that deep; a loop guard)
 
@@ -92,3 +95,40 @@ def _ppid(pid: int) -> int:
 
 
 __all__ = ["in_job_note", "job_containing", "note_for_target"]
+
+
+# PF_KTHREAD in /proc/PID/stat's flags field.
+_PF_KTHREAD = 0x00200000
+
+
+def refuse_uncheckpointable(pid: int) -> None:
+    """Refuses, before any work, what memsnap must never dump: PID 1, kernel threads, this daemon and its
+    ancestors (dumping one would freeze the daemon itself, or the whole system)."""
+    if pid == 1:
+        raise InvalidArgument("pid 1 is the system's init: memsnap never checkpoints it")
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        flags = int(stat.rsplit(")", 1)[1].split()[6])
+    except (OSError, IndexError, ValueError):
+        flags = 0
+    if pid == 2 or flags & _PF_KTHREAD:
+        raise InvalidArgument(f"pid {pid} is a kernel thread: memsnap cannot checkpoint it")
+    try:
+        tgid = next((int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if ln.startswith("Tgid:")), pid)
+    except (OSError, ValueError, IndexError):
+        tgid = pid
+    if tgid != pid:
+        raise InvalidArgument(f"{pid} is a thread of process {tgid}: pass the process id")
+    me = os.getpid()
+    ancestors = set()
+    p = me
+    while p > 1 and p not in ancestors:
+        ancestors.add(p)
+        try:
+            p = os.getppid() if p == me else int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    if pid in ancestors:
+        what = "memsnapd itself" if pid == me else "an ancestor of memsnapd"
+        raise InvalidArgument(f"pid {pid} is {what}: memsnap never checkpoints the daemon's own tree")

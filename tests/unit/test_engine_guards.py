@@ -395,7 +395,7 @@ def test_eviction_takes_the_least_recently_used_durable_copy_first(small: Engine
 
 
 def test_eviction_never_drops_a_copy_that_is_not_durable_in_the_store(small: Engine) -> None:
-    from memsnap.engine import TierExhausted
+    from memsnap.errors import TierExhausted
 
     _copy(small, "ck-staged", last_used=1, state=STAGED, in_store=False)
     _copy(small, "ck-lost", last_used=2, state=DURABLE, in_store=False)  # durable, but its store copy is gone

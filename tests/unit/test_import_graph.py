@@ -14,9 +14,6 @@ GENERATED = ("memsnap.v1.", "memsnap.criurpc.")
 MAX_LINES = 600
 # Longer modules, each with the reason it is still one module.
 LONG_OK = {
-    "memsnap.engine": "1,160 lines: restores left for restorer.py; checkpoint, evict, delete and recovery still "
-                      "share the per-checkpoint locks and the journal order. Next: recovery (recover.py) and "
-                      "the job table (run/stop/delete/prune/logs)",
     "memsnap.guard.service": "623 lines: park and resume share the job table and the cgroup headroom steps; "
                              "split the node policy loop out next",
 }

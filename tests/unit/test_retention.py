@@ -227,7 +227,7 @@ def test_collector_keeps_checkpoints_in_use(tmp_path):
     _durable(gc, "newest", 10)
     gc.engine.restorer.mark_reading("c0", +1)  # a restore's CRIU reads c0's tier copy
     gc.engine.guard = SimpleNamespace(get=lambda job: SimpleNamespace(state="parked", checkpoint="c2"))
-    lock = gc.engine._lock_for("c3")
+    lock = gc.engine.copies.lock_for("c3")
     held = threading.Event()
     release = threading.Event()
 
