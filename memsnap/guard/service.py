@@ -413,8 +413,7 @@ class Guard:
         tier = self.engine.tier
         if getattr(tier, "kind", "tmpfs") == "devdax":
             return 0
-        with tier._lock:
-            return sum(tier._reserved.values())
+        return int(tier.reserved_bytes())
 
     # -- park ---------------------------------------------------------------------------
     def _park_async(self, job_id: str, reason: str, t_event: float) -> None:
