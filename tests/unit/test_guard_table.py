@@ -21,9 +21,7 @@ def test_a_parked_job_in_the_guards_table_is_still_parked_after_a_restart(tmp_pa
     cat = Catalog(tmp_path)
     g = guard(tmp_path, cat)
     g.adopt("job-1", 1000, limit=64 << 20, priority=0, on_limit="park", cgroup="")
-    with g._lock:
-        g._jobs["job-1"].state, g._jobs["job-1"].checkpoint = PARKED, "ck-1"
-        g._save()
+    g.table.update("job-1", state=PARKED, checkpoint="ck-1")
     cat.close()
     again = guard(tmp_path, Catalog(tmp_path))  # (a new daemon over the same state dir)
     got = again.get("job-1")

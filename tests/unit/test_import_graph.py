@@ -13,8 +13,6 @@ LONG_OK = {
     "memsnap.engine": "checkpoint, restore, evict and recovery share the per-checkpoint locks and the "
                       "journal order; split next along those lines (restore.py), not before the move "
                       "package and the typed CRIU seam have settled",
-    "memsnap.guard.service": "623 lines: park and resume share the job table and the cgroup headroom steps; "
-                             "split the node policy loop out next",
 }
 
 
