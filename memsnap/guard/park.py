@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +174,7 @@ class Parker:
     # -- the RAM copy, once durable --------------------------------------------------------
     def _evict_when_durable(self, eng: Any, ckpt_id: str, job_id: str, sampler: PeakSampler) -> None:
         """Drops the copy in eng's RAM tier (the memory tier, or a tmpfs spill tier) once the drain made the image
-        durable (in the background)."""
+        durable and no restore reads it (in the background, for up to guard.durable_wait_s)."""
         def wait() -> None:
             deadline = time.monotonic() + self.cfg.durable_wait_s
             try:
@@ -181,8 +182,8 @@ class Parker:
                     if self.evict_step(eng, ckpt_id, job_id):
                         return
                     time.sleep(0.1)
-                log.warning("parked image %s not durable after %.0f s: the tier copy stays", ckpt_id,
-                            self.cfg.durable_wait_s)
+                log.warning("parked image %s not durable, or still read by a restore, after %.0f s: the tier copy "
+                            "stays", ckpt_id, self.cfg.durable_wait_s)
             except Exception as exc:
                 log.warning("could not evict parked image %s: %s", ckpt_id, exc)
             finally:
@@ -202,31 +203,24 @@ class Parker:
             return False
         try:
             cur = self.table.get(job_id)
-            # under the checkpoint's lock, and not while a plain restore reads the tier copy
-            # (CRIU reads it after the engine let go of that lock; its work dir marks it)
-            with eng.checkpoint_lock(ckpt_id):
-                if self._being_restored(ckpt_id):
+            if cur is None or cur.state != PARKED:  # (a restore brought it back: the copy is no longer ours)
+                return True
+            with ExitStack() as locks:
+                # Each engine counts the restores reading a tier copy through it (CRIU, a lazy restore's pager),
+                # and marks one under its checkpoint_lock before CRIU reads: under those locks the count is exact.
+                # The guard's resume restores a spill image through the spill engine, a plain restore goes
+                # through the main engine: both are asked.
+                engines = [eng, *(e for e in (self.engine, self.spill) if e is not None and e is not eng)]
+                for e in engines:  # (eng's lock first; nothing else takes two engines' locks)
+                    locks.enter_context(e.checkpoint_lock(ckpt_id))
+                if any(e.tier_copy_in_use(ckpt_id) for e in engines):
                     return False
-                if cur is not None and cur.state == PARKED:
-                    from memsnap.engine import ROOT
-                    eng.evict(ROOT, ckpt_id)
-                    log.info("parked image %s is durable: tier copy evicted", ckpt_id,
-                             extra={"checkpoint_id": ckpt_id})
+                from memsnap.engine import ROOT
+                eng.evict(ROOT, ckpt_id)  # (which refuses a copy in use too, under the same lock)
+            log.info("parked image %s is durable: tier copy evicted", ckpt_id, extra={"checkpoint_id": ckpt_id})
             return True
         finally:
             self.table.release(job_id)
-
-    def _being_restored(self, ckpt_id: str) -> bool:
-        """Whether a restore of ckpt_id is under way (its work dir exists and its log moved in the last 60 s)."""
-        now = time.time()
-        for work in self.engine.work_root.glob(f"{ckpt_id}.restore-*"):
-            try:
-                log_file = work / "restore.log"
-                if now - (log_file if log_file.exists() else work).stat().st_mtime < 60:
-                    return True
-            except OSError:
-                continue
-        return False
 
 
 class PeakSampler:
