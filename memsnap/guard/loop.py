@@ -16,32 +16,23 @@ from typing import Any
 from memsnap import jobs
 from memsnap.catalog import DRAINING, STAGED
 from memsnap.guard import psi
-from memsnap.guard.cgroups import CgroupError, MemoryCgroups, poll_fds
+from memsnap.guard.cgroups import CgroupError, poll_fds
 from memsnap.guard.park import Parker
+from memsnap.guard.parts import Part, Parts
 from memsnap.guard.policy import Candidate, NodePolicy, Parked
-from memsnap.guard.table import ENDED, KILLED, PARKED, RUNNING, GuardedJob, JobTable
-from memsnap.guard.watch import Watchers
+from memsnap.guard.table import ENDED, KILLED, PARKED, RUNNING, GuardedJob
 
 log = logging.getLogger("memsnap.guard")
 
 
-class Loop:
+class Loop(Part):
     """The watcher thread (start/stop) and what each of its steps decides."""
 
-    def __init__(self, engine: Any, spill: Any, cfg: Any, cg: MemoryCgroups | None, table: JobTable,
-                 watchers: Watchers, policy: NodePolicy, parker: Parker, resume: Callable[..., Any], metrics: Any,
-                 stopping: threading.Event) -> None:
-        self.engine = engine
-        self.spill = spill
-        self.cfg = cfg
-        self.cg = cg
-        self.table = table
-        self.watchers = watchers
+    def __init__(self, parts: Parts, policy: NodePolicy, parker: Parker, resume: Callable[..., Any]) -> None:
+        super().__init__(parts)
         self.policy = policy
         self.parker = parker
         self.resume = resume  # Resumer.resume
-        self.metrics = metrics
-        self._stop = stopping
         self._thread: threading.Thread | None = None
         self.would_park: list[str] = []  # observe mode: what it would have parked (also logged)
 
@@ -82,14 +73,14 @@ class Loop:
                 self.cg.remove(cg)
 
     def stop(self) -> None:
-        self._stop.set()
+        self.stopping.set()
         if self._thread is not None:
             self._thread.join(10)
         if self.spill is not None and self.spill.drain is not None:
             self.spill.drain.stop()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self.stopping.is_set():
             try:
                 fds = self.watchers.by_fd()
                 fired = poll_fds(list(fds), self.cfg.poll_interval_s)
@@ -104,7 +95,7 @@ class Loop:
                 self.check_node()
             except Exception:  # the guard must keep watching whatever one step did
                 log.exception("guard step failed")
-                self._stop.wait(1.0)
+                self.stopping.wait(1.0)
 
     def _forget_cgroup(self, cgroup: str) -> None:
         if self.cg is not None and cgroup:

@@ -16,29 +16,21 @@ from memsnap import background, jobs
 from memsnap.catalog import DURABLE, FAILED, now_ms
 from memsnap.errors import NotFound
 from memsnap.guard import psi
-from memsnap.guard.cgroups import CgroupError, MemoryCgroups, wait_stopped
-from memsnap.guard.table import PARKED, GuardedJob, JobTable
-from memsnap.guard.watch import Watchers
+from memsnap.guard.cgroups import CgroupError, wait_stopped
+from memsnap.guard.parts import Part, Parts
+from memsnap.guard.table import PARKED, GuardedJob
 
 log = logging.getLogger("memsnap.guard")
 
 
-class Parker:
+class Parker(Part):
     """Parks jobs: the main engine's tier, or the spill engine's (guard.spill_dir) when there is one."""
 
-    def __init__(self, engine: Any, spill: Any, cfg: Any, cg: MemoryCgroups | None, table: JobTable,
-                 watchers: Watchers, metrics: Any, stopping: threading.Event) -> None:
-        self.engine = engine
-        self.spill = spill
+    def __init__(self, parts: Parts) -> None:
+        super().__init__(parts)
         # A spill tier in RAM (tmpfs, ramfs) is evicted once durable, like the memory tier; one on disk or DAX keeps
         # its copy (it costs no RAM, and a resume reads it without a fetch).
-        self.spill_in_ram = spill is not None and spill.tier.in_ram()
-        self.cfg = cfg
-        self.cg = cg
-        self.table = table
-        self.watchers = watchers
-        self.metrics = metrics
-        self._stopping = stopping
+        self.spill_in_ram = self.spill is not None and self.spill.tier.in_ram()
         self._backoff: dict[str, float] = {}  # job -> monotonic time before which a failed park is not retried
 
     def backing_off(self, job_id: str) -> bool:
@@ -178,7 +170,7 @@ class Parker:
         def wait() -> None:
             deadline = time.monotonic() + self.cfg.durable_wait_s
             try:
-                while time.monotonic() < deadline and not self._stopping.is_set():
+                while time.monotonic() < deadline and not self.stopping.is_set():
                     if self.evict_step(eng, ckpt_id, job_id):
                         return
                     time.sleep(0.1)

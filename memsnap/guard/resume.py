@@ -10,24 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound
-from memsnap.guard.cgroups import CgroupError, MemoryCgroups
-from memsnap.guard.table import PARKED, RESUMED, GuardedJob, JobTable
+from memsnap.guard.cgroups import CgroupError
+from memsnap.guard.parts import Part, Parts
+from memsnap.guard.table import PARKED, RESUMED, GuardedJob
 
 log = logging.getLogger("memsnap.guard")
 
 
-class Resumer:
+class Resumer(Part):
     """Finds parked jobs and resumes them, through the spill engine for an image parked in guard.spill_dir."""
 
-    def __init__(self, engine: Any, spill: Any, cg: MemoryCgroups | None, cg_error: str, table: JobTable,
-                 adopt: Callable[..., GuardedJob], metrics: Any) -> None:
-        self.engine = engine
-        self.spill = spill
-        self.cg = cg
-        self.cg_error = cg_error
-        self.table = table
+    def __init__(self, parts: Parts, adopt: Callable[..., GuardedJob]) -> None:
+        super().__init__(parts)
         self.adopt = adopt  # Guard.adopt: the resumed job is guarded, and watched
-        self.metrics = metrics
 
     def find_parked(self, caller: Any, key: str) -> GuardedJob:
         """A parked job by id or name, that the caller may act on."""

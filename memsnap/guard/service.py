@@ -18,6 +18,7 @@ from memsnap.errors import FailedPrecondition
 from memsnap.guard.cgroups import CgroupError, MemoryCgroups, detect
 from memsnap.guard.loop import Loop
 from memsnap.guard.park import Parker
+from memsnap.guard.parts import Parts
 from memsnap.guard.policy import CRITICAL, NodePolicy, Thresholds
 from memsnap.guard.resume import Resumer
 from memsnap.guard.table import ENDED, KILLED, PARKED, RESUMED, RUNNING, GuardedJob, JobTable
@@ -47,11 +48,11 @@ class Guard:
         self.cg, self.cg_error = _cgroups(cfg)
         self.policy = NodePolicy(_thresholds(cfg), time.monotonic)
         self.watchers = Watchers(self.cg, cfg.pressure_level)
-        stopping = threading.Event()
-        self.parker = Parker(engine, spill_engine, cfg, self.cg, self.table, self.watchers, metrics, stopping)
-        self.resumer = Resumer(engine, spill_engine, self.cg, self.cg_error, self.table, self.adopt, metrics)
-        self.loop = Loop(engine, spill_engine, cfg, self.cg, self.table, self.watchers, self.policy, self.parker,
-                         self.resumer.resume, metrics, stopping)
+        parts = Parts(engine, spill_engine, cfg, self.cg, self.cg_error, self.table, self.watchers, metrics,
+                      threading.Event())
+        self.parker = Parker(parts)
+        self.resumer = Resumer(parts, self.adopt)
+        self.loop = Loop(parts, self.policy, self.parker, self.resumer.resume)
 
     @property
     def spill_in_ram(self) -> bool:
