@@ -107,8 +107,8 @@ class Loop(Part):
         for g in self.table.jobs(RUNNING):
             job = self.engine.catalog.get_job(g.job_id)
             if job is None or job.ended or not jobs.alive(job.pid, job.pid_start):
-                if not self.table.busy(g.job_id):
-                    self.table.update(g.job_id, state=ENDED)
+                # (a park ends its job's process: one that finished since jobs() was read has its row parked)
+                if self.table.update_if_running(g.job_id, state=ENDED):
                     self.watchers.unwatch(g.job_id)
                     self._forget_cgroup(g.cgroup)
                 continue

@@ -18,7 +18,7 @@ from memsnap.errors import NotFound
 from memsnap.guard import psi
 from memsnap.guard.cgroups import CgroupError, wait_stopped
 from memsnap.guard.parts import Part, Parts
-from memsnap.guard.table import PARKED, GuardedJob
+from memsnap.guard.table import PARKED, RUNNING, GuardedJob
 
 log = logging.getLogger("memsnap.guard")
 
@@ -40,6 +40,10 @@ class Parker(Part):
     def park_async(self, job_id: str, reason: str, t_event: float) -> None:
         """Parks the job in a thread of its own, unless something works on it already."""
         if not self.table.claim(job_id):
+            return
+        g = self.table.get(job_id)
+        if g is None or g.state != RUNNING:  # (parked, or ended, since the caller read the table)
+            self.table.release(job_id)
             return
         threading.Thread(target=self._park_thread, args=(job_id, reason, t_event), name=f"park-{job_id}",
                          daemon=True).start()

@@ -97,6 +97,18 @@ class JobTable:
                 setattr(g, k, v)
             self._save()
 
+    def update_if_running(self, job_id: str, **changes: Any) -> bool:
+        """update(), only while the job is running and nothing works on it, checked with the change (a park that
+        ends meanwhile is not overwritten). Whether it changed."""
+        with self._lock:
+            g = self._jobs.get(job_id)
+            if g is None or g.state != RUNNING or job_id in self._busy:
+                return False
+            for k, v in changes.items():
+                setattr(g, k, v)
+            self._save()
+            return True
+
     def add_stats(self, job_id: str, **stats: Any) -> None:
         """Adds to (or overwrites entries of) a job's stats."""
         with self._lock:
