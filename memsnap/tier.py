@@ -138,8 +138,12 @@ class MemoryTier:
         fs_free = st.f_bavail * st.f_frsize
         if self._capacity:
             fs_free = min(fs_free, max(0, self._capacity - self.used_bytes()))
+        return max(0, fs_free - self.reserved_bytes())
+
+    def reserved_bytes(self) -> int:
+        """Bytes promised to dumps and fetches in flight (reservations not yet released)."""
         with self._lock:
-            return max(0, fs_free - sum(self._reserved.values()))
+            return sum(self._reserved.values())
 
     def reserve(self, nbytes: int) -> TierReservation:
         """Holds nbytes for a dump or raises TierFull; the caller may evict and retry."""

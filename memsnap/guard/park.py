@@ -1,0 +1,245 @@
+"""Parking a guarded job: checkpoint --stop into the tier (or the guard's spill tier), then, once the drain made
+the image durable, dropping the copy a RAM tier holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from memsnap import background, jobs
+from memsnap.catalog import DURABLE, FAILED, now_ms
+from memsnap.errors import NotFound
+from memsnap.guard import psi
+from memsnap.guard.cgroups import CgroupError, wait_stopped
+from memsnap.guard.parts import Part, Parts
+from memsnap.guard.table import PARKED, RUNNING, GuardedJob
+
+log = logging.getLogger("memsnap.guard")
+
+
+class Parker(Part):
+    """Parks jobs: the main engine's tier, or the spill engine's (guard.spill_dir) when there is one."""
+
+    def __init__(self, parts: Parts) -> None:
+        super().__init__(parts)
+        # A spill tier in RAM (tmpfs, ramfs) is evicted once durable, like the memory tier; one on disk or DAX keeps
+        # its copy (it costs no RAM, and a resume reads it without a fetch).
+        self.spill_in_ram = self.spill is not None and self.spill.tier.in_ram()
+        self._backoff: dict[str, float] = {}  # job -> monotonic time before which a failed park is not retried
+
+    def backing_off(self, job_id: str) -> bool:
+        """Whether a park of the job failed lately (it is retried 30 s after)."""
+        return self._backoff.get(job_id, 0) > time.monotonic()
+
+    def park_async(self, job_id: str, reason: str, t_event: float) -> None:
+        """Parks the job in a thread of its own, unless something works on it already."""
+        if not self.table.claim(job_id):
+            return
+        g = self.table.get(job_id)
+        if g is None or g.state != RUNNING:  # (parked, or ended, since the caller read the table)
+            self.table.release(job_id)
+            return
+        threading.Thread(target=self._park_thread, args=(job_id, reason, t_event), name=f"park-{job_id}",
+                         daemon=True).start()
+
+    def _park_thread(self, job_id: str, reason: str, t_event: float) -> None:
+        try:
+            self.park(job_id, reason, t_event)
+        except Exception as exc:
+            self._backoff[job_id] = time.monotonic() + 30
+            log.error("could not park %s (retrying in 30 s): %s", job_id, exc, extra={"job": job_id})
+            if self.metrics is not None:
+                self.metrics.guard_parks.labels(result="error").inc()
+        finally:
+            self.table.release(job_id)
+
+    def park(self, job_id: str, reason: str, t_event: float | None = None) -> GuardedJob:
+        """Checkpoints the job with --stop (to the spill tier when configured) and records it parked.
+
+        A job waiting at its limit cannot be frozen (it sleeps in the kernel): it is sent SIGSTOP first,
+        then given just enough headroom to leave the kernel, where it stops; CRIU dumps it stopped, and the
+        resume sends SIGCONT once it is restored. Foreground work: drains step aside (memsnap.background)."""
+        with background.gate().foreground("guard park"):
+            return self._park(job_id, reason, t_event)
+
+    def _park(self, job_id: str, reason: str, t_event: float | None) -> GuardedJob:
+        t0 = t_event if t_event is not None else time.monotonic()
+        g = self.table.get(job_id)
+        job = self.engine.catalog.get_job(job_id)
+        if g is None or job is None:
+            raise NotFound(f"job {job_id} is not guarded")
+        if self.spill is None and getattr(self.engine.tier, "kind", "tmpfs") != "devdax":
+            try:
+                rss = jobs.tree_rss(job.pid)
+            except jobs.ProcessNotFound:
+                rss = 0
+            avail = psi.read_node(self.cfg.psi_path).mem_available
+            if rss > avail - (256 << 20):
+                log.warning("parking %s puts %d MiB into the memory tier with %d MiB available: the dump may push "
+                            "the node into the OOM killer; set guard.spill_dir to a disk directory", job_id,
+                            rss >> 20, avail >> 20, extra={"job": job_id})
+        sampler = PeakSampler()
+        sampler.start()
+        frozen_ms = 0.0
+        headroom_to = 0
+        pids: list[int] = []
+        try:
+            at_trigger = None
+            # only the job's own tree: its launcher (unshare, in the cgroup too) must stay free to exit
+            pids = [p.pid for p in jobs.tree(job.pid)]
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+            if g.cgroup and self.cg is not None:
+                cg = Path(g.cgroup)
+                at_trigger = self.cg.sample(cg)
+                extra = self.cfg.headroom or (16 << 20) + g.limit // 20
+                headroom_to = self.cg.give_headroom(cg, extra)
+                if not wait_stopped(pids, 10.0):
+                    log.warning("%s: not every task stopped within 10 s; dumping anyway", job_id)
+            else:
+                wait_stopped(pids, 10.0)
+            frozen_ms = (time.monotonic() - t0) * 1000
+            eng = self.spill or self.engine
+            from memsnap.engine import ROOT, DumpHooks
+            # signed into the manifest: a restore anywhere (memsnapctl restore, a Slurm requeue on another
+            # node) knows the job was dumped stopped, and why
+            hooks = DumpHooks(manifest={"parked": {"reason": reason, "at_ms": now_ms(), "job": job_id,
+                                                   "limit": g.limit, "priority": g.priority}})
+            rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name, hooks=hooks)
+        except BaseException:
+            for pid in pids:  # never leave the job stopped
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            sampler.stop()
+            raise
+        park_ms = (time.monotonic() - t0) * 1000
+        if g.cgroup and self.cg is not None:
+            try:  # the cgroup is empty now: back to the job's own limit, for its resume
+                self.cg.set_limit(Path(g.cgroup), g.limit)
+            except CgroupError:
+                pass
+        self.watchers.unwatch(job_id)
+        parked = {"reason": reason, "at_ms": now_ms(), "job": job_id}
+        if self.spill is not None:
+            parked["spill"] = str(self.spill.tier.root)
+        cur = self.engine.catalog.get_checkpoint(rec.id)
+        self.engine.catalog.update_checkpoint(rec.id, meta={**cur.meta, "parked": parked,
+                                                            **({"spill": True} if self.spill else {})})
+        stats = {"trigger_to_frozen_ms": round(frozen_ms, 1), "park_ms": round(park_ms, 1),
+                 "image_bytes": rec.size_bytes, "headroom_limit": headroom_to, "dump_ms": rec.dump_ms,
+                 "frozen_ms": rec.frozen_ms, "peak_node_used_bytes": 0,
+                 "at_limit_at_trigger": bool(at_trigger and at_trigger.at_limit),
+                 "usage_at_trigger": at_trigger.usage if at_trigger else 0,
+                 "oom_kills": self.cg.sample(Path(g.cgroup)).oom_kills if g.cgroup and self.cg else 0}
+        self.table.update(job_id, state=PARKED, reason=reason, parked_ms=parked["at_ms"], checkpoint=rec.id,
+                          stats=stats)
+        log.warning("parked %s into %s (%s): %d MiB image, trigger-to-frozen %.0f ms, park %.0f ms", job_id, rec.id,
+                    reason, rec.size_bytes >> 20, frozen_ms, park_ms, extra={"job": job_id, "checkpoint_id": rec.id})
+        if self.metrics is not None:
+            self.metrics.guard_parks.labels(result="ok").inc()
+            self.metrics.guard_park_seconds.observe(park_ms / 1000)
+        eng = self.spill or self.engine
+        if eng.drain is not None and (self.spill is None or self.spill_in_ram):
+            self._evict_when_durable(eng, rec.id, job_id, sampler)
+        else:
+            self._finish_peak(job_id, sampler)
+        g2 = self.table.get(job_id)
+        assert g2 is not None
+        return g2
+
+    def _finish_peak(self, job_id: str, sampler: PeakSampler) -> None:
+        peak = sampler.stop()
+        self.table.add_stats(job_id, peak_node_used_bytes=peak, node_used_at_park_start_bytes=sampler.first,
+                             node_used_after_park_bytes=psi.read_node("/nonexistent").used)
+        if self.metrics is not None:
+            self.metrics.guard_peak_node_bytes.set(peak)
+        log.info("peak node memory in use during the park of %s: %d MiB", job_id, peak >> 20,
+                 extra={"job": job_id})
+
+    # -- the RAM copy, once durable --------------------------------------------------------
+    def _evict_when_durable(self, eng: Any, ckpt_id: str, job_id: str, sampler: PeakSampler) -> None:
+        """Drops the copy in eng's RAM tier (the memory tier, or a tmpfs spill tier) once the drain made the image
+        durable and no restore reads it (in the background, for up to guard.durable_wait_s)."""
+        def wait() -> None:
+            deadline = time.monotonic() + self.cfg.durable_wait_s
+            try:
+                while time.monotonic() < deadline and not self.stopping.is_set():
+                    if self.evict_step(eng, ckpt_id, job_id):
+                        return
+                    time.sleep(0.1)
+                log.warning("parked image %s not durable, or still read by a restore, after %.0f s: the tier copy "
+                            "stays", ckpt_id, self.cfg.durable_wait_s)
+            except Exception as exc:
+                log.warning("could not evict parked image %s: %s", ckpt_id, exc)
+            finally:
+                self._finish_peak(job_id, sampler)
+        threading.Thread(target=wait, name=f"evict-{ckpt_id}", daemon=True).start()
+
+    def evict_step(self, eng: Any, ckpt_id: str, job_id: str) -> bool:
+        """One try at dropping a parked image's copy in eng's tier. True when nothing is left to do (dropped, the
+        image failed, or the job is not parked any more); False to try again shortly (not durable yet, or a resume
+        or restore reads that copy)."""
+        rec = self.engine.catalog.get_checkpoint(ckpt_id)
+        if rec is None or rec.state == FAILED:
+            return True
+        if rec.state != DURABLE or not rec.in_store:
+            return False
+        if not self.table.claim(job_id):  # never under the guard's own resume
+            return False
+        try:
+            cur = self.table.get(job_id)
+            if cur is None or cur.state != PARKED:  # (a restore brought it back: the copy is no longer ours)
+                return True
+            with ExitStack() as locks:
+                # Each engine counts the restores reading a tier copy through it (CRIU, a lazy restore's pager),
+                # and marks one under its checkpoint_lock before CRIU reads: under those locks the count is exact.
+                # The guard's resume restores a spill image through the spill engine, a plain restore goes
+                # through the main engine: both are asked.
+                engines = [eng, *(e for e in (self.engine, self.spill) if e is not None and e is not eng)]
+                for e in engines:  # (eng's lock first; nothing else takes two engines' locks)
+                    locks.enter_context(e.checkpoint_lock(ckpt_id))
+                if any(e.tier_copy_in_use(ckpt_id) for e in engines):
+                    return False
+                from memsnap.engine import ROOT
+                eng.evict(ROOT, ckpt_id)  # (which refuses a copy in use too, under the same lock)
+            log.info("parked image %s is durable: tier copy evicted", ckpt_id, extra={"checkpoint_id": ckpt_id})
+            return True
+        finally:
+            self.table.release(job_id)
+
+
+class PeakSampler:
+    """Samples the node's used memory (MemTotal - MemAvailable) every 20 ms until stopped; stop() -> peak."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.first = 0  # at the start of the park
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="peak", daemon=True)
+
+    def start(self) -> None:
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            used = psi.read_node("/nonexistent").used
+            self.first = self.first or used
+            self.peak = max(self.peak, used)
+            if self._stop.wait(0.02):
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join(2)
+        return self.peak
