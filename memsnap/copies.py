@@ -60,12 +60,13 @@ class TierCopies:
     def _fits_after_evicting(self, nbytes: int) -> bool:
         """Whether evicting every evictable tier copy would make room for nbytes (else evict nothing)."""
         evictable = sum(r.size_bytes for r in self.catalog.checkpoints(states=(DURABLE,))
-                        if r.in_tier and r.in_store and not self.in_use(r.id))
+                        if r.in_tier and r.in_store and self.tier.has(r.id) and not self.in_use(r.id))
         return self.tier.free_bytes() + evictable >= nbytes
 
     def _lru_evictable(self, skip: set[str] | None = None) -> CheckpointRecord | None:
         durable = [r for r in self.catalog.checkpoints(states=(DURABLE,))
-                   if r.in_tier and r.in_store and r.id not in (skip or ()) and not self.in_use(r.id)]
+                   if r.in_tier and r.in_store and r.id not in (skip or ()) and self.tier.has(r.id)
+                   and not self.in_use(r.id)]
         return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
 
     def lock_for(self, ckpt_id: str) -> threading.RLock:

@@ -67,3 +67,19 @@ def test_a_copy_in_use_is_skipped_not_waited_for(tmp_path: Path) -> None:
         release.set()
         t.join()
     assert e.tier.has("ck-old") and not e.tier.has("ck-new")
+
+
+def test_a_durable_copy_in_another_tier_is_neither_evicted_nor_counted_as_room(tmp_path: Path) -> None:
+    """The guard's spill tier is a second engine over the same catalog: a spill image is DURABLE and in_tier
+    there, not here. Evicting it here would free nothing and orphan the spill copy (in_tier=False)."""
+    e = make_engine(tmp_path, capacity=8 * MIB)
+    add_ckpt(e, "ck-spilled", DURABLE, 1, in_tier=True, in_store=True, size_bytes=6 * MIB,  # (not in e's tier)
+             last_used_ms=1)
+    _durable(e, "ck-here", 1000)
+    with pytest.raises(TierExhausted):
+        e.reserve(9 * MIB)  # (5 MiB free, ck-here frees 3 more: not enough, so nothing goes)
+    assert e.catalog.get_checkpoint("ck-spilled").in_tier  # type: ignore[union-attr]
+    assert e.tier.has("ck-here")
+    e.reserve(7 * MIB).release()  # (what ck-here frees is enough: it goes, the spill image stays)
+    assert e.catalog.get_checkpoint("ck-spilled").in_tier  # type: ignore[union-attr]
+    assert not e.tier.has("ck-here")
