@@ -45,6 +45,7 @@ class Mount:
     point: str  # where, in the namespace's view
     fstype: str
     source: str
+    options: tuple[tuple[str, str], ...] = ()  # the superblock's options: (name, value; "" for a flag)
 
 
 def _unescape(field: str) -> str:
@@ -60,8 +61,10 @@ def parse(text: str) -> list[Mount]:
         f, g = pre.split(), post.split()
         if not sep or len(f) < 5 or len(g) < 2:
             continue
+        opts = tuple((k, v) for k, _, v in (o.partition("=") for o in g[2].split(","))) if len(g) > 2 else ()
         try:
-            out.append(Mount(int(f[0]), int(f[1]), f[2], _unescape(f[3]), _unescape(f[4]), g[0], _unescape(g[1])))
+            out.append(Mount(int(f[0]), int(f[1]), f[2], _unescape(f[3]), _unescape(f[4]), g[0], _unescape(g[1]),
+                             opts))
         except ValueError:
             continue
     return out

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memsnap import failpoints, lifecycle, manifest, safefs
+from memsnap import failpoints, lifecycle, manifest, mounts, safefs
 from memsnap.catalog import STAGED, Catalog, now_ms
 
 log = logging.getLogger("memsnap.tier")
@@ -317,32 +317,14 @@ class MountSpec:
         return [f"{k}={have[k]}, config: {v}" for k, v in want.items() if have[k] != v]
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo field with its octal escapes (\\040 for a space, ...) decoded."""
-    return re.sub(r"\\([0-7]{3})", lambda g: chr(int(g.group(1), 8)), field)
-
-
 def parse_mountinfo(text: str) -> dict[int, MountEntry]:
-    """The mounts of a /proc/<pid>/mountinfo text by mount id (lines it cannot read are skipped)."""
-    out: dict[int, MountEntry] = {}
-    for line in text.splitlines():
-        f = line.split(" ")
-        try:
-            sep = f.index("-", 6)  # after the optional fields (shared:N, master:N, ...)
-            mount_id = int(f[0])
-        except ValueError:
-            continue
-        if len(f) < sep + 3:
-            continue
-        opts = f[sep + 3].split(",") if len(f) > sep + 3 else []
-        out[mount_id] = MountEntry(mount_id, _unescape(f[4]), _unescape(f[sep + 1]), _unescape(f[sep + 2]),
-                                   {k: v for k, _, v in (o.partition("=") for o in opts)})
-    return out
+    """The mounts of a /proc/<pid>/mountinfo text by mount id (memsnap.mounts.parse reads it)."""
+    return {m.id: MountEntry(m.id, m.point, m.fstype, m.source, dict(m.options)) for m in mounts.parse(text)}
 
 
-def mount_point_entry(mounts: dict[int, MountEntry], mount_id: int, path: str) -> MountEntry | None:
+def mount_point_entry(table: dict[int, MountEntry], mount_id: int, path: str) -> MountEntry | None:
     """The mount whose root path is, if the mount holding path (mount_id, from fdinfo) is mounted right there."""
-    m = mounts.get(mount_id)
+    m = table.get(mount_id)
     return m if m is not None and m.mount_point == path else None
 
 
@@ -352,12 +334,12 @@ def _mount_of(fd: int) -> tuple[MountEntry | None, bool]:
     with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
         found = re.search(r"^mnt_id:\s*(\d+)", f.read(), re.M)
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        mounts = parse_mountinfo(f.read())
+        table = parse_mountinfo(f.read())
     if found is None:
         return None, False
     mount_id = int(found.group(1))
-    at = mount_point_entry(mounts, mount_id, os.readlink(f"/proc/self/fd/{fd}"))
-    return (at, True) if at is not None else (mounts.get(mount_id), False)
+    at = mount_point_entry(table, mount_id, os.readlink(f"/proc/self/fd/{fd}"))
+    return (at, True) if at is not None else (table.get(mount_id), False)
 
 
 def describe_mount(root: Path) -> tuple[MountEntry | None, bool]:
