@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -122,7 +121,7 @@ class Checkpointer:
                              tcp_established: bool, name: str,
                              hooks: DumpHooks | None = None) -> CheckpointRecord:
         hooks = hooks or DumpHooks()
-        ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+        ckpt_id = lifecycle.new_id()
         argv = proc.cmdline(pid)
         own_ns = proc.in_own_pidns(pid)
         own_mnt = own_mount_ns(pid)

@@ -22,6 +22,7 @@ something about the checkpoint changed, instead of polling the catalog.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,11 @@ NEXT: dict[str, tuple[str, ...]] = {
 }
 BORN = (DUMPING, DURABLE)  # the states a checkpoint may enter the catalog in
 SETTLED = (DURABLE, FAILED)  # nothing more happens to it on its own
+
+
+def new_id() -> str:
+    """A new checkpoint's id: ck-YYYYmmdd-HHMMSS-<6 hex>, sortable by when it was taken, unique on this node."""
+    return "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
 class IllegalTransition(RuntimeError):

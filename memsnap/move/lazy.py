@@ -146,7 +146,7 @@ def _move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: Mo
     pid = move.pid
     job = engine.catalog.get_job(move.job_id) if move.job_id else None
     owner = proc.owner_uid(pid)
-    ckpt_id = "ck-" + time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+    ckpt_id = lifecycle.new_id()
     tunnel_id = secrets.token_hex(16)
     state = _SourceState()
     argv, own_ns = proc.cmdline(pid), proc.in_own_pidns(pid)

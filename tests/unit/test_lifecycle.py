@@ -115,3 +115,11 @@ def test_a_waiter_sees_a_deleted_checkpoint_as_none_and_gives_up_when_no_longer_
     ck = new(catalog, STAGED, "ck-2")
     rec = lifecycle.wait(catalog, ck, lambda r: False, timeout=600, active=lambda: False)
     assert rec is not None and rec.state == STAGED
+
+
+def test_a_new_checkpoint_id_is_one_a_receiving_node_accepts_and_sorts_by_time() -> None:
+    from memsnap.move.stream import CKPT_ID
+
+    ids = [lifecycle.new_id() for _ in range(50)]
+    assert len(set(ids)) == 50 and all(CKPT_ID.match(i) for i in ids)
+    assert ids[0][:18] <= ids[-1][:18]  # (ck-YYYYmmdd-HHMMSS first)
