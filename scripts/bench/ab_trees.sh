@@ -10,7 +10,7 @@ before=$(realpath "$1"); after=$(realpath "$2"); out=$(realpath -m "$3"); reps=$
 mkdir -p "$out"
 for mib in 1024 2048; do
   echo "== checkpoint, drain, restore from the store: $mib MiB"
-  python3 "$after/scripts/bench/ab.py" --a "$before" --b "$after" --mib "$mib" --reps "$reps" --rate 0 \
+  python3 "$after/scripts/bench/ab.py" --a "$before" --b "$after" --mib "$mib" --reps "$reps" --local \
     --out "$out/ab-$mib"
 done
 for mib in 1024 2048; do
