@@ -374,6 +374,8 @@ def memsnap_restore(d: Daemon, ckpt_id: str, log: JobLog, lazy: bool = False) ->
         t1 = time.time()
     pid = int(r.pid)
     _ALL_PIDS.add(pid)
+    if r.job.log_path and r.job.log_path != log.path:  # (a restored job writes to a log of its own)
+        log = JobLog(r.job.log_path)
     first = log.wait_tick(pid, after=0.0)
     out = {
         "first_tick_s": first - t0,
