@@ -15,7 +15,6 @@ ImageReceiver (target) writes it into the tier's incoming area, checking every c
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import queue
@@ -37,6 +36,8 @@ from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument
 from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost, chain, move_error
+from memsnap.store.errors import BadObject
+from memsnap.store.parse import MANIFEST_MAX, load_json
 from memsnap.tier import INCOMING, publish_image
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -404,11 +405,11 @@ class ImageReceiver:
             self._reserved += more
 
     def _verify(self, signed: bytes, files: dict[str, _Incoming], d: Path) -> dict[str, Any]:
-        try:
-            m = json.loads(signed)
-        except ValueError as exc:
-            raise IntegrityFailure("integrity check failed: the transfer manifest is not JSON") from exc
-        if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
+        try:  # (bounded like every manifest read from a store: a peer's bytes are untrusted too)
+            m = load_json(signed, "transfer manifest", d.name, MANIFEST_MAX)
+        except BadObject as exc:
+            raise IntegrityFailure(f"integrity check failed: {exc}") from exc
+        if not isinstance(m.get("files"), dict):
             raise IntegrityFailure("integrity check failed: the transfer manifest has no file list")
         if self.verify_key is not None:
             try:
