@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from memsnap.cli_fmt import printable
 from memsnap.client import ClientError, Target
 from memsnap.slurm import hooks
 from memsnap.slurm.env import SlurmJob
@@ -77,7 +78,7 @@ def epilog_cmd(obj: Ctx, job_id: str, name: str, keep: bool, dump_wait: float, r
             res = hooks.epilog(c, job_id, key=name, keep=keep, dump_wait=dump_wait,
                                rescue_timeout=rescue_timeout)
     except ClientError as exc:
-        click.echo(f"memsnapctl: {exc.code.name}: {exc.message}", err=True)
+        click.echo(f"memsnapctl: {exc.code.name}: {printable(exc.message)}", err=True)
         sys.exit(1)
     obj.emit(asdict(res), res.summary())
 

@@ -34,6 +34,7 @@ import grpc
 import psutil
 
 from memsnap import proc
+from memsnap.cli_fmt import printable
 from memsnap.client import LONG_S, QUICK_S, ClientError, MemsnapClient, Target
 from memsnap.slurm import env as slurm_env
 from memsnap.slurm.direct import run_direct
@@ -127,8 +128,9 @@ class Launcher:
 
     # -- messages -------------------------------------------------------------------
     def note(self, msg: str) -> None:
-        """A line on stderr (it lands in the Slurm output file)."""
-        self.err.write(f"memsnap-slurm: {msg}\n")
+        """A line on stderr (it lands in the Slurm output file), its controls escaped (it carries names, commands
+        and the daemon's messages: a newline or an escape sequence in one must not forge or hide a line)."""
+        self.err.write(f"memsnap-slurm: {printable(msg)}\n")
         self.err.flush()
 
     def warn(self, msg: str) -> None:

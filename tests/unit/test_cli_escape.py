@@ -101,3 +101,15 @@ def test_click_messages_go_through_the_escaping_stream() -> None:
     buf = Terminal()
     click.echo("Error: no such command '\x1b[31m'\nUsage: x", file=cli_fmt.printable_stream(buf))
     assert buf.getvalue() == "Error: no such command '\\x1b[31m'\nUsage: x\n"
+
+
+def test_the_slurm_launchers_lines_escape_what_users_named() -> None:
+    """memsnap-slurm's stderr lines land in the job's Slurm output file, which users read in a terminal."""
+    import io
+    from types import SimpleNamespace
+
+    from memsnap.slurm.launcher import Launcher
+
+    err = io.StringIO()
+    Launcher.note(SimpleNamespace(err=err), "resumed job 'x\nmemsnap-slurm: forged\x1b[2J' from ck-1")  # type: ignore[arg-type]
+    assert err.getvalue() == "memsnap-slurm: resumed job 'x\\nmemsnap-slurm: forged\\x1b[2J' from ck-1\n"
