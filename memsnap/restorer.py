@@ -137,9 +137,7 @@ class Restorer:
             why = f": {rec.last_error}" if rec.last_error else ""
             raise FailedPrecondition(f"checkpoint {rec.id} is {rec.state} and cannot be restored{why}")
         t0 = time.monotonic()
-        if req.lazy and req.lazy_ps_socket < 0 and not rec.in_tier and rec.in_store and \
-                getattr(self.host.drain, "store", None) is not None:
-            # No tier copy: page it in from the store while the job runs (memsnap.pageserver).
+        if self.pages_from_store(rec, req):
             res = self.from_store(self, rec, t0, req) if self.from_store is not None else None
             if res is not None:
                 return res
@@ -159,6 +157,14 @@ class Restorer:
             return self.restore_image(rec, PreparedImage(man, images, t0, t1, fetch_ms, from_store), req)
         finally:
             self.mark_reading(rec.id, -1)
+
+    def pages_from_store(self, rec: CheckpointRecord, req: RestoreRequest) -> bool:
+        """Which of the three lazy restores this is. --lazy means: the tree runs first and its pages follow,
+        from (1) the source node of a lazy move, over req.lazy_ps_socket (memsnap.move.lazy); (2) this node's tier
+        copy, served by CRIU's lazy-pages; or (3), with no tier copy but a stored one, the store, served by
+        memsnap.pageserver. True for (3); (1) and (2) go through the tier path and restore_image."""
+        return req.lazy and req.lazy_ps_socket < 0 and not rec.in_tier and rec.in_store and \
+            getattr(self.host.drain, "store", None) is not None
 
     def mark_reading(self, ckpt_id: str, delta: int) -> None:
         with self._reading_lock:
