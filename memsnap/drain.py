@@ -196,7 +196,8 @@ class DrainService:
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
         attempts = rec.drain_attempts + 1
         if not lifecycle.advance(self.catalog, ckpt_id, DRAINING, drain_attempts=attempts, drained_bytes=0):
-            return  # (deleted meanwhile)
+            self._forget(ckpt_id)  # (deleted meanwhile: what an earlier attempt left in the store goes too)
+            return
         t0 = time.monotonic()
         try:
             stored = self._drain(rec)
@@ -385,15 +386,6 @@ class DrainService:
                 not isinstance(storage.get("files"), dict) or set(storage["files"]) != set(stored["files"]):
             raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
         return dict(stored)
-
-    def chunk_reader(self, rec: CheckpointRecord) -> chunks.ChunkReader:
-        """Random access to a durable chunked checkpoint in the store (its manifest verified and bound to rec),
-        through the node's chunk cache; IntegrityFailure for a whole-file (format 1) or tampered one."""
-        stored = self.stored_manifest(rec)
-        try:
-            return chunks.ChunkReader(self.store, stored, self.node_chunks.cache())  # type: ignore[arg-type]
-        except (chunks.ChunkError, ValueError, TypeError, KeyError) as exc:
-            raise IntegrityFailure(f"integrity check failed: stored copy of {rec.id}: {exc}") from exc
 
     def _fetch_chunked(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
         cstore: chunks.ChunkStore = self.store  # type: ignore[assignment]
