@@ -7,7 +7,7 @@ import platform
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -330,7 +330,7 @@ class Engine:
         """Reserves tier room, evicting durable tier copies least-recently-used first if needed (TierCopies)."""
         return self.copies.reserve(nbytes)
 
-    def checkpoint_lock(self, ckpt_id: str) -> Any:
+    def checkpoint_lock(self, ckpt_id: str) -> AbstractContextManager[None]:
         """Serialises fetch, publish, evict and delete of one checkpoint's tier and store copies."""
         return self.copies.checkpoint_lock(ckpt_id)
 

@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -95,7 +96,7 @@ class RestoreHost(Protocol):
     quiesce: Any
     observe: Callable[[str, str, float], None]
 
-    def checkpoint_lock(self, ckpt_id: str) -> Any: ...
+    def checkpoint_lock(self, ckpt_id: str) -> AbstractContextManager[None]: ...
 
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord: ...
 
