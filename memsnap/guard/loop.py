@@ -16,7 +16,7 @@ from typing import Any
 from memsnap import jobs
 from memsnap.catalog import DRAINING, STAGED
 from memsnap.guard import psi
-from memsnap.guard.cgroups import CgroupError, poll_fds
+from memsnap.guard.cgroups import CgroupError
 from memsnap.guard.park import Parker
 from memsnap.guard.parts import Part, Parts
 from memsnap.guard.policy import Candidate, NodePolicy, Parked
@@ -82,16 +82,8 @@ class Loop(Part):
     def _run(self) -> None:
         while not self.stopping.is_set():
             try:
-                fds = self.watchers.by_fd()
-                fired = poll_fds(list(fds), self.cfg.poll_interval_s)
-                t_event = time.monotonic()
-                for fd in fired:
-                    try:
-                        self.cg.ack(fd)  # type: ignore[union-attr]
-                    except OSError:
-                        pass
-                pressured = self.watchers.pressured(fired)
-                self.check_limits({fds[fd] for fd in fired if fd in fds}, t_event, pressured)
+                fired, pressured = self.watchers.wait(self.cfg.poll_interval_s)
+                self.check_limits(fired, time.monotonic(), pressured)
                 self.check_node()
             except Exception:  # the guard must keep watching whatever one step did
                 log.exception("guard step failed")

@@ -8,13 +8,17 @@ import os
 import threading
 from pathlib import Path
 
-from memsnap.guard.cgroups import CgroupError, MemoryCgroups
+from memsnap.guard.cgroups import CgroupError, MemoryCgroups, poll_fds
 
 log = logging.getLogger("memsnap.guard")
 
 
 class Watchers:
-    """fd -> guarded job id, for the loop's poll."""
+    """fd -> guarded job id, for the loop's poll.
+
+    A watcher fd is closed only while no poll holds its number: a park or a resume unwatches its job from another
+    thread, and an fd closed under the loop's poll is a number the next accept() may reuse, whose bytes the loop's
+    ack would then read (it once ate a client's connection on the daemon's socket)."""
 
     def __init__(self, cg: MemoryCgroups | None, pressure_level: str) -> None:
         self.cg = cg
@@ -22,6 +26,8 @@ class Watchers:
         self._lock = threading.Lock()
         self._fds: dict[int, str] = {}  # watcher fd -> job id
         self._pressure_fds: set[int] = set()  # those of them that watch memory.pressure_level (v1)
+        self._polling = False  # wait() holds the numbers it polls
+        self._retired: list[int] = []  # unwatched while a wait() held them: closed when it ends
 
     def watch(self, job_id: str, cg: Path) -> None:
         """Watches the job's cgroup (a job without a watcher is still sampled at each poll)."""
@@ -52,14 +58,30 @@ class Watchers:
                 if j == job_id:
                     del self._fds[fd]
                     self._pressure_fds.discard(fd)
-                    os.close(fd)
+                    if self._polling:
+                        self._retired.append(fd)
+                    else:
+                        os.close(fd)
 
-    def by_fd(self) -> dict[int, str]:
-        """fd -> job id, now."""
+    def wait(self, timeout: float) -> tuple[set[str], set[str]]:
+        """Polls the watchers for up to timeout seconds and acknowledges those that fired: (the jobs whose watcher
+        fired, those of them whose memory.pressure_level watcher did). One thread at a time (the guard's loop)."""
         with self._lock:
-            return dict(self._fds)
+            fds = dict(self._fds)
+            pressure = self._pressure_fds & set(fds)
+            self._polling = True
+        try:
+            fired = poll_fds(list(fds), timeout)
+            for fd in fired:
+                try:
+                    self.cg.ack(fd)  # type: ignore[union-attr]
+                except OSError:
+                    pass
+        finally:
+            with self._lock:
+                self._polling = False
+                retired, self._retired = self._retired, []
+            for fd in retired:
+                os.close(fd)
+        return {fds[fd] for fd in fired}, {fds[fd] for fd in fired if fd in pressure}
 
-    def pressured(self, fds: list[int]) -> set[str]:
-        """The jobs whose memory.pressure_level watcher is among fds."""
-        with self._lock:
-            return {self._fds[fd] for fd in fds if fd in self._pressure_fds}
