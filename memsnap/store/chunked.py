@@ -20,7 +20,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -306,14 +306,22 @@ class ChunkedDrain:
                     trusted[cid] = (off, n)
                 progress(n)  # (called between chunks: the hook point for throttling and pausing drains)
 
-            with contextlib.ExitStack() as stack:
-                mm = stack.enter_context(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)) if st.st_size else b""
-                for off, n in self.chunking.iter_boundaries(mm):
-                    pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
-                    while len(pending) >= depth:
-                        collect()
-            while pending:
-                collect()
+            try:
+                with contextlib.ExitStack() as stack:
+                    mm = stack.enter_context(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)) if st.st_size else b""
+                    for off, n in self.chunking.iter_boundaries(mm):
+                        pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
+                        while len(pending) >= depth:
+                            collect()
+                while pending:
+                    collect()
+            except BaseException:
+                # The pool's tasks pread fd by number: none may outlive it, or a task still queued reads whatever
+                # file reuses the number (another checkpoint's image) into the store.
+                for *_, fut in pending:
+                    fut.cancel()
+                wait([fut for *_, fut in pending])
+                raise
             self._verify_trusted(fd, trusted)
             st2 = os.fstat(fd)
             if [st2.st_ino, st2.st_size, st2.st_mtime_ns, st2.st_ctime_ns] != fp:

@@ -354,3 +354,43 @@ def test_a_chunk_staged_twice_before_commit_is_cached_once_without_warnings(tmp_
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert cache.size_bytes == len(stored) and sorted(p.name for p in (tmp_path / "cache").iterdir()) == [cid]
     assert cache.get(cid, len(raw)) == raw
+
+
+class _SeesItsFile(ChunkedDrain):
+    """Records, for each chunk read, whether fd was still the tier file the drain opened (its inode)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.inode = 0
+        self.reads: list[bool] = []
+
+    def _chunk(self, fd: int, off: int, n: int) -> tuple[str, str]:
+        time.sleep(0.02)  # (still queued when the first result stops the drain)
+        try:
+            same = os.fstat(fd).st_ino == self.inode
+        except OSError:
+            same = False
+        self.reads.append(same)
+        return super()._chunk(fd, off, n)
+
+
+def test_a_drain_stopped_between_chunks_reads_no_chunk_after_it_closed_the_file(tmp_path: Path,
+                                                                               store: PosixStore) -> None:
+    """A move commits (check_still_wanted raises in progress) while chunks are queued: every queued read ends
+    before the tier file's fd is closed, so none reads the file that reuses its number."""
+    d, files = _tier(tmp_path, _pages(512, 7))
+    job = _SeesItsFile(store, 0, ChunkIndex(None), Chunking(AVG), threads=2)
+    job.inode = (d / "pages-1.img").stat().st_ino
+
+    class MovedAway(Exception):
+        pass
+
+    def progress(n: int) -> None:
+        if n >= AVG // 4:  # a page chunk (the bundle's small files pass)
+            raise MovedAway()
+
+    with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY)) as sfd, pytest.raises(MovedAway):
+        job.run("ck-1", sfd, files, None, progress)
+    reads = len(job.reads)
+    time.sleep(0.3)  # (a task the drain did not wait for would read now)
+    assert len(job.reads) == reads and job.reads and all(job.reads), job.reads
