@@ -24,7 +24,7 @@ from memsnap.api import MemsnapServicer, PeerServicer
 from memsnap.catalog import Catalog
 from memsnap.config import Config, ConfigError, load_config
 from memsnap.criu import Criu, CriuError
-from memsnap.drain import build_drain
+from memsnap.drain import build_drain, build_repository
 from memsnap.engine import ROOT, Engine, EngineConfig
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
@@ -91,13 +91,14 @@ class Daemon:
             self.tier = MemoryTier(t.dir, t.capacity or 0, t.kind, mount)
             self.criu = Criu(plugin_dir=state / "criu-plugins")
             key = manifest.load_or_create_key(Path(cfg.hmac_key_path))
-            self.drain = self._make_drain(key)
+            self.repo = build_repository(cfg, self.catalog, self.tier, key, self.metrics)
+            self.drain = build_drain(cfg, self.catalog, self.tier, self.repo, self.metrics)
         except (safefs.UnsafePath, StoreError, TierMountError) as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
         self.engine = Engine(
             EngineConfig(state_dir=state, reserve_margin=cfg.tier.reserve_margin,
                          private_tmp=cfg.daemon.private_tmp, node_name=cfg.daemon.node_name),
-            self.catalog, self.tier, self.criu, key, drain=self.drain, gpu=_load_gpu(),
+            self.catalog, self.tier, self.criu, key, drain=self.drain, repo=self.repo, gpu=_load_gpu(),
             observe=self._observe,
         )
         self.engine.guard = self.guard = self._make_guard(state, key)
@@ -122,7 +123,7 @@ class Daemon:
             spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin,
                                         node_name=self.cfg.daemon.node_name),
                            self.catalog, tier, self.criu, key, gpu=self.engine.gpu,
-                           drain=build_drain(self.cfg, self.catalog, tier, key, self.metrics) if self.drain else None,
+                           drain=build_drain(self.cfg, self.catalog, tier, self.repo, self.metrics), repo=self.repo,
                            observe=self._observe)
         return Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
 
@@ -133,10 +134,7 @@ class Daemon:
 
         r = self.cfg.retention
         return Collector(self.engine, Policy(r.keep_last, r.keep_within), r.chunk_grace,
-                         chunk_sweeper(self.drain, r.chunk_grace), self.metrics)
-
-    def _make_drain(self, key: bytes) -> Any:
-        return build_drain(self.cfg, self.catalog, self.tier, key, self.metrics)
+                         chunk_sweeper(self.repo, self.catalog, r.chunk_grace), self.metrics)
 
     def _observe(self, kind: str, result: str, seconds: float) -> None:
         if kind.startswith("phase:"):  # a phase timed inside an operation (freeze, dump: CRIU's own stats)
@@ -150,8 +148,8 @@ class Daemon:
             self.metrics.observe_phase("restore", seconds)
 
     def _status_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"store": self.drain.describe() if self.drain else "none",
-                                 "store_id": self.drain.store_id() if self.drain else "",
+        extra: dict[str, Any] = {"store": self.repo.describe() if self.repo else "none",
+                                 "store_id": self.repo.id() if self.repo else "",
                                  "guard": self.guard.describe(), "tier_fs": self.tier.describe()}
         if self.drain is not None:
             extra["drain_queue_depth"], extra["drain_queue_bytes"] = self.drain.queue_stats()
@@ -219,9 +217,9 @@ class Daemon:
                 self.metrics.moves_in_doubt.set_function(lambda: float(len(migrator.moves_in_doubt())))
             self.metrics.bind_store(self.gc.totals)
             self.metrics.bind_quota(lambda: self.quota.report(ROOT))
-            if self.drain is not None:
-                self.metrics.bind_drain_queue(lambda: float(self.drain.queue_stats()[0]),
-                                              lambda: float(self.drain.queue_stats()[1]))
+            if (drain := self.drain) is not None:
+                self.metrics.bind_drain_queue(lambda: float(drain.queue_stats()[0]),
+                                              lambda: float(drain.queue_stats()[1]))
             self._servers.append(serve(self.metrics, host.strip("[]") or "127.0.0.1", int(port)))
             log.info("metrics on http://%s:%d/metrics", self._servers[-1].host, self._servers[-1].port)
 

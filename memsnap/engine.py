@@ -56,6 +56,7 @@ from memsnap.pageserver.restore import restore_from_store
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.recovery import MoveRecovery as MoveRecovery  # (re-exported)
+from memsnap.repository import Repository
 from memsnap.restorer import Restorer, RestoreRequest
 from memsnap.restorer import RestoreResult as RestoreResult
 from memsnap.retention import not_ours
@@ -65,23 +66,12 @@ from memsnap.validate import shorten
 log = logging.getLogger("memsnap.engine")
 
 
-class DrainHook(Protocol):
-    """What the engine needs from the drain service (memsnap.drain)."""
+class Uploads(Protocol):
+    """What the engine needs from the drain (memsnap.drain), the upload scheduler; everything else about the
+    store goes through the repository (memsnap.repository)."""
 
     def enqueue(self, ckpt_id: str) -> None:
         """Queues a staged checkpoint for draining."""
-
-    def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
-        """Copies a durable checkpoint from the store into dest, verifying as it goes."""
-
-    def delete(self, rec: CheckpointRecord) -> None:
-        """Removes the stored copy."""
-
-    def describe(self) -> str:
-        """Where checkpoints go (one line)."""
-
-    def store_id(self) -> str:
-        """The store's random id ("" when unreachable): equal on daemons that share the store."""
 
 
 class GpuHook(Protocol):
@@ -124,7 +114,7 @@ class Engine:
     """Checkpoint, restore and catalog operations with authorization and crash-safe ordering."""
 
     def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: CriuApi, hmac_key: bytes,
-                 drain: DrainHook | None = None, gpu: GpuHook | None = None,
+                 drain: Uploads | None = None, gpu: GpuHook | None = None, repo: Repository | None = None,
                  observe: Callable[[str, str, float], None] | None = None) -> None:
         self.cfg = cfg
         self.catalog = catalog
@@ -132,6 +122,7 @@ class Engine:
         self.criu = criu
         self.key = hmac_key
         self.drain = drain
+        self.repo = repo  # the store (None without one): fetch, find, delete (memsnap.repository)
         self.gpu = gpu
         # observe(kind, result, seconds): metrics hook ("checkpoint", "ok", 1.2), or a phase ("phase:freeze", ...)
         self.observe = observe or (lambda kind, result, seconds: None)
@@ -393,10 +384,9 @@ class Engine:
     def _catalog_from_store(self, name: str, owner: int) -> CheckpointRecord | None:
         """Catalogs the newest durable checkpoint another node stored under this job name (shared store and
         key). The store's name index is only a hint: the signed manifest must carry this name and owner."""
-        find = getattr(self.drain, "find_stored", None)
-        if find is None:
+        if self.repo is None:
             return None
-        for m in find(name):
+        for m in self.repo.find(name):
             if self.catalog.get_checkpoint(m["id"]) is not None:
                 continue
             try:
@@ -472,8 +462,8 @@ class Engine:
     def _delete_copies(self, rec: CheckpointRecord) -> None:
         """Store copy (when this node owns it: retention.not_ours), tier copy (and a park image's spill copy),
         then the catalog row; the caller holds checkpoint_lock(rec.id)."""
-        if rec.in_store and self.drain is not None and not not_ours(rec, self.node):
-            self.drain.delete(rec)
+        if rec.in_store and self.repo is not None and not not_ours(rec, self.node):
+            self.repo.delete(rec)
         self.tier.remove(rec.id)
         spill = getattr(self.guard, "spill", None)  # a park image in guard.spill_dir lives in that tier
         if rec.meta.get("spill") and spill is not None and spill is not self:

@@ -169,7 +169,7 @@ class Collector:
         if not caller.is_root:
             rep.sweep_note = "the chunk sweep covers the whole store: root only"
         elif self.sweeper is None:
-            rep.sweep_note = ("no store" if self.engine.drain is None else
+            rep.sweep_note = ("no store" if self.engine.repo is None else
                               "the store holds no chunks (whole-file checkpoints only)")
         else:
             from memsnap.store import StoreError
@@ -236,8 +236,9 @@ class StoreSweeper:
     manifest that cannot be read stops the run before anything is swept (its chunks are unknown).
     """
 
-    def __init__(self, drain: Any, grace_s: float, chunks: Any) -> None:
-        self.drain = drain
+    def __init__(self, repo: Any, catalog: Any, grace_s: float, chunks: Any) -> None:
+        self.repo = repo
+        self.catalog = catalog
         self.grace_s = grace_s
         self.chunks = chunks
 
@@ -250,7 +251,7 @@ class StoreSweeper:
         from memsnap.store.bad_objects import BAD
         from memsnap.store.errors import BadObject
 
-        store = self.drain.store
+        store = self.repo.store
         keep: set[str] = set()
         for key in store.list(""):
             ckpt_id, _, rest = key.partition("/")
@@ -280,24 +281,24 @@ class StoreSweeper:
         """Marks, then sweeps (failpoint sweep-deleted-one: die after the first chunk deleted)."""
         from memsnap.catalog import DRAINING, DUMPING, STAGED
 
-        pending = [r.created_ms / 1000 for r in self.drain.catalog.checkpoints(states=(DUMPING, STAGED, DRAINING))]
+        pending = [r.created_ms / 1000 for r in self.catalog.checkpoints(states=(DUMPING, STAGED, DRAINING))]
         since = min([now, *pending])
         if dry_run:
-            r = chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, dry_run=True, now=since)
+            r = chunkgc.sweep(self.repo.store, self.mark(gone), self.grace_s, dry_run=True, now=since)
         else:  # no drain (any node's) runs from the mark to the last deletion (memsnap.store.chunkgc)
-            with self.drain.node_chunks.store_gc(self.drain.store).sweeping():
-                r = chunkgc.sweep(self.drain.store, self.mark(gone), self.grace_s, now=since,
-                                       index=self.drain.node_chunks.index())
+            with self.repo.node_chunks.store_gc(self.repo.store).sweeping():
+                r = chunkgc.sweep(self.repo.store, self.mark(gone), self.grace_s, now=since,
+                                  index=self.repo.node_chunks.index())
         return r
 
 
-def chunk_sweeper(drain: Any, grace_s: float) -> ChunkSweeper | None:
-    """The chunk sweep of the store behind drain, or None when there is no store."""
+def chunk_sweeper(repo: Any, catalog: Any, grace_s: float) -> ChunkSweeper | None:
+    """The chunk sweep of the store behind the repository (memsnap.repository), or None without a store."""
     from memsnap.store import chunks
 
-    if drain is None:
+    if repo is None:
         return None
-    return StoreSweeper(drain, grace_s, chunks)
+    return StoreSweeper(repo, catalog, grace_s, chunks)
 
 
 __all__ = ["ChunkSweeper", "Collector", "GcReport", "SweepResult", "chunk_sweeper"]

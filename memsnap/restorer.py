@@ -32,6 +32,7 @@ from memsnap.criu import CriuApi, CriuError, NotifyCallback, RestoreOptions, gua
 from memsnap.errors import FailedPrecondition, IntegrityFailure
 from memsnap.lazyguard import LazyGuard
 from memsnap.phases import PhaseClock
+from memsnap.repository import Repository
 from memsnap.tier import MemoryTier
 from memsnap.validate import clip
 
@@ -90,7 +91,7 @@ class RestoreHost(Protocol):
     key: bytes
     work_root: Path
     launcher: jobs.Launcher
-    drain: Any
+    repo: Repository | None  # the store (memsnap.repository)
     gpu: Any
     guard: Any
     quiesce: Any
@@ -165,7 +166,7 @@ class Restorer:
         copy, served by CRIU's lazy-pages; or (3), with no tier copy but a stored one, the store, served by
         memsnap.pageserver. True for (3); (1) and (2) go through the tier path and restore_image."""
         return req.lazy and req.lazy_ps_socket < 0 and not rec.in_tier and rec.in_store and \
-            getattr(self.host.drain, "store", None) is not None
+            self.host.repo is not None
 
     def mark_reading(self, ckpt_id: str, delta: int) -> None:
         with self._reading_lock:
@@ -356,7 +357,7 @@ class Restorer:
             rec.in_tier, rec.in_store, rec.meta = cur.in_tier, cur.in_store, cur.meta
         if rec.in_tier and self.host.tier.has(rec.id):
             return self.host.tier.path(rec.id), 0.0, False
-        if not rec.in_store or self.host.drain is None:
+        if not rec.in_store or self.host.repo is None:
             raise FailedPrecondition(f"checkpoint {rec.id} has no tier copy and no stored copy; it is lost")
         t0 = time.monotonic()
         reservation = self.host.reserve(rec.size_bytes + RESERVE_SLACK)
@@ -364,7 +365,7 @@ class Restorer:
             staging = self.host.tier.new_staging(rec.id, unique=True)  # never shared with another fetch
             progress.phase("fetch", rec.size_bytes, progress.dir_bytes(staging, (manifest.MANIFEST,)))  # (its bar)
             try:
-                self.host.drain.fetch(rec, staging)
+                self.host.repo.fetch(rec, staging)
                 failpoints.delay("slow-fetch", 3.0)  # (tests: a client polls the fetch's progress meanwhile)
                 self.host.tier.remove(rec.id)  # a stray copy left by a crash (the catalog says not in tier)
                 self.host.tier.publish(staging, rec.id)

@@ -290,14 +290,14 @@ class Mover:
     def _same_store(self, req: MoveRequest, target_store_id: str) -> None:
         """--via-store only works when the target reads the store this node drains to: refuse before the job
         is touched when the stores' ids differ (a hint, not a proof: the signed manifest stays the check)."""
-        if self.engine.drain is None:
+        if self.engine.repo is None:
             raise FailedPrecondition("--via-store needs a store on this node (store.dir or store.url); the job "
                                      "was not touched")
-        mine = self.engine.drain.store_id()
+        mine = self.engine.repo.id()
         if not mine or not target_store_id or mine != target_store_id:
             raise FailedPrecondition(
                 f"migration failed at preflight: {req.to} does not share this node's store "
-                f"({self.engine.drain.describe()}, id {mine or 'unreadable'}; the target's id is "
+                f"({self.engine.repo.describe()}, id {mine or 'unreadable'}; the target's id is "
                 f"{target_store_id or 'none'}): --via-store needs one store both nodes reach; move without "
                 "--via-store to stream the image instead. The job was not touched")
 

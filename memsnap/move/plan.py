@@ -38,6 +38,7 @@ from memsnap.errors import MemsnapError
 from memsnap.manifest import Manifest
 from memsnap.move import network
 from memsnap.move.peer import PeerClient
+from memsnap.repository import Repository
 from memsnap.tier import MemoryTier
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -57,7 +58,8 @@ class MoveHost(Protocol):
     catalog: Catalog
     tier: MemoryTier
     criu: CriuApi
-    drain: Any
+    drain: Any  # the upload scheduler (memsnap.drain)
+    repo: Repository | None  # the store (memsnap.repository)
     gpu: Any
     hostname: str
     key: bytes

@@ -42,8 +42,9 @@ from memsnap.lazyguard import LazyGuard
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
+from memsnap.repository import Repository
 from memsnap.restorer import PreparedImage
-from memsnap.store import StoreError, chunks
+from memsnap.store import chunks
 
 if TYPE_CHECKING:
     from memsnap.restorer import RestoreHost, Restorer, RestoreRequest, RestoreResult
@@ -52,23 +53,6 @@ log = logging.getLogger("memsnap.pageserver")
 
 _PAGES_NAME = re.compile(r"^pages-\d+\.img$")
 _GRACE_S = 10.0  # how long a failed page server waits for lazy-pages to give up before killing it
-
-
-def stored_manifest(drain: Any, rec: CheckpointRecord) -> dict[str, Any]:
-    """The store's signed manifest of rec, verified and bound to it (DrainService.stored_manifest), its chunk
-    lists checked when it is chunked."""
-    stored: dict[str, Any] = drain.stored_manifest(rec)
-    if chunks.is_chunked(stored):
-        try:
-            chunks.layouts(stored)
-        except (StoreError, ValueError, TypeError, KeyError) as exc:
-            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id}: {exc}") from exc
-    return stored
-
-
-def _storage_error_counter(drain: Any) -> Callable[[], None] | None:
-    metrics = getattr(drain, "metrics", None)
-    return (lambda: metrics.storage_errors.labels(op="get").inc()) if metrics is not None else None
 
 
 class CutAfterResume:
@@ -117,16 +101,14 @@ class Prepared:
         self.fetch_ms = fetch_ms
 
 
-def prepare(drain: Any, rec: CheckpointRecord, stored: dict[str, Any], root: Path) -> Prepared:
+def prepare(repo: Repository, rec: CheckpointRecord, stored: dict[str, Any], root: Path) -> Prepared:
     """Fetches and verifies the small files of a chunked stored checkpoint into root/images, and writes the
     eager pages there."""
     t0 = time.monotonic()
     images = root / "images"
     images.mkdir(parents=True, mode=0o700)
     files: dict[str, dict[str, Any]] = stored["files"]
-    node = getattr(drain, "node_chunks", None)
-    source: PageSource = ChunkSource(chunks.ChunkReader(drain.store, stored, node.cache() if node else None),
-                                     _storage_error_counter(drain))
+    source: PageSource = ChunkSource(repo.chunk_reader(stored), lambda: repo.storage_error("get"))
 
     def fetch(name: str, dfd: int) -> None:
         try:
@@ -184,20 +166,21 @@ def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
     at once, its pages follow from the store. Returns None when the tier copy is there after all (the
     caller restores from it)."""
     engine = restorer.host
-    drain = engine.drain
+    repo = engine.repo
+    assert repo is not None  # (Restorer.pages_from_store)
     root = engine.work_root / f"{rec.id}.lazystore-{secrets.token_hex(3)}"
     with engine.checkpoint_lock(rec.id):
         cur = engine.catalog.get_checkpoint(rec.id)
         if cur is None or (cur.in_tier and engine.tier.has(rec.id)) or not cur.in_store:
             return None
         try:
-            stored = stored_manifest(drain, rec)
+            stored = repo.stored_manifest(rec)
             if not chunks.is_chunked(stored):
                 # A whole-file (format 1) copy can be verified only whole: served before its hash is known,
                 # a forged one would run until the end. It is fetched and verified first, as before.
                 return None
             t_man = time.monotonic()
-            prep = prepare(drain, rec, stored, root)
+            prep = prepare(repo, rec, stored, root)
         except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
             shutil.rmtree(root, ignore_errors=True)
             _refused(engine, rec, str(exc), t0)

@@ -33,10 +33,12 @@ sys.path.insert(0, str(REPO))
 
 from memsnap import manifest  # noqa: E402
 from memsnap.catalog import Catalog, CheckpointRecord  # noqa: E402
-from memsnap.drain import ChunkOpts, DrainService  # noqa: E402
+from memsnap.drain import DrainService  # noqa: E402
+from memsnap.repository import Repository  # noqa: E402
 from memsnap.store import Codec, PosixStore, Throttle  # noqa: E402
 from memsnap.store import chunked as chunked_mod  # noqa: E402
 from memsnap.store import chunks as chunks_mod  # noqa: E402
+from memsnap.store.chunked import ChunkOpts  # noqa: E402
 from memsnap.store.chunks import Chunking, chunk_id, is_bundled  # noqa: E402
 from memsnap.tier import MemoryTier  # noqa: E402
 from tests.helpers import DaemonProc  # noqa: E402
@@ -192,7 +194,7 @@ class Bench:
         packs = {"pack_size": 0} if fmt == "loose" else {}
         opts = ChunkOpts(format="chunked" if fmt == "loose" else fmt, avg=self.args.chunk_size, state_dir=state,
                          cache_dir=f"{state}/cache", cache_size=cache, threads=self.args.threads, **packs)
-        return DrainService(store, self.cat, self.tier, self.key, self.codec, chunk_opts=opts)
+        return DrainService(Repository(store, self.key, self.codec, chunk_opts=opts), self.cat, self.tier)
 
     def checkpoint(self, job_id: str) -> CheckpointRecord:
         r = json.loads(self.d.ctl("--json", "checkpoint", job_id, check=True).stdout)
@@ -291,7 +293,7 @@ class Bench:
             dest.mkdir(mode=0o700)
             os.sync()  # (the writeback of the previous fetch's files and cache entries is not this one's cost)
             t0 = time.monotonic()
-            svc.fetch(rec, dest)
+            svc.repo.fetch(rec, dest)
             runs.setdefault(label, []).append(round(time.monotonic() - t0, 3))
             for name, meta in manifest.read(dest)["files"].items():
                 assert (dest / name).stat().st_size == meta["size"]

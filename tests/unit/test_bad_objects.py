@@ -102,7 +102,7 @@ def test_a_manifest_of_a_newer_format_stops_the_sweep_and_is_named_while_garbage
         (store.root / ckpt).mkdir()
         (store.root / ckpt / "manifest.json").write_bytes(body)
     BAD.clear()
-    sweeper = StoreSweeper(SimpleNamespace(store=store), 0.0, chunks)
+    sweeper = StoreSweeper(SimpleNamespace(store=store), None, 0.0, chunks)
     with pytest.raises(SweepRefused, match="format 3, newer than this memsnap knows"):
         sweeper.mark(set())
     assert [line.split(":")[0] for line in BAD.listed()] == ["manifest ck-new/manifest.json",

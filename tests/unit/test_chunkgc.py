@@ -219,9 +219,8 @@ def test_gcs_sweep_never_deletes_the_chunks_of_a_drain_in_flight(tmp_path: Path,
     node = _node(store, tmp_path, "a", drain_wait_s=0.3)  # (the drain and the sweep share it, as in memsnapd)
     pending = [SimpleNamespace(state=DRAINING, created_ms=int(time.time() * 1000) - 1000)]
     catalog = SimpleNamespace(checkpoints=lambda states: [r for r in pending if r.state in states])
-    drain = SimpleNamespace(store=store, catalog=catalog,
-                            node_chunks=SimpleNamespace(store_gc=lambda s: node, index=lambda: node.index))
-    sweeper = StoreSweeper(drain, 0.0, chunks)
+    repo = SimpleNamespace(store=store, node_chunks=SimpleNamespace(store_gc=lambda s: node, index=lambda: node.index))
+    sweeper = StoreSweeper(repo, catalog, 0.0, chunks)
     d, files = _tier(tmp_path, 7)
     with node.draining() as grant:
         job = ChunkedDrain(store, 0, node.index, Chunking(AVG), threads=2, trust_index=grant.trust_index,

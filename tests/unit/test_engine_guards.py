@@ -225,7 +225,7 @@ class _Store:
         self.manifests = manifests
         self.asked: list[str] = []
 
-    def find_stored(self, name: str) -> list[dict[str, Any]]:
+    def find(self, name: str) -> list[dict[str, Any]]:
         self.asked.append(name)
         return self.manifests
 
@@ -237,7 +237,7 @@ def test_the_store_is_searched_by_name_and_owner_only_when_the_catalog_has_none(
     m = {"id": "ck-s", "name": "train", "uid": 1000, "job": "job-z", "files": {"a": {"size": 3}}, "pid": 5,
          "created_ms": 7}
     store = _Store([{**m, "id": "ck-other", "uid": 1001}, m])
-    eng.drain = store  # type: ignore[assignment]
+    eng.repo = store  # type: ignore[assignment]
     assert eng.latest_restorable(ALICE, "train").id == "ck-s"
     rec = eng.catalog.get_checkpoint("ck-s")
     assert rec is not None and rec.owner_uid == 1000 and rec.in_store and not rec.in_tier
@@ -250,7 +250,7 @@ def test_the_store_is_searched_by_name_and_owner_only_when_the_catalog_has_none(
 
 
 def test_a_stored_manifest_naming_another_job_is_not_adopted(eng: Engine) -> None:
-    eng.drain = _Store([{"id": "ck-s", "name": "other", "uid": 1000, "job": "j", "files": {}}])  # type: ignore
+    eng.repo = _Store([{"id": "ck-s", "name": "other", "uid": 1000, "job": "j", "files": {}}])  # type: ignore
     with pytest.raises(NotFound):
         eng.latest_restorable(ALICE, "train")
     assert eng.catalog.get_checkpoint("ck-s") is None

@@ -89,7 +89,7 @@ def test_the_commit_timeout_is_120_s_unless_configured(tmp_path: Path) -> None:
 
 
 class RecordingDrain:
-    """The drain a target needs for a move: what it was asked to store and delete."""
+    """The drain and the repository a target needs for a move: what it was asked to store and delete."""
 
     def __init__(self) -> None:
         self.enqueued: list[str] = []
@@ -110,7 +110,7 @@ def _received(e: Engine, kind: str = "streamed", state: str = STAGED) -> None:
 
 def test_an_image_received_for_a_move_that_never_restores_goes_when_its_timer_runs_out(tmp_path: Path) -> None:
     drain = RecordingDrain()
-    e = make_engine(tmp_path, drain=drain)
+    e = make_engine(tmp_path, drain=drain, repo=drain)
     _received(e)
     timers = Timers()
     t = MoveTarget(e, commit_timeout_s=7.0, timer=timers)
@@ -122,7 +122,7 @@ def test_an_image_received_for_a_move_that_never_restores_goes_when_its_timer_ru
 
 def test_a_committed_move_keeps_its_image_and_only_then_stores_it(tmp_path: Path, procs: Procs) -> None:
     drain = RecordingDrain()
-    e = make_engine(tmp_path, drain=drain)
+    e = make_engine(tmp_path, drain=drain, repo=drain)
     _received(e)
     pid, start = procs.start()
     add_job(e, "job-t", pid, start, restored_from="ck-r")
@@ -138,7 +138,7 @@ def test_a_committed_move_keeps_its_image_and_only_then_stores_it(tmp_path: Path
 
 def test_an_expired_move_takes_its_image_with_it(tmp_path: Path, procs: Procs) -> None:
     drain = RecordingDrain()
-    e = make_engine(tmp_path, drain=drain)
+    e = make_engine(tmp_path, drain=drain, repo=drain)
     _received(e)
     pid, start = procs.start()
     add_job(e, "job-t", pid, start, restored_from="ck-r")
@@ -153,7 +153,7 @@ def test_an_expired_move_takes_its_image_with_it(tmp_path: Path, procs: Procs) -
 
 def test_a_failed_move_via_the_store_forgets_the_sources_copy_here_but_never_deletes_it(tmp_path: Path) -> None:
     drain = RecordingDrain()
-    e = make_engine(tmp_path, drain=drain)
+    e = make_engine(tmp_path, drain=drain, repo=drain)
     _received(e, kind="store", state=DURABLE)
     assert drop_incoming(e, "ck-r")
     assert e.catalog.get_checkpoint("ck-r") is None and not e.tier.has("ck-r")
@@ -161,7 +161,7 @@ def test_a_failed_move_via_the_store_forgets_the_sources_copy_here_but_never_del
 
 
 def test_a_restart_drops_an_image_received_for_a_move_that_never_happened(tmp_path: Path) -> None:
-    e = make_engine(tmp_path, drain=RecordingDrain())
+    e = make_engine(tmp_path, drain=RecordingDrain(), repo=RecordingDrain())
     _received(e)
     e.recover(moves=Mover(e, Config()))
     assert e.catalog.get_checkpoint("ck-r") is None and not e.tier.has("ck-r")

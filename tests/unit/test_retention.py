@@ -339,8 +339,8 @@ def test_periodic_gc_waits_while_foreground_work_runs_then_runs(tmp_path, monkey
 
 # -- shared stores: one node may delete a stored copy (retention.not_ours) -------------------------------
 
-class _RecordingDrain:
-    """The store side of delete: which stored copies went."""
+class _RecordingRepo:
+    """The store side of delete (memsnap.repository): which stored copies went."""
 
     def __init__(self) -> None:
         self.deleted: list[str] = []
@@ -359,15 +359,15 @@ def test_gc_and_delete_free_only_the_stored_copies_this_node_owns_and_forget_the
     from memsnap.engine import ROOT
     from memsnap.gc import Collector
 
-    drain = _RecordingDrain()
-    e = make_engine(tmp_path, drain=drain)  # type: ignore[arg-type]
+    repo = _RecordingRepo()
+    e = make_engine(tmp_path, repo=repo)  # type: ignore[arg-type]
     here = e.node
     for i, meta in enumerate(({}, {"moved_to": "n2"}, {"home": "n9"}, {"home": here}, {}, {"home": "n9"})):
         e.catalog.add_checkpoint(CheckpointRecord(id=f"c{i}", state="durable", pid=1, owner_uid=os.getuid(),
                                                   created_ms=ago(60 - i), job="j1", in_store=True, meta=meta))
     rep = Collector(e, Policy(keep_last=1), grace_s=0, clock=lambda: NOW / 1000).run(ROOT)
     assert [r.id for r in rep.deleted] == ["c0", "c1", "c2", "c3", "c4"]
-    assert drain.deleted == ["c0", "c3", "c4"]  # made here (c3: adopted back from the store by its own maker)
+    assert repo.deleted == ["c0", "c3", "c4"]  # made here (c3: adopted back from the store by its own maker)
     assert rep.forgotten == {"c1": "its job moved to n2, which deletes it", "c2": "n9 made it and deletes it"}
     e.delete(ROOT, "c5")
-    assert drain.deleted == ["c0", "c3", "c4"] and e.catalog.get_checkpoint("c5") is None
+    assert repo.deleted == ["c0", "c3", "c4"] and e.catalog.get_checkpoint("c5") is None

@@ -285,18 +285,18 @@ def test_the_nodes_chunk_maps_of_any_bytes_load(lines: list[bytes]) -> None:
         node.prepare({"ck-1"})
 
 
-def _drain_over(objects: dict[str, bytes]) -> Any:
-    from memsnap.drain import DrainService
+def _repo_over(objects: dict[str, bytes]) -> Any:
+    from memsnap.repository import Repository
 
-    return DrainService(FakeStore(objects), None, None, KEY, Codec())  # type: ignore[arg-type]
+    return Repository(FakeStore(objects), KEY, Codec())  # type: ignore[arg-type]
 
 
 @SLOW
 @given(st.one_of(st.binary(max_size=300), DEEP, mutated(VALID_MANIFEST)))
 def test_a_restore_or_an_adoption_by_name_meets_any_stored_manifest_with_a_status_code(raw: bytes) -> None:
-    drain = _drain_over({"ck-1/manifest.json": raw, "_index/train/ck-1": b"", "_index/train/..": b""})
+    repo = _repo_over({"ck-1/manifest.json": raw, "_index/train/ck-1": b"", "_index/train/..": b""})
     rec = CheckpointRecord(id="ck-1", state=DURABLE, pid=1, owner_uid=0, created_ms=1, job="job-1")
-    for call in (lambda: drain.stored_manifest(rec), lambda: drain.find_stored("train")):
+    for call in (lambda: repo.stored_manifest(rec), lambda: repo.find("train")):
         try:
             call()
         except MemsnapError:
@@ -311,7 +311,7 @@ def test_gcs_mark_skips_any_bytes_in_other_manifests_and_keeps_the_good_ones_chu
 
     objects = {f"ck-bad{i}/manifest.json": raw for i, raw in enumerate(raws)}
     objects["ck-good/manifest.json"] = VALID_MANIFEST
-    keep = StoreSweeper(_drain_over(objects), 60.0, chunks_mod).mark(set())
+    keep = StoreSweeper(_repo_over(objects), None, 60.0, chunks_mod).mark(set())
     assert {CID, "c" * 64, PID} <= keep
 
 
