@@ -116,6 +116,12 @@ class Parker(Part):
                                                    "limit": g.limit, "priority": g.priority}})
             rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name, hooks=hooks)
         except BaseException:
+            if headroom_to and g.cgroup and self.cg is not None:
+                try:  # the headroom was for the dump only: the job's own limit again (or each failed park adds it)
+                    self.cg.set_limit(Path(g.cgroup), g.limit)
+                except CgroupError as exc:
+                    log.warning("%s keeps %d MiB of headroom after its failed park: %s", job_id, headroom_to >> 20,
+                                exc, extra={"job": job_id})
             for pid in pids:  # never leave the job stopped
                 try:
                     os.kill(pid, signal.SIGCONT)

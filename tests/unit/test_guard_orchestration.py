@@ -196,8 +196,8 @@ def test_a_resume_below_the_image_size_is_refused_and_the_job_stays_parked(tmp_p
 
 
 # -- a park that fails -------------------------------------------------------------------------------------------
-def test_a_park_whose_dump_fails_leaves_the_job_running_and_backs_off(tmp_path: Path, criu: FakeCriu,
-                                                                      procs: Procs) -> None:
+def test_a_park_whose_dump_fails_leaves_the_job_running_at_its_own_limit_and_backs_off(
+        tmp_path: Path, criu: FakeCriu, procs: Procs) -> None:
     r = rig(tmp_path, criu, procs)
     pid, cg = r.guarded()
     criu.fail_dump = "Error (criu/cr-dump.c:1): fake dump failure"
@@ -213,6 +213,7 @@ def test_a_park_whose_dump_fails_leaves_the_job_running_and_backs_off(tmp_path: 
     assert job is not None and not job.ended
     (failed,) = r.engine.catalog.checkpoints()
     assert failed.state == FAILED and "fake dump failure" in failed.last_error
+    assert r.fs.limit(cg) == LIMIT  # (the dump's headroom is taken back: failed parks never ratchet it up)
     assert not r.engine.tier.has(failed.id)
     r.checkpoints_settled()
     assert r.guard.parker.backing_off("job-a")
