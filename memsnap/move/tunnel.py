@@ -393,7 +393,12 @@ class TunnelHost:
             self._cut(t, f"the page tunnel broke: {exc}")
 
     def _cut(self, t: _Tunnel, why: str) -> None:
-        """Ends the lazy transfer: the tasks die first, then lazy-pages (never an EOF it does not expect)."""
+        """Ends the lazy transfer: the tasks die first, then lazy-pages (never an EOF it does not expect). Once
+        every page arrived (lazy-pages ended well), a late error of the tunnel's own threads ends nothing."""
+        if t.settled.is_set() and ok_now(t):
+            log.info("page tunnel %s: %s, after every page arrived: ignored", t.tunnel_id[:8], why,
+                     extra={"checkpoint_id": t.ckpt_id})
+            return
         t.broken = t.broken or why
         log.warning("page tunnel %s: %s; ending the lazy transfer", t.tunnel_id[:8], why,
                     extra={"checkpoint_id": t.ckpt_id})
