@@ -298,8 +298,9 @@ def _read_status(fd: int, timeout: float) -> str:
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        r, _, _ = select.select([fd], [], [], left)
-        if not r:
+        p = select.poll()  # (not select(): a daemon with more than 1024 fds open gets numbers it cannot take)
+        p.register(fd, select.POLLIN)
+        if not p.poll(left * 1000):
             break
         chunk = os.read(fd, 4096)
         if not chunk:

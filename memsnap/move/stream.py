@@ -79,8 +79,9 @@ class _Inotify:
 
     def events(self, timeout: float) -> list[tuple[int, str]]:
         """(mask, file name) events, waiting up to timeout seconds for the first."""
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if not ready:
+        p = select.poll()  # (not select(): fd numbers above 1023 are fine)
+        p.register(self.fd, select.POLLIN)
+        if not p.poll(timeout * 1000):
             return []
         out: list[tuple[int, str]] = []
         while True:

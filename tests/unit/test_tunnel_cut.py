@@ -12,7 +12,8 @@ from memsnap.move.tunnel import Seal, TunnelHost, _Tunnel
 
 def _tunnel(job: subprocess.Popen[bytes]) -> _Tunnel:
     criu_end, pump = socket.socketpair()
-    t = _Tunnel("ab" * 8, "ck-1", criu_end, pump, Seal("tok", "ab" * 8, "to-target"), Seal("tok", "ab" * 8, "to-source"),
+    tid = "ab" * 8
+    t = _Tunnel(tid, "ck-1", criu_end, pump, Seal("tok", tid, "to-target"), Seal("tok", tid, "to-source"),
                 restore_started=True, guard=LazyGuard("move"))
     t.guard.pid = job.pid
     return t
