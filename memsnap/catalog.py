@@ -204,10 +204,31 @@ class Catalog:
         self._changed()
 
     def update_checkpoint(self, ckpt_id: str, **changes: Any) -> None:
-        """Journals a change of some fields, never of the state (memsnap.lifecycle.advance changes that)."""
+        """Journals a change of some fields, never of the state (memsnap.lifecycle.advance changes that) nor of
+        the meta marks (memsnap.lifecycle.mark)."""
         if "state" in changes:
             raise TypeError("a checkpoint's state changes through memsnap.lifecycle.advance")
+        if "meta" in changes:
+            raise TypeError("a checkpoint's marks change through memsnap.lifecycle.mark")
         self._update(ckpt_id, None, changes)
+
+    def merge_meta(self, ckpt_id: str, changes: dict[str, Any]) -> bool:
+        """Sets (a value) or removes (None) keys of a checkpoint's meta in one step under the catalog's lock, so
+        two writers of different keys never lose each other's (memsnap.lifecycle.mark's primitive). False when
+        the checkpoint is gone."""
+        with self._lock:
+            row = self._db.execute("SELECT meta FROM checkpoints WHERE id=?", (ckpt_id,)).fetchone()
+            if row is None:
+                return False
+            meta = json.loads(row[0] or "{}")
+            for k, v in changes.items():
+                if v is None:
+                    meta.pop(k, None)
+                else:
+                    meta[k] = v
+            self._db.execute("UPDATE checkpoints SET meta=? WHERE id=?", (json.dumps(meta), ckpt_id))
+        self._changed()
+        return True
 
     def update_if_state(self, ckpt_id: str, states: tuple[str, ...], **changes: Any) -> bool:
         """Journals a change of some fields if the checkpoint is in one of states, in one statement; whether it

@@ -194,8 +194,8 @@ class DrainService:
         trusted = (self.catalog.get_checkpoint(rec.id) or rec).meta.get("fingerprint")
         with safefs.opened(os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as sfd:
             put = self.repo.put(rec, sfd, tier_manifest, progress, trusted, before_publish)
-        if put.chunk_stats and (cur := self.catalog.get_checkpoint(rec.id)) is not None:
-            self.catalog.update_checkpoint(rec.id, meta={**cur.meta, "store": put.chunk_stats})
+        if put.chunk_stats:
+            lifecycle.mark(self.catalog, rec.id, store=put.chunk_stats)
         return put.stored_bytes
 
 

@@ -328,21 +328,17 @@ class Engine:
     def journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]:
         """write(entry) keeps a step recover() must undo in the record's meta[key] (None or False: done)."""
         def write(entry: Any) -> None:
-            cur = self.catalog.get_checkpoint(rec.id)
-            meta = dict(cur.meta if cur is not None else rec.meta)
-            for m in (meta, rec.meta):
-                if entry is None or entry is False:
-                    m.pop(key, None)
-                else:
-                    m[key] = entry
-            self.catalog.update_checkpoint(rec.id, meta=meta)
+            value = None if entry is None or entry is False else entry
+            if value is None:
+                rec.meta.pop(key, None)
+            else:
+                rec.meta[key] = value
+            lifecycle.mark(self.catalog, rec.id, **{key: value})
         return write
 
     def note_phases(self, ckpt_id: str, key: str, clock: PhaseClock) -> None:
         """An operation's phases into the checkpoint's record (memsnapctl show) and the phase histogram."""
-        cur = self.catalog.get_checkpoint(ckpt_id)
-        if cur is not None:
-            self.catalog.update_checkpoint(ckpt_id, meta={**cur.meta, key: clock.rounded()})
+        lifecycle.mark(self.catalog, ckpt_id, **{key: clock.rounded()})
         clock.observe(self.observe)
 
     # -- restore --------------------------------------------------------------------
@@ -530,8 +526,7 @@ class Engine:
         """The hold is over; done: journaled steps (meta keys) nothing is left to undo for."""
         rec = self.catalog.get_checkpoint(ckpt_id) if ckpt_id else None
         if rec is not None and (rec.meta.get("hold") or any(k in rec.meta for k in done)):
-            meta = {k: v for k, v in rec.meta.items() if k not in done}
-            self.catalog.update_checkpoint(ckpt_id, meta={**meta, "hold": False})
+            lifecycle.mark(self.catalog, ckpt_id, hold=False, **{k: None for k in done})
 
     def status(self, caller: Caller = ROOT) -> dict[str, Any]:
         """Numbers for `memsnapctl status`: daemon-wide for root, the caller's own jobs and checkpoints else."""

@@ -18,6 +18,10 @@ Every state change in memsnap goes through advance() (tests/unit/test_lifecycle.
 it): the change and its check are one SQL statement, so two writers racing cannot both win, and an illegal
 change raises IllegalTransition (a bug) instead of quietly rewriting history. Waiters block in wait() until
 something about the checkpoint changed, instead of polling the catalog.
+
+Every change of a checkpoint's marks (the meta keys in MARKS, each typed) after its birth goes through mark():
+one merge under the catalog's lock, so the drain's counts and a move's commit mark, written at the same moment
+by two threads, never lose each other's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,33 @@ NEXT: dict[str, tuple[str, ...]] = {
 }
 BORN = (DUMPING, DURABLE)  # the states a checkpoint may enter the catalog in
 SETTLED = (DURABLE, FAILED)  # nothing more happens to it on its own
+
+
+# The marks a checkpoint's meta may get after its birth, and their types (mark() refuses any other).
+MARKS: dict[str, type | tuple[type, ...]] = {
+    # a move (catalog.MoveMarks says what each means)
+    "hold": bool, "lazy_move": str, "committing_to": str, "moved_to": str, "moved_job": str, "move_pending": str,
+    "pages_remote": bool, "move_incoming": str,
+    # the guard: a park image ({reason, at_ms, job[, spill]}), and that it lies in the spill tier
+    "parked": dict, "spill": bool,
+    # steps recover() undoes after a crash (Engine.journal): a job asked to quiesce, CUDA state it locked
+    "quiesce": bool, "gpu": dict,
+    # facts recorded later: a chunked drain's counts, the dump's and the last restore's phases, the tier files'
+    # (inode, size, mtime, ctime) when they were last hashed
+    "store": dict, "phases": dict, "restore_phases": dict, "fingerprint": dict,
+}
+
+
+def mark(catalog: Catalog, ckpt_id: str, **marks: Any) -> bool:
+    """Sets (a value of its type) or clears (None) marks of a checkpoint, atomically; False when it is gone.
+    TypeError for a name that is no mark or a value of the wrong type (a bug)."""
+    for name, value in marks.items():
+        want = MARKS.get(name)
+        if want is None:
+            raise TypeError(f"{name!r} is not a checkpoint mark (memsnap.lifecycle.MARKS)")
+        if value is not None and not isinstance(value, want):
+            raise TypeError(f"checkpoint mark {name!r} takes {want}, not {type(value).__name__}")
+    return catalog.merge_meta(ckpt_id, marks)
 
 
 def new_id() -> str:

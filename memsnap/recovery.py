@@ -138,7 +138,7 @@ def recover(host: RecoveryHost, moves: MoveRecovery | None = None) -> dict[str, 
     for rec in host.catalog.checkpoints():
         if rec.meta.get("gpu") and host.gpu is not None and rec.id not in in_doubt:
             log.warning("CUDA recovery for %s: %s", rec.id, host.gpu.recover(rec.meta["gpu"]))
-            host.catalog.update_checkpoint(rec.id, meta={k: v for k, v in rec.meta.items() if k != "gpu"})
+            lifecycle.mark(host.catalog, rec.id, gpu=None)
         if rec.meta.get("quiesce") and rec.id not in in_doubt:  # (a job that was asked to quiesce: resume it)
             if proc.alive(rec.pid, float(rec.meta.get("pid_start", 0.0))):
                 host.quiesce.resume(rec.pid, rec.id, restored=False)

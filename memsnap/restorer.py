@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import background, failpoints, jobinit, jobs, knobs, manifest, mounts, proc, progress
+from memsnap import background, failpoints, jobinit, jobs, knobs, lifecycle, manifest, mounts, proc, progress
 from memsnap.caller import Caller
 from memsnap.catalog import RESTORABLE, Catalog, CheckpointRecord, JobRecord, now_ms
 from memsnap.criu import CriuApi, CriuError, NotifyCallback, RestoreOptions, guard_lazy_restore
@@ -376,7 +376,8 @@ class Restorer:
             reservation.release()
         # The fetch hashed every byte as it streamed in: remember that, so verification need not re-read.
         rec.meta["fingerprint"] = manifest.fingerprint(self.host.tier.path(rec.id))
-        self.host.catalog.update_checkpoint(rec.id, in_tier=True, meta=rec.meta)
+        lifecycle.mark(self.host.catalog, rec.id, fingerprint=rec.meta["fingerprint"])
+        self.host.catalog.update_checkpoint(rec.id, in_tier=True)
         progress.phase("restore")
         return self.host.tier.path(rec.id), (time.monotonic() - t0) * 1000, True
 

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from memsnap import background, jobs
+from memsnap import background, jobs, lifecycle
 from memsnap.catalog import DURABLE, FAILED, now_ms
 from memsnap.errors import NotFound
 from memsnap.guard import psi
@@ -139,9 +139,7 @@ class Parker(Part):
         parked = {"reason": reason, "at_ms": now_ms(), "job": job_id}
         if self.spill is not None:
             parked["spill"] = str(self.spill.tier.root)
-        cur = self.engine.catalog.get_checkpoint(rec.id)
-        self.engine.catalog.update_checkpoint(rec.id, meta={**cur.meta, "parked": parked,
-                                                            **({"spill": True} if self.spill else {})})
+        lifecycle.mark(self.engine.catalog, rec.id, parked=parked, **({"spill": True} if self.spill else {}))
         stats = {"trigger_to_frozen_ms": round(frozen_ms, 1), "park_ms": round(park_ms, 1),
                  "image_bytes": rec.size_bytes, "headroom_limit": headroom_to, "dump_ms": rec.dump_ms,
                  "frozen_ms": rec.frozen_ms, "peak_node_used_bytes": 0,

@@ -27,7 +27,7 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from memsnap import failpoints, net
+from memsnap import failpoints, lifecycle, net
 from memsnap.backoff import Backoff, retrying
 from memsnap.catalog import FAILED, Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError
@@ -187,12 +187,7 @@ class Move:
 # -- journal marks ------------------------------------------------------------------------------------
 def set_mark(catalog: Catalog, ckpt_id: str, **marks: str | None) -> None:
     """Sets (a string) or clears (None) move marks in a checkpoint's meta."""
-    rec = catalog.get_checkpoint(ckpt_id)
-    if rec is None:
-        return
-    meta = {k: v for k, v in rec.meta.items() if k not in marks}
-    meta.update({k: v for k, v in marks.items() if v is not None})
-    catalog.update_checkpoint(ckpt_id, meta=meta)
+    lifecycle.mark(catalog, ckpt_id, **marks)
 
 
 def mark_moved(catalog: Catalog, ckpt_id: str, to: str, target_job: str = "") -> None:

@@ -133,12 +133,7 @@ class MoveTarget:
     # -- the commit step -------------------------------------------------------------------------
     def _journal_pending(self, ckpt_id: str, job_id: str) -> None:
         """Journals a restored, not yet committed move ("" clears it)."""
-        rec = self.engine.catalog.get_checkpoint(ckpt_id)
-        if rec is not None and (job_id or "move_pending" in rec.meta):
-            meta = {k: v for k, v in rec.meta.items() if k != "move_pending"}
-            if job_id:
-                meta["move_pending"] = job_id
-            self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
+        lifecycle.mark(self.engine.catalog, ckpt_id, move_pending=job_id or None)
 
     def _arm_expiry(self, ckpt_id: str, job_id: str) -> None:
         """The move dies here unless the source commits within commit_timeout_s of the reply (or of the
@@ -166,9 +161,8 @@ class MoveTarget:
             while len(self._committed) > 256:
                 self._committed.pop(next(iter(self._committed)))
             if rec is not None:
-                meta = {k: v for k, v in rec.meta.items() if k not in ("move_pending", "move_incoming")}
-                self.engine.catalog.update_checkpoint(ckpt_id, meta=meta)
-                if meta.get("pages_remote"):
+                lifecycle.mark(self.engine.catalog, ckpt_id, move_pending=None, move_incoming=None)
+                if rec.meta.get("pages_remote"):
                     self.tunnels.committed(ckpt_id)
                 elif rec.state != DURABLE and self.engine.drain is not None:
                     self.engine.drain.enqueue(ckpt_id)  # (the image is this job's now: store it)

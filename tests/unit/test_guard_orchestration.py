@@ -70,6 +70,12 @@ class Rig:
         assert (saved["state"], saved["checkpoint"], saved["limit"]) == (g.state, g.checkpoint, g.limit)
         return g
 
+    def state(self, job_id: str) -> str:
+        """The guard's state of the job now, for a poll (row() compares it with the saved copy, which a park
+        thread may be writing at that moment)."""
+        g = self.guard.get(job_id)
+        return g.state if g is not None else ""
+
     def settle(self, job_id: str) -> None:
         """Waits until no park (a thread of its own) works on the job."""
         until(lambda: not self.guard.table.busy(job_id), f"the park of {job_id} ended")
@@ -295,7 +301,7 @@ def test_the_loop_thread_parks_a_job_that_reaches_its_limit(tmp_path: Path, criu
         pid, cg = r.guarded()
         r.fs.reach_limit(cg)
         r.fs.notify(cg)  # (memory.oom_control's eventfd, as the kernel signals a task waiting at the limit)
-        until(lambda: r.row("job-a").state == PARKED, "the loop parked job-a")
+        until(lambda: r.state("job-a") == PARKED, "the loop parked job-a")
         r.settle("job-a")
     finally:
         r.guard.stop()
@@ -318,7 +324,7 @@ def test_a_memory_pressure_level_event_below_the_limit_parks_the_job(tmp_path: P
         time.sleep(0.2)  # (the loop samples it a few times: below the limit, it is left alone)
         assert r.row("job-a").state == RUNNING and criu.dumps == []
         r.fs.notify(cg)
-        until(lambda: r.row("job-a").state == PARKED, "the loop parked job-a")
+        until(lambda: r.state("job-a") == PARKED, "the loop parked job-a")
         r.settle("job-a")
     finally:
         r.guard.stop()

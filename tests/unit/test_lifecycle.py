@@ -81,8 +81,8 @@ def test_only_the_lifecycle_changes_a_state_through_the_catalog(catalog: Catalog
     assert rec is not None and rec.state == STAGED and rec.drained_bytes == 5
 
 
-def test_no_module_but_the_lifecycle_adds_deletes_or_changes_the_state_of_a_checkpoint() -> None:
-    writers = ("add_checkpoint", "delete_checkpoint", "update_if_state")
+def test_no_module_but_the_lifecycle_adds_deletes_or_changes_the_state_or_marks_of_a_checkpoint() -> None:
+    writers = ("add_checkpoint", "delete_checkpoint", "update_if_state", "merge_meta")
     found = []
     for path in PKG.rglob("*.py"):
         if path.name == "lifecycle.py" and path.parent == PKG:
@@ -91,9 +91,55 @@ def test_no_module_but_the_lifecycle_adds_deletes_or_changes_the_state_of_a_chec
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in writers:
                 found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.func.attr}")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr == "update_checkpoint" and any(k.arg == "state" for k in node.keywords):
-                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} update_checkpoint(state=...)")
+                    node.func.attr == "update_checkpoint" and any(k.arg in ("state", "meta") for k in node.keywords):
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} update_checkpoint(state/meta=...)")
     assert found == []
+
+
+def test_marks_are_set_and_cleared_by_name_and_type_only(catalog: Catalog) -> None:
+    ck = new(catalog, STAGED)
+    assert lifecycle.mark(catalog, ck, moved_to="n2", hold=True)
+    assert lifecycle.mark(catalog, ck, hold=None)
+    rec = catalog.get_checkpoint(ck)
+    assert rec is not None and rec.meta == {"moved_to": "n2"} and rec.marks.moved_to == "n2"
+    with pytest.raises(TypeError, match="not a checkpoint mark"):
+        lifecycle.mark(catalog, ck, moved_too="n2")
+    with pytest.raises(TypeError, match="takes"):
+        lifecycle.mark(catalog, ck, hold="yes")
+    with pytest.raises(TypeError, match="lifecycle.mark"):
+        catalog.update_checkpoint(ck, meta={"hold": True})
+    assert not lifecycle.mark(catalog, "ck-gone", hold=True)  # (deleted meanwhile: nothing to mark)
+
+
+def _mark_each(catalog: Catalog, ck: str, marks: dict[str, object]) -> None:
+    for k, v in marks.items():
+        lifecycle.mark(catalog, ck, **{k: v})
+
+
+def test_two_writers_of_different_marks_never_lose_each_others(catalog: Catalog,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain records its counts while a move journals its commit: both marks stay (read-modify-write of the
+    whole meta by each writer lost one of them). The catalog's JSON parsing is slowed to widen the window."""
+    import json
+    import time
+    import types
+
+    import memsnap.catalog
+
+    slow = types.SimpleNamespace(dumps=json.dumps, loads=lambda raw: (time.sleep(0.0005), json.loads(raw))[1])
+    monkeypatch.setattr(memsnap.catalog, "json", slow)
+    drain = {"store": {"chunks": 1}, "phases": {"dump": 1.0}, "restore_phases": {"restore": 1.0},
+             "fingerprint": {"pages-1.img": [1, 2, 3, 4]}}
+    move = {"lazy_move": "n2", "committing_to": "n2", "moved_to": "n2", "moved_job": "job-2", "hold": True}
+    for i in range(10):
+        ck = new(catalog, DRAINING, f"ck-{i}")
+        threads = [threading.Thread(target=_mark_each, args=(catalog, ck, marks)) for marks in (drain, move)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rec = catalog.get_checkpoint(ck)
+        assert rec is not None and rec.meta == {**drain, **move}
 
 
 def test_a_waiter_wakes_on_the_transition_not_at_its_next_tick(catalog: Catalog) -> None:

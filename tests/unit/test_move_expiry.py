@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fakes import NO_PID, Procs, add_ckpt, add_job, make_engine, procs_fixture, put_in_tier, state_of  # noqa: F401
 
+from memsnap import lifecycle
 from memsnap.catalog import DURABLE, STAGED
 from memsnap.config import Config, DaemonConfig, load_config
 from memsnap.engine import Engine
@@ -126,7 +127,7 @@ def test_a_committed_move_keeps_its_image_and_only_then_stores_it(tmp_path: Path
     _received(e)
     pid, start = procs.start()
     add_job(e, "job-t", pid, start, restored_from="ck-r")
-    e.catalog.update_checkpoint("ck-r", meta={"move_incoming": "streamed", "move_pending": "job-t"})
+    lifecycle.mark(e.catalog, "ck-r", move_incoming="streamed", move_pending="job-t")
     timers = Timers()
     t = MoveTarget(e, timer=timers)
     t.commit("ck-r")
@@ -142,7 +143,7 @@ def test_an_expired_move_takes_its_image_with_it(tmp_path: Path, procs: Procs) -
     _received(e)
     pid, start = procs.start()
     add_job(e, "job-t", pid, start, restored_from="ck-r")
-    e.catalog.update_checkpoint("ck-r", meta={"move_incoming": "streamed", "move_pending": "job-t"})
+    lifecycle.mark(e.catalog, "ck-r", move_incoming="streamed", move_pending="job-t")
     timers = Timers()
     t = MoveTarget(e, commit_timeout_s=7.0, timer=timers)
     t._arm_expiry("ck-r", "job-t")

@@ -117,13 +117,13 @@ def test_a_refused_commit_rolls_the_move_back_here(tmp_path: Path, procs: Procs)
     pid, start = procs.start(stopped=True)
     add_ckpt(e, "ck-a", STAGED, pid, meta={"hold": True, "pid_start": start})
     journaled = []
-    real = e.catalog.update_checkpoint
+    real = e.catalog.merge_meta
 
-    def update(ckpt_id: str, **kw: object) -> None:
-        journaled.append(dict(kw.get("meta") or {}))  # type: ignore[call-overload]
-        real(ckpt_id, **kw)  # type: ignore[arg-type]
+    def merge(ckpt_id: str, changes: dict[str, object]) -> bool:
+        journaled.append(dict(changes))
+        return real(ckpt_id, changes)
 
-    e.catalog.update_checkpoint = update  # type: ignore[method-assign]
+    e.catalog.merge_meta = merge  # type: ignore[method-assign]
     with pytest.raises(Exception, match="failed at commit"):
         Commitments(e, _cfg()).commit_on(FakePeer([REFUSED]), Move(pid=pid, job_id="", ckpt_id="ck-a"),  # type: ignore[arg-type]
                                          "ck-a", "b:1")
