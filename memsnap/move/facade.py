@@ -34,7 +34,7 @@ import grpc
 from memsnap import background, knobs, manifest, net, proc, progress
 from memsnap.auth import RemoteConfigError, load_credentials, transfer_key
 from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
-from memsnap.client import ClientError, MemsnapClient, Target
+from memsnap.client import ClientError, Target
 from memsnap.config import Config, parse_host_port
 from memsnap.convert import ckpt_pb
 from memsnap.criu import NotifyHooks
@@ -43,7 +43,7 @@ from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, Pe
 from memsnap.malloc import bulk_transfer
 from memsnap.move import network
 from memsnap.move.lazy import lazy_preflight, move_lazily
-from memsnap.move.peer import PeerClient
+from memsnap.move.peer import Dial, PeerClient, dial
 from memsnap.move.plan import (
     CONFIRM_S,
     TRANSPORT_CODES,
@@ -73,9 +73,10 @@ _VIA_STORE_ATTEMPTS = 3
 class Mover:
     """Moves of one daemon: the source side here, the target side in self.target (MoveTarget)."""
 
-    def __init__(self, engine: MoveHost, cfg: Config) -> None:
+    def __init__(self, engine: MoveHost, cfg: Config, dial: Dial = dial) -> None:
         self.engine = engine
         self.cfg = cfg
+        self._dial = dial  # (the transport to targets: tests hand in an in-process one)
         try:
             self.creds = load_credentials(cfg)
         except RemoteConfigError as exc:
@@ -160,7 +161,7 @@ class Mover:
                 "the image; set daemon.auth_token_file (the same node token on both nodes) or peers.token_file")
         # Node certificates serve as client certificates between daemons (mutual TLS clusters).
         tls = {"tls_ca": d.tls_ca, "tls_cert": d.tls_cert, "tls_key": d.tls_key} if d.tls_ca else {}
-        return PeerClient(MemsnapClient(Target(address=address, token=token, **tls))), token
+        return self._dial(Target(address=address, token=token, **tls)), token
 
     def migrate(self, caller: Caller, req: MoveRequest) -> MoveResult:
         """Moves a job to req.to; on failure the job runs on here and the error names the step."""

@@ -3,12 +3,12 @@ also needs there (Status for the preflight, ListJobs to confirm the job runs).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
-from memsnap.client import LONG_S, QUICK_S, ClientError, MemsnapClient
+from memsnap.client import LONG_S, QUICK_S, ClientError, MemsnapClient, Target
 from memsnap.v1 import memsnap_pb2 as pb
 from memsnap.v1 import peer_pb2, peer_pb2_grpc
 
@@ -60,3 +60,12 @@ class PeerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.client.close()
+
+
+def dial(target: Target) -> PeerClient:
+    """A PeerClient over a new gRPC channel to target (what Mover uses unless told otherwise)."""
+    return PeerClient(MemsnapClient(target))
+
+
+# How a Mover reaches a move's target: dial, or an in-process transport in tests (tests/unit/fake_peer.py).
+Dial = Callable[[Target], PeerClient]
