@@ -12,19 +12,25 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from fake_peer import Node, PeerNet
 from fakes import FakeCriu, Procs, make_engine, procs_fixture, state_of  # noqa: F401
 
-from memsnap import proc
+from memsnap import manifest, proc
+from memsnap.catalog import DUMPING, STAGED
 from memsnap.client import ClientError, Target
 from memsnap.criu import DumpOptions, DumpStats, NotifyCallback
 from memsnap.engine import Caller
+from memsnap.errors import MemsnapError, TierExhausted
 from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveRequest, MoveResult
 from memsnap.move.tunnel import ask_verdict
+
+MIB = 1 << 20
+MOVE_MARKS = ("hold", "committing_to", "move_pending", "move_incoming")
 
 
 class ImageCriu(FakeCriu):
@@ -99,6 +105,176 @@ def _criu(node: Node) -> ImageCriu:
     criu = node.engine.criu
     assert isinstance(criu, ImageCriu)
     return criu
+
+
+# -- node health ------------------------------------------------------------------------------------------
+def assert_healthy(w: World) -> None:
+    """Both nodes, once every call's handler returned: no transient state, no move in flight, no stray
+    process (every process FakeCriu restored is a running job's, or gone), nothing left stopped."""
+    w.net.settle()
+    for p in w.procs.started:
+        assert state_of(p.pid) != "T", f"pid {p.pid} is left stopped"
+    for node in (w.a, w.b):
+        e = node.engine
+        assert list(e.tier.staging_ids()) == [], f"{node.name}: a half-written or half-received image"
+        for rec in e.catalog.checkpoints():
+            assert rec.state != DUMPING, f"{node.name}: {rec.id} stuck dumping"
+            left = [k for k in MOVE_MARKS if rec.meta.get(k)]
+            assert not left, f"{node.name}: {rec.id} still marked {left}"
+        running = {j.pid for j in e.catalog.jobs() if not j.ended and proc.alive(j.pid, j.pid_start)}
+        for pid in _criu(node).restores:
+            assert pid in running or not proc.alive(pid), f"{node.name}: restored pid {pid} runs without a job"
+            assert state_of(pid) != "T", f"{node.name}: restored pid {pid} is left stopped"
+        assert node.mover.moves_in_doubt() == []
+
+
+def assert_rolled_back(w: World, pid: int) -> None:
+    """A failed move: the job runs on at the source (not stopped), and neither node keeps an image of it."""
+    assert state_of(pid) in ("S", "R"), f"the source's job is {state_of(pid)!r}, not running"
+    for node in (w.a, w.b):
+        assert node.engine.catalog.checkpoints() == [], f"{node.name} kept a checkpoint of a move that failed"
+        assert node.engine.tier.published_ids() == [], f"{node.name} kept an image of a move that failed"
+    assert [j for j in w.b.engine.catalog.jobs() if not j.ended] == []
+    assert_healthy(w)
+
+
+def assert_moved(w: World, pid: int, res: MoveResult, src: Node, dst: Node) -> None:
+    """A committed move: the source's copy ended and its image dropped; the target runs the job from a
+    verified, re-signed copy of exactly the bytes dumped."""
+    assert state_of(pid) in ("", "Z"), "the source's stopped copy still exists"
+    assert not src.engine.tier.has(res.checkpoint_id) and src.engine.catalog.get_checkpoint(res.checkpoint_id) is None
+    job = dst.engine.catalog.get_job(res.target_job)
+    assert job is not None and not job.ended and proc.alive(job.pid, job.pid_start) and job.pid == res.target_pid
+    assert job.restored_from == res.checkpoint_id and job.moved_from.startswith(f"{src.engine.hostname}/")
+    rec = dst.engine.catalog.get_checkpoint(res.checkpoint_id)
+    assert rec is not None and rec.state == STAGED and rec.in_tier
+    path = dst.engine.tier.path(res.checkpoint_id)
+    manifest.verify_dir(path, dst.engine.key)  # (signed with the target's own key, every file intact)
+    sent = _criu(src).images[res.checkpoint_id]
+    assert {f: (path / f).read_bytes() for f in sent} == sent
+    dst.timers.run_out()  # the commit came in time: its timers change nothing
+    assert proc.alive(job.pid, job.pid_start) and dst.engine.tier.has(res.checkpoint_id)
+    assert_healthy(w)
+
+
+# -- sequences --------------------------------------------------------------------------------------------
+def test_a_move_commits_and_the_target_runs_the_job_from_a_verified_copy(world: World,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    _criu(world.a).pages = 3 * MIB
+    journaled: list[dict[str, object]] = []
+    update = world.a.engine.catalog.update_checkpoint
+
+    def journal(ckpt_id: str, **kw: Any) -> None:
+        journaled.append(dict(kw.get("meta") or {}))
+        update(ckpt_id, **kw)
+
+    monkeypatch.setattr(world.a.engine.catalog, "update_checkpoint", journal)
+    pid = world.job()
+    res = world.move(str(pid))
+    assert world.net.calls == ["Status", "ReceiveImage", "RestoreReceived", "ListJobs", "CommitMove"]
+    # the source journaled the move as done (then dropped its image: the target's copy is the job's now)
+    assert any(m.get("moved_to") == "node-b" and m.get("moved_job") == res.target_job for m in journaled)
+    assert res.bytes_sent > 3 * MIB and [n for n, _ in res.phases][:2] == ["preflight", "dump"]
+    assert_moved(world, pid, res, world.a, world.b)
+
+
+@pytest.mark.parametrize("after", [1, 4], ids=["after-the-header", "mid-file"])
+def test_a_stream_cut_half_way_rolls_back_and_the_target_keeps_nothing(world: World, after: int) -> None:
+    _criu(world.a).pages = 3 * MIB
+    pid = world.job()
+    world.net.cut("ReceiveImage", after=after)
+    with pytest.raises(MemsnapError, match="failed at transfer.*UNAVAILABLE.*resumed on this node") as err:
+        world.move(str(pid))
+    assert err.value.code == "UNAVAILABLE"
+    assert "RestoreReceived" not in world.net.calls
+    assert_rolled_back(world, pid)
+
+
+def test_a_target_without_room_refuses_at_preflight_and_the_job_is_not_touched(tmp_path: Path,
+                                                                               procs: Procs) -> None:
+    w = _world(tmp_path, procs, b_capacity=8 * MIB)  # (a move needs the job's size plus 16 MiB of slack)
+    try:
+        pid = w.job()
+        with pytest.raises(TierExhausted, match="failed at preflight.*not touched"):
+            w.move(str(pid))
+        assert w.net.calls == ["Status"] and _criu(w.a).dumps == []
+        assert_rolled_back(w, pid)
+    finally:
+        _teardown(w)
+
+
+def test_an_unreachable_target_fails_the_preflight_and_the_job_is_not_touched(world: World) -> None:
+    pid = world.job()
+    world.net.fail("Status", grpc.StatusCode.UNAVAILABLE)
+    with pytest.raises(MemsnapError, match="failed at preflight.*UNAVAILABLE.*not touched"):
+        world.move(str(pid))
+    assert world.net.calls == ["Status"] and _criu(world.a).dumps == []
+    assert_rolled_back(world, pid)
+
+
+def test_an_image_whose_receipt_is_lost_rolls_back_and_goes_with_its_timer(world: World) -> None:
+    pid = world.job()
+    world.net.fail("ReceiveImage", grpc.StatusCode.UNAVAILABLE, lose_reply=True)  # received, verified, unanswered
+    with pytest.raises(MemsnapError, match="failed at transfer.*UNAVAILABLE"):
+        world.move(str(pid))
+    [rec] = world.b.engine.catalog.checkpoints()
+    assert rec.meta.get("move_incoming") and world.b.engine.tier.has(rec.id)
+    world.b.timers.run_out()  # no restore asked for it in time
+    assert_rolled_back(world, pid)
+
+
+def test_a_refused_commit_rolls_back_and_the_targets_copy_dies_with_its_timer(world: World) -> None:
+    pid = world.job()
+    world.net.fail("CommitMove", grpc.StatusCode.FAILED_PRECONDITION)  # (the image arrived and was restored)
+    with pytest.raises(MemsnapError, match="failed at commit.*FAILED_PRECONDITION.*resumed on this node"):
+        world.move(str(pid))
+    assert world.net.calls[-2:] == ["ListJobs", "CommitMove"]
+    assert state_of(pid) in ("S", "R")
+    [restored] = _criu(world.b).restores
+    assert proc.alive(restored)  # the target heard nothing: its copy waits for a commit
+    world.b.timers.run_out()  # ... until the commit timeout
+    assert not proc.alive(restored)
+    assert_rolled_back(world, pid)
+
+
+def test_a_refused_restore_rolls_back_and_the_received_image_goes_with_its_timer(world: World) -> None:
+    pid = world.job()
+    world.net.fail("RestoreReceived", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    with pytest.raises(MemsnapError, match="failed at restore on the target.*RESOURCE_EXHAUSTED"):
+        world.move(str(pid))
+    [rec] = world.b.engine.catalog.checkpoints()  # received and verified, never restored
+    assert rec.meta.get("move_incoming") and _criu(world.b).restores == []
+    world.b.timers.run_out()
+    assert_rolled_back(world, pid)
+
+
+def test_a_restore_whose_reply_is_lost_is_found_running_and_the_move_goes_on(world: World) -> None:
+    pid = world.job()
+    world.net.fail("RestoreReceived", grpc.StatusCode.UNAVAILABLE, lose_reply=True)
+    res = world.move(str(pid))
+    assert world.net.calls.count("ListJobs") == 2  # asked what runs there, then confirmed
+    assert_moved(world, pid, res, world.a, world.b)
+
+
+def test_a_commit_whose_reply_is_lost_is_asked_again_and_the_move_holds(world: World) -> None:
+    pid = world.job()
+    world.net.fail("CommitMove", grpc.StatusCode.UNAVAILABLE, lose_reply=True)  # applied there, unanswered
+    res = world.move(str(pid))
+    assert world.net.calls.count("CommitMove") == 2
+    assert_moved(world, pid, res, world.a, world.b)
+
+
+def test_a_job_moves_there_and_back(world: World) -> None:
+    pid = world.job()
+    there = world.move(str(pid))
+    assert_moved(world, pid, there, world.a, world.b)
+    back = world.move(there.target_job, src=world.b, dst=world.a)
+    assert back.checkpoint_id != there.checkpoint_id
+    assert_moved(world, there.target_pid, back, world.b, world.a)
+    job_b = world.b.engine.catalog.get_job(there.target_job)
+    assert job_b is not None and job_b.ended
+    # b keeps the image it got first (the job's checkpoint there); the one it sent back is gone
+    assert world.b.engine.tier.published_ids() == [there.checkpoint_id]
 
 
 # -- the transport itself -----------------------------------------------------------------------------------
