@@ -162,13 +162,13 @@ def test_a_move_commits_and_the_target_runs_the_job_from_a_verified_copy(world: 
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     _criu(world.a).pages = 3 * MIB
     journaled: list[dict[str, object]] = []
-    update = world.a.engine.catalog.update_checkpoint
+    merge = world.a.engine.catalog.merge_meta
 
-    def journal(ckpt_id: str, **kw: Any) -> None:
-        journaled.append(dict(kw.get("meta") or {}))
-        update(ckpt_id, **kw)
+    def journal(ckpt_id: str, changes: dict[str, Any]) -> bool:
+        journaled.append(dict(changes))
+        return merge(ckpt_id, changes)
 
-    monkeypatch.setattr(world.a.engine.catalog, "update_checkpoint", journal)
+    monkeypatch.setattr(world.a.engine.catalog, "merge_meta", journal)
     pid = world.job()
     res = world.move(str(pid))
     assert world.net.calls == ["Status", "ReceiveImage", "RestoreReceived", "ListJobs", "CommitMove"]
