@@ -207,9 +207,16 @@ class ImageStreamer:
         return f"{code.name}: {details}", code.name
 
     def _requests(self) -> Iterator[pb.ImageChunk]:
+        """The call's request stream (gRPC's sender thread iterates it): ends at the closing None, or once the move
+        aborted or the call ended (a failed move puts nothing more; waiting on would hold that thread forever)."""
         yield pb.ImageChunk(checkpoint_id=self.ckpt_id, expected_bytes=self.expected_bytes)
         while True:
-            item = self._q.get()
+            try:
+                item = self._q.get(timeout=0.2)
+            except queue.Empty:
+                if self._abort.is_set() or (self.future is not None and self.future.done()):
+                    return
+                continue
             if item is None:
                 return
             yield item

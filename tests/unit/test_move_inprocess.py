@@ -9,6 +9,8 @@ job runs on at the source and nothing of it is left restorable on the target.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +190,11 @@ def test_a_stream_cut_half_way_rolls_back_and_the_target_keeps_nothing(world: Wo
     assert err.value.code == "UNAVAILABLE"
     assert "RestoreReceived" not in world.net.calls
     assert_rolled_back(world, pid)
+    # the source's request stream ended too (gRPC's sender thread is not held by a move that failed)
+    deadline = time.monotonic() + 3
+    while any(t.name == "send-requests" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name == "send-requests"]
 
 
 def test_a_target_without_room_refuses_at_preflight_and_the_job_is_not_touched(tmp_path: Path,
