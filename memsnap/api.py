@@ -64,6 +64,10 @@ def translate(fn: F) -> F:
         except Exception as exc:  # keep the daemon up and tell the caller something useful
             if _aborted(context):
                 raise  # context.abort() inside fn already set the status
+            if isinstance(exc, grpc.RpcError) and not context.is_active():
+                # (a client stream's iterator raises once its caller cancelled or went away: nobody to answer)
+                log.info("%s ended: the caller went away", fn.__name__, extra={"peer": context.peer()})
+                return None
             log.exception("internal error in %s", fn.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
                           f"internal error: {str(exc)[:v.CLIP]}; see the memsnapd log")

@@ -23,8 +23,9 @@ class Aborted(Exception):
 class FakeContext:
     """What a servicer uses of grpc.ServicerContext."""
 
-    def __init__(self, peer: str = "unix-abstract:memsnap-peer/1000/1000/4242/x") -> None:
+    def __init__(self, peer: str = "unix-abstract:memsnap-peer/1000/1000/4242/x", active: bool = True) -> None:
         self._peer = peer
+        self.active = active
         self.status: grpc.StatusCode | None = None
         self.details = ""
 
@@ -39,7 +40,7 @@ class FakeContext:
         return self.status
 
     def is_active(self) -> bool:
-        return True
+        return self.active
 
 
 class FakeEngine:
@@ -96,3 +97,18 @@ def test_a_bad_checkpoint_id_is_refused_before_the_engine_is_asked() -> None:
     with pytest.raises(Aborted):
         MemsnapServicer(eng).GetCheckpoint(pb.GetCheckpointRequest(id="../../etc"), ctx)  # type: ignore[arg-type]
     assert ctx.status == grpc.StatusCode.INVALID_ARGUMENT and eng.callers == []
+
+
+class _Gone(grpc.RpcError):
+    """What a client stream's request iterator raises in the handler once its caller cancelled."""
+
+
+def test_a_request_stream_whose_caller_went_away_ends_quietly_not_internal(caplog: pytest.LogCaptureFixture) -> None:
+    _, ctx = call(FakeEngine(_Gone()), FakeContext(active=False))
+    assert ctx.status is None
+    assert "internal error" not in caplog.text
+
+
+def test_an_rpc_error_while_the_caller_still_waits_is_internal(caplog: pytest.LogCaptureFixture) -> None:
+    _, ctx = call(FakeEngine(_Gone()))
+    assert ctx.status == grpc.StatusCode.INTERNAL and "internal error in GetCheckpoint" in caplog.text
