@@ -33,7 +33,6 @@ from memsnap.catalog import (
     Catalog,
     CheckpointRecord,
     JobRecord,
-    now_ms,
 )
 from memsnap.checkpointer import Checkpointer
 from memsnap.checkpointer import DumpHooks as DumpHooks  # (re-exported)
@@ -45,6 +44,7 @@ from memsnap.criu import (
 from memsnap.errors import (
     Aborted,
     FailedPrecondition,
+    IntegrityFailure,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -56,7 +56,7 @@ from memsnap.pageserver.restore import restore_from_store
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.recovery import MoveRecovery as MoveRecovery  # (re-exported)
-from memsnap.repository import Repository
+from memsnap.repository import Repository, adopted_record
 from memsnap.restorer import Restorer, RestoreRequest
 from memsnap.restorer import RestoreResult as RestoreResult
 from memsnap.retention import not_ours
@@ -385,21 +385,16 @@ class Engine:
         for m in self.repo.find(name):
             if self.catalog.get_checkpoint(m["id"]) is not None:
                 continue
-            try:
-                m_owner = int(m.get("uid", -1))
-            except (TypeError, ValueError):
-                m_owner = -1
-            if m.get("name") != name or m_owner != owner:
+            if m.get("name") != name or m.get("uid") != owner:
                 log.warning("store index %r lists %s, whose signed manifest names %r of uid %s: not adopted",
                             name, m.get("id"), m.get("name"), m.get("uid"))
                 continue
-            man = Manifest.from_dict(m)
-            home = str(man.extra.get("node") or man.host or "?")  # its stored copy is that node's to delete
-            rec = CheckpointRecord(id=man.id, state=DURABLE, pid=int(man.pid), owner_uid=m_owner,
-                                   created_ms=int(man.created_ms), job=str(man.job), name=name,
-                                   size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms),
-                                   dump_ms=int(man.dump_ms), in_tier=False, in_store=True, durable_ms=now_ms(),
-                                   meta={**man.catalog_meta(), **({"home": home} if home != self.node else {})})
+            home = str(m.get("node") or m.get("host") or "?")  # its stored copy is that node's to delete
+            try:
+                rec = adopted_record(m, home if home != self.node else "")
+            except IntegrityFailure as exc:
+                log.warning("stored checkpoint %s of %r is not adopted: %s", m.get("id"), name, exc)
+                continue
             lifecycle.begin(self.catalog, rec)
             log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.get("host"))
             return rec

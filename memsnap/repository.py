@@ -321,6 +321,28 @@ class Repository:
                     res.stored_blake3 != s["stored_blake3"]:
                 raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
 
+    def signed_manifest(self, ckpt_id: str) -> dict[str, Any]:
+        """The stored manifest of ckpt_id, its signature verified (this node's key, or its cluster's) and its id
+        ckpt_id: what a node that did not make the checkpoint adopts it from (adopted_record)."""
+        try:
+            m = chunks.load_stored_manifest(self.store, ckpt_id)  # type: ignore[arg-type]
+        except StoreNotFound as exc:
+            raise IntegrityFailure(f"integrity check failed: the store has no manifest for {ckpt_id}") from exc
+        except StoreUnavailable as exc:
+            self.storage_error("get")
+            raise Unavailable(f"cannot read {ckpt_id} from the store: {exc}") from exc
+        except (ValueError, StoreError) as exc:
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {ckpt_id} is unreadable: {exc}") \
+                from exc
+        try:
+            manifest.verify_signature(m, self.key)
+        except manifest.IntegrityError as exc:
+            raise IntegrityFailure(f"{exc} (stored copy of {ckpt_id})") from exc
+        if m.get("id") != ckpt_id:
+            raise IntegrityFailure(f"integrity check failed: the stored manifest under {ckpt_id} is the one of "
+                                   f"{m.get('id')!r}")
+        return m
+
     def find(self, name: str) -> list[dict[str, Any]]:
         """Signed store manifests of the checkpoints indexed under name (unverified ones skipped)."""
         if not SAFE_NAME.match(name):
@@ -334,15 +356,16 @@ class Repository:
         refused: list[str] = []
         for ckpt_id in chunks.indexed_ids(self.store, keys):  # type: ignore[arg-type]
             try:
-                m = chunks.load_stored_manifest(self.store, ckpt_id)  # type: ignore[arg-type]
-                manifest.verify_signature(m, self.key)
-            except (StoreError, ValueError, manifest.IntegrityError) as exc:
+                m = self.signed_manifest(ckpt_id)
+            except Unavailable as exc:
                 log.warning("skipping stored checkpoint %s for %r: %s", ckpt_id, name, exc)
-                if isinstance(exc, manifest.IntegrityError | StoreCorrupt):  # (a BadObject: not a manifest)
+                continue
+            except IntegrityFailure as exc:
+                log.warning("skipping stored checkpoint %s for %r: %s", ckpt_id, name, exc)
+                if isinstance(exc.__cause__, manifest.IntegrityError | StoreCorrupt):  # (signed elsewhere, or cut)
                     refused.append(f"{ckpt_id}: {exc}")
                 continue
-            if m.get("id") == ckpt_id:
-                found.append(m)
+            found.append(m)
         if not found and refused:  # copies exist under this name, but none is one this node may trust
             raise IntegrityFailure(f"integrity check failed: no stored checkpoint named {name!r} verifies here "
                                    f"({refused[0]})")
@@ -371,6 +394,25 @@ class Repository:
             self.store.delete_prefix(ckpt_id + "/")
         except StoreError:
             self.storage_error("delete")
+
+
+def adopted_record(m: dict[str, Any], home: str = "") -> CheckpointRecord:
+    """The catalog record of a durable checkpoint from its signed stored manifest (Repository.signed_manifest),
+    for a node that did not make it. home: the node that made it, which deletes the stored copy ("" when this
+    node owns it from now on: a move's target)."""
+    from memsnap.catalog import DURABLE, now_ms
+
+    try:
+        man = manifest.Manifest.from_dict(m)
+        owner = int(m["uid"])
+        return CheckpointRecord(
+            id=man.id, state=DURABLE, pid=int(man.pid), owner_uid=owner, created_ms=int(man.created_ms),
+            job=str(man.job), name=str(m.get("name") or ""), size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms),
+            dump_ms=int(man.dump_ms), in_tier=False, in_store=True, durable_ms=now_ms(),
+            meta={**man.catalog_meta(), **({"home": home} if home else {})})
+    except (manifest.IntegrityError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise IntegrityFailure(f"integrity check failed: the stored manifest of {m.get('id')!r} is no checkpoint "
+                               f"this memsnap can catalog ({exc})") from exc
 
 
 def _as_binary(f: Any) -> BinaryIO:
@@ -463,4 +505,4 @@ class _ReadAhead:
         self._t.join()
 
 
-__all__ = ["INDEX", "STORE_ID", "Put", "Repository"]
+__all__ = ["INDEX", "STORE_ID", "Put", "Repository", "adopted_record"]

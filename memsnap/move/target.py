@@ -23,12 +23,13 @@ from memsnap.auth import call_token, transfer_key
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.convert import job_pb
 from memsnap.engine import ROOT, Caller, RestoreResult
-from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied
+from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, MemsnapError, PermissionDenied
 from memsnap.malloc import bulk_transfer
 from memsnap.move.network import IncomingAddress
 from memsnap.move.plan import MoveHost, set_mark
 from memsnap.move.stream import CKPT_ID, ImageReceiver
 from memsnap.move.tunnel import TunnelHost, forget_lazy_image
+from memsnap.repository import adopted_record
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -218,19 +219,18 @@ class MoveTarget:
             raise InvalidArgument(f"{info.id!r} is not a checkpoint id")
         if self.engine.catalog.get_checkpoint(info.id) is not None:
             return
-        if self.engine.drain is None:
+        if self.engine.repo is None:
             raise FailedPrecondition("this node has no store configured, so it cannot fetch a stored "
                                      "checkpoint")
-        # move_incoming "store": the source's stored copy, only cataloged here; a move that fails forgets it
-        # here and never deletes it from the store.
-        meta = {"argv": list(info.argv), "host": info.hostname, "criu_version": info.criu_version,
-                "move_incoming": "store"}
-        lifecycle.begin(self.engine.catalog, CheckpointRecord(
-            id=info.id, state=DURABLE, pid=int(info.pid), owner_uid=int(info.owner_uid),
-            created_ms=int(info.created_unix_ms), job=info.job, name=info.name,
-            size_bytes=int(info.size_bytes),
-            frozen_ms=int(info.frozen_ms), dump_ms=int(info.dump_ms), in_tier=False, in_store=True,
-            stored_bytes=int(info.stored_bytes), durable_ms=int(info.durable_unix_ms), meta=meta))
+        # Adopted as any stored copy is: from its signed manifest (the peer names only the id). move_incoming
+        # "store": the source's stored copy, only cataloged here; a move that fails forgets it here and never
+        # deletes it from the store. No home: once the move commits, the job and its stored copy are ours.
+        rec = adopted_record(self.engine.repo.signed_manifest(info.id))
+        if (rec.job, rec.owner_uid) != (info.job, int(info.owner_uid)):
+            raise IntegrityFailure(f"integrity check failed: the stored manifest of {info.id} is job {rec.job!r} "
+                                   f"of uid {rec.owner_uid}, not the job the source moves")
+        rec.meta["move_incoming"] = "store"
+        lifecycle.begin(self.engine.catalog, rec)
 
 
 # -- recovery (Engine.recover calls these through engine.MoveRecovery) ---------------------------------

@@ -155,3 +155,27 @@ def test_two_nodes_sharing_a_store_reuse_chunks_and_find_each_others_checkpoints
     finally:
         for n in (a, b):
             n.drain.stop()
+
+
+def test_a_stored_copy_is_adopted_by_id_from_its_signed_manifest_and_nothing_else(node: Node) -> None:
+    """What a move's target (--via-store) and a restore by name on another node catalog: the signed manifest's
+    own fields; one signed by another key, or filed under another id, is refused."""
+    from memsnap.repository import adopted_record
+
+    rec = node.staged("ck-1")
+    node.drain.enqueue(rec.id)
+    node.wait_state(rec.id, DURABLE)
+    got = adopted_record(node.repo.signed_manifest("ck-1"))
+    assert (got.id, got.job, got.owner_uid, got.name, got.state) == ("ck-1", "job-1", 1000, "train", DURABLE)
+    assert got.in_store and not got.in_tier and "home" not in got.meta
+    assert adopted_record(node.repo.signed_manifest("ck-1"), "node-a").meta["home"] == "node-a"
+    with pytest.raises(IntegrityFailure, match="signature"):
+        Repository(node.store, b"x" * 32, Codec()).signed_manifest("ck-1")
+    key = next(k for k in node.store.list("ck-1/") if k.endswith("manifest.json"))
+    with node.store.open_reader(key) as r, node.store.open_writer(key.replace("ck-1", "ck-2")) as w:
+        w.write(r.read())
+        w.commit()
+    with pytest.raises(IntegrityFailure, match="the one of 'ck-1'"):
+        node.repo.signed_manifest("ck-2")
+    with pytest.raises(IntegrityFailure, match="no manifest"):
+        node.repo.signed_manifest("ck-3")
