@@ -588,10 +588,12 @@ def lazy_pages_of(d: DaemonProc) -> list[int]:
 
 def kill_counters_started_since(t0: float) -> None:
     """Kills every counter workload started after t0 (copies restored on some node whose pid a failed test
-    never learned: jobs outlive their daemons)."""
-    for p in psutil.process_iter(["cmdline", "create_time"]):
+    never learned: jobs outlive their daemons), but not the unit tier's (uid 65534: scripts/test.sh runs it
+    beside the root tier)."""
+    for p in psutil.process_iter(["cmdline", "create_time", "uids"]):
         try:
-            if p.info["create_time"] >= t0 and str(COUNTER) in (p.info["cmdline"] or []):
+            if p.info["create_time"] >= t0 and str(COUNTER) in (p.info["cmdline"] or []) and \
+                    p.info["uids"].real != 65534:
                 kill_job(p.pid)
         except psutil.Error:
             pass
