@@ -125,7 +125,10 @@ class Daemon:
                            self.catalog, tier, self.criu, key, gpu=self.engine.gpu,
                            drain=build_drain(self.cfg, self.catalog, tier, self.repo, self.metrics), repo=self.repo,
                            observe=self._observe)
-        return Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
+        guard = Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
+        if spill is not None:  # (its park images carry the guard settings; a restore of one is the guard's news)
+            spill.guard = guard
+        return guard
 
     def _make_gc(self) -> Any:
         """Retention and the chunk sweep (memsnap.gc), with the [retention] defaults."""

@@ -186,6 +186,30 @@ def test_spill_dir_takes_the_park_image_instead_of_the_memory_tier(
     assert not image.exists()  # delete removes the spill copy too
 
 
+def test_a_restore_of_a_parked_job_finds_its_image_in_the_spill_dir_and_counts_as_its_resume(
+        make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]) -> None:
+    """`memsnapctl restore JOB` of a job parked into guard.spill_dir (its cgroup given room, as an admin would),
+    before its image is durable: restored from the spill copy (it answered 'no tier copy and no stored copy; it is
+    lost'), at the next tick, the parked row resumed as the new job, which is guarded in the same cgroup."""
+    spill = tmp_path / "spill"
+    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{spill}"\n[drain]\nbandwidth = "1M"\n')
+    d = make_daemon("spill-restore", extra=["--config", cfg]).start()
+    job = run_job(d, "--memory-limit", "128M", argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "192"))
+    jobs_to_kill.append(job["pid"])
+    row = wait_state(d, job["job"], "parked")
+    ck = json.loads(d.ctl("--json", "show", row["parked_checkpoint"], check=True).stdout)
+    assert ck["state"] != "durable"  # (the drain is capped at 1 MB/s: only the spill copy exists)
+    cgroup = guard_jobs(d)[job["job"]]["cgroup"]
+    Path(cgroup, "memory.limit_in_bytes").write_text(str(512 * M))
+    r = json.loads(d.ctl("--json", "restore", job["job"], check=True).stdout)
+    jobs_to_kill.append(r["pid"])
+    assert r["from_store"] is False
+    assert_continues(job["log"], job["pid"], r["pid"])
+    wait_for(lambda: guard_jobs(d)[job["job"]]["resumed_as"] == r["job"], 30, 0.1, "the guard to adopt it")
+    g = guard_jobs(d)
+    assert g[job["job"]]["state"] == "resumed" and g[r["job"]]["cgroup"] == cgroup
+
+
 def wait_durable(d: DaemonProc, ckpt_id: str) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
         ck: dict[str, Any] = json.loads(d.ctl("--json", "show", ckpt_id, check=True).stdout)
