@@ -233,18 +233,8 @@ class Repository:
     def stored_manifest(self, rec: CheckpointRecord) -> dict[str, Any]:
         """The stored manifest of a durable checkpoint: signed, bound to rec, its storage listing the same files
         (and, when chunked, chunk lists that parse)."""
+        stored = self.signed_manifest(rec.id)
         try:
-            stored = chunks.load_stored_manifest(self.store, rec.id)  # type: ignore[arg-type]
-        except StoreNotFound as exc:
-            raise IntegrityFailure(f"integrity check failed: the store has no manifest for {rec.id}") from exc
-        except StoreUnavailable as exc:
-            self.storage_error("get")
-            raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
-        except (ValueError, StoreError) as exc:
-            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} is unreadable: {exc}") \
-                from exc
-        try:
-            manifest.verify_signature(stored, self.key)
             manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
         except manifest.IntegrityError as exc:
             raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
@@ -330,7 +320,7 @@ class Repository:
             raise IntegrityFailure(f"integrity check failed: the store has no manifest for {ckpt_id}") from exc
         except StoreUnavailable as exc:
             self.storage_error("get")
-            raise Unavailable(f"cannot read {ckpt_id} from the store: {exc}") from exc
+            raise Unavailable(f"cannot fetch {ckpt_id}: {exc}") from exc
         except (ValueError, StoreError) as exc:
             raise IntegrityFailure(f"integrity check failed: stored manifest of {ckpt_id} is unreadable: {exc}") \
                 from exc
