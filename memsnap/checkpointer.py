@@ -21,10 +21,12 @@ from typing import Any, Protocol
 from memsnap import __version__, background, failpoints, knobs, lifecycle, manifest, mounts, proc
 from memsnap.caller import Caller
 from memsnap.catalog import DUMPING, FAILED, Catalog, CheckpointRecord, JobRecord, now_ms
+from memsnap.collaborators import EngineConfig, GpuHook, JobGuard, Uploads
 from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyCallback, own_mount_ns
 from memsnap.errors import FailedPrecondition, NotFound
 from memsnap.manifest import Manifest
 from memsnap.phases import PhaseClock
+from memsnap.quiesce.notifier import Quiescer
 from memsnap.restorer import RESERVE_SLACK
 from memsnap.tier import MemoryTier, publish_image
 
@@ -49,15 +51,15 @@ class CheckpointHost(Protocol):
     catalog: Catalog
     tier: MemoryTier
     criu: CriuApi
-    cfg: Any
+    cfg: EngineConfig
     key: bytes
     work_root: Path
     hostname: str
     node: str
-    drain: Any
-    gpu: Any
-    guard: Any
-    quiesce: Any
+    drain: Uploads | None
+    gpu: GpuHook | None
+    guard: JobGuard | None
+    quiesce: Quiescer
     observe: Callable[[str, str, float], None]
 
     def exclusive(self, pid: int) -> Any: ...

@@ -8,9 +8,8 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from memsnap import (
     __version__,
@@ -36,6 +35,8 @@ from memsnap.catalog import (
 )
 from memsnap.checkpointer import Checkpointer
 from memsnap.checkpointer import DumpHooks as DumpHooks  # (re-exported)
+from memsnap.collaborators import EngineConfig as EngineConfig  # (re-exported)
+from memsnap.collaborators import GpuHook, JobGuard, Uploads
 from memsnap.copies import TierCopies
 from memsnap.criu import (
     CriuApi,
@@ -64,50 +65,6 @@ from memsnap.tier import MemoryTier
 from memsnap.validate import shorten
 
 log = logging.getLogger("memsnap.engine")
-
-
-class Uploads(Protocol):
-    """What the engine needs from the drain (memsnap.drain), the upload scheduler; everything else about the
-    store goes through the repository (memsnap.repository)."""
-
-    def enqueue(self, ckpt_id: str) -> None:
-        """Queues a staged checkpoint for draining."""
-
-
-class GpuHook(Protocol):
-    """What the engine needs from memsnap.gpu around CRIU."""
-
-    def suspend(self, root_pid: int, timeout_ms: int,
-                journal: Callable[[dict[str, Any] | None], None] | None = None) -> Any:
-        """Locks and checkpoints the CUDA processes of a tree; returns a handle with resume()/release().
-        journal(entry) runs before the first lock, journal(None) once all is resumed or released."""
-
-    def restore(self, root_pid: int, gpu_map: dict[str, str] | None,
-                checkpointed: list[dict[str, Any]] | None = None) -> dict[str, float] | None:
-        """Restores and unlocks CUDA state after CRIU restored the tree (checkpointed: the manifest's gpus);
-        the wall time of each stage ({"restore": s, "unlock": s})."""
-
-    def recover(self, entry: dict[str, Any]) -> dict[int, str]:
-        """Restores and unlocks the pids of a journal entry that a killed daemon left suspended."""
-
-    def describe(self, root_pid: int) -> list[dict[str, Any]]:
-        """GPU model/uuid/driver/device bytes per CUDA process of the tree."""
-
-    def device_bytes(self, root_pid: int) -> int:
-        """Device memory the tree's CUDA processes use: what their checkpoint moves into the image."""
-
-
-@dataclass
-class EngineConfig:
-    """Where things live and how to size reservations."""
-
-    state_dir: Path
-    reserve_margin: float = 0.10
-    gpu_lock_timeout_ms: int = 10_000
-    extra_dump_opts: dict[str, Any] = field(default_factory=dict)
-    # Jobs get a /tmp of their own unless they ask for the host's (memsnap.mounts; README "Private /tmp").
-    private_tmp: bool = True
-    node_name: str = ""  # daemon.node_name: who made a stored copy (retention.not_ours); "" = the host name
 
 
 class Engine:
@@ -143,7 +100,7 @@ class Engine:
         self.jobtable = JobTable(self)  # jobs: run, stop, rm, prune, logs (memsnap.jobtable)
         self.checkpointer = Checkpointer(self)  # every dump (memsnap.checkpointer)
         self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
-        self.guard: Any = None  # memsnap.guard.service.Guard, set by the daemon
+        self.guard: JobGuard | None = None  # memsnap.guard.service.Guard, set by the daemon
         self.gc: Any = None  # memsnap.gc.Collector, set by the daemon
 
     # -- helpers ------------------------------------------------------------------
@@ -462,7 +419,7 @@ class Engine:
         if rec.in_store and self.repo is not None and not not_ours(rec, self.node):
             self.repo.delete(rec)
         self.tier.remove(rec.id)
-        spill = getattr(self.guard, "spill", None)  # a park image in guard.spill_dir lives in that tier
+        spill = self.guard.spill if self.guard is not None else None  # a park image in guard.spill_dir lives there
         if rec.meta.get("spill") and spill is not None and spill is not self:
             spill.tier.remove(rec.id)
         lifecycle.forget(self.catalog, rec.id)

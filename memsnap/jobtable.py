@@ -14,11 +14,12 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from memsnap import jobinit, jobs, proc, resolve
 from memsnap.caller import Caller
 from memsnap.catalog import FAILED, RESTORABLE, Catalog, CheckpointRecord, JobRecord, now_ms
+from memsnap.collaborators import EngineConfig
 from memsnap.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from memsnap.validate import shorten
 
@@ -29,7 +30,7 @@ class JobHost(Protocol):
     """What the job table uses of the engine (memsnap.engine.Engine)."""
 
     catalog: Catalog
-    cfg: Any
+    cfg: EngineConfig
     launcher: jobs.Launcher
     work_root: Path
 

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from memsnap import lifecycle, proc
 from memsnap.catalog import DRAINING, DUMPING, FAILED, RESTORABLE, STAGED, Catalog, CheckpointRecord
+from memsnap.collaborators import GpuHook
+from memsnap.quiesce.notifier import Quiescer
 from memsnap.tier import MemoryTier
 
 log = logging.getLogger("memsnap.engine")
@@ -40,8 +42,8 @@ class RecoveryHost(Protocol):
     catalog: Catalog
     tier: MemoryTier
     work_root: Path
-    gpu: Any
-    quiesce: Any
+    gpu: GpuHook | None
+    quiesce: Quiescer
 
     def end_held(self, pid: int, job_id: str = "", ckpt_id: str = "") -> None: ...
 

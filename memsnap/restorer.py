@@ -28,10 +28,12 @@ from typing import Any, Protocol
 from memsnap import background, failpoints, jobinit, jobs, knobs, lifecycle, manifest, mounts, proc, progress
 from memsnap.caller import Caller
 from memsnap.catalog import RESTORABLE, Catalog, CheckpointRecord, JobRecord, now_ms
+from memsnap.collaborators import GpuHook, JobGuard
 from memsnap.criu import CriuApi, CriuError, NotifyCallback, RestoreOptions, guard_lazy_restore
 from memsnap.errors import FailedPrecondition, IntegrityFailure
 from memsnap.lazyguard import LazyGuard
 from memsnap.phases import PhaseClock
+from memsnap.quiesce.notifier import Quiescer
 from memsnap.repository import Repository
 from memsnap.tier import MemoryTier
 from memsnap.validate import clip
@@ -92,9 +94,9 @@ class RestoreHost(Protocol):
     work_root: Path
     launcher: jobs.Launcher
     repo: Repository | None  # the store (memsnap.repository)
-    gpu: Any
-    guard: Any
-    quiesce: Any
+    gpu: GpuHook | None
+    guard: JobGuard | None
+    quiesce: Quiescer
     observe: Callable[[str, str, float], None]
 
     def checkpoint_lock(self, ckpt_id: str) -> AbstractContextManager[None]: ...

@@ -31,6 +31,7 @@ from memsnap import failpoints, lifecycle, net
 from memsnap.backoff import Backoff, retrying
 from memsnap.catalog import FAILED, Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError
+from memsnap.collaborators import GpuHook, Uploads
 from memsnap.config import Config
 from memsnap.criu import CriuApi, NotifyCallback
 from memsnap.engine import ROOT, Caller, DumpHooks, RestoreResult
@@ -58,9 +59,9 @@ class MoveHost(Protocol):
     catalog: Catalog
     tier: MemoryTier
     criu: CriuApi
-    drain: Any  # the upload scheduler (memsnap.drain)
+    drain: Uploads | None  # the upload scheduler (memsnap.drain)
     repo: Repository | None  # the store (memsnap.repository)
-    gpu: Any
+    gpu: GpuHook | None
     hostname: str
     key: bytes
     work_root: Path

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from memsnap.engine import GpuHook
+from memsnap.collaborators import GpuHook
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError
 from memsnap.gpu import bindings as b
 from memsnap.gpu import criuenv, detect, preflight, remap
