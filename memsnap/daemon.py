@@ -22,15 +22,19 @@ from grpc_reflection.v1alpha import reflection
 from memsnap import failpoints, manifest, safefs
 from memsnap.api import MemsnapServicer, PeerServicer
 from memsnap.catalog import Catalog
+from memsnap.collaborators import GpuHook
 from memsnap.config import Config, ConfigError, load_config
 from memsnap.criu import Criu, CriuError
 from memsnap.drain import build_drain, build_repository
 from memsnap.engine import ROOT, Engine, EngineConfig
+from memsnap.gc import Collector, chunk_sweeper
+from memsnap.guard.service import Guard
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
 from memsnap.move import Mover
 from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.quota import Quotas
+from memsnap.retention import Policy
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.store.bad_objects import BAD
@@ -110,31 +114,26 @@ class Daemon:
         self._threads: list[Any] = []
         self.migrator: Mover | None = None
 
-    def _make_guard(self, state: Path, key: bytes) -> Any:
+    def _make_guard(self, state: Path, key: bytes) -> Guard:
         """The memory guard (memsnap.guard), with its spill tier's engine when guard.spill_dir is set."""
-        from memsnap.guard.service import Guard
-
-        spill = None
+        spill = spill_drain = None
         if self.cfg.guard.spill_dir:
             try:
                 tier = MemoryTier(self.cfg.guard.spill_dir, 0, "tmpfs")
             except safefs.UnsafePath as exc:
                 raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
+            spill_drain = build_drain(self.cfg, self.catalog, tier, self.repo, self.metrics)
             spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin,
                                         node_name=self.cfg.daemon.node_name),
-                           self.catalog, tier, self.criu, key, gpu=self.engine.gpu,
-                           drain=build_drain(self.cfg, self.catalog, tier, self.repo, self.metrics), repo=self.repo,
+                           self.catalog, tier, self.criu, key, gpu=self.engine.gpu, drain=spill_drain, repo=self.repo,
                            observe=self._observe)
-        guard = Guard(self.engine, self.cfg.guard, state, self.metrics, spill)
+        guard = Guard(self.engine, self.cfg.guard, state, self.metrics, spill, spill_drain)
         if spill is not None:  # (its park images carry the guard settings; a restore of one is the guard's news)
             spill.guard = guard
         return guard
 
-    def _make_gc(self) -> Any:
+    def _make_gc(self) -> Collector:
         """Retention and the chunk sweep (memsnap.gc), with the [retention] defaults."""
-        from memsnap.gc import Collector, chunk_sweeper
-        from memsnap.retention import Policy
-
         r = self.cfg.retention
         return Collector(self.engine, Policy(r.keep_last, r.keep_within), r.chunk_grace,
                          chunk_sweeper(self.repo, self.catalog, r.chunk_grace), self.metrics)
@@ -340,7 +339,7 @@ def single_instance(state: Path, sock: Path, listen: str) -> int:
     return fd
 
 
-def _load_gpu() -> Any:
+def _load_gpu() -> GpuHook | None:
     """The GPU hook when the NVIDIA driver is present, else None (CPU nodes)."""
     from memsnap.gpu.hook import load_hook  # (imported late: CPU-only tools never load memsnap.gpu)
 

@@ -76,8 +76,8 @@ class Loop(Part):
         self.stopping.set()
         if self._thread is not None:
             self._thread.join(10)
-        if self.spill is not None and self.spill.drain is not None:
-            self.spill.drain.stop()
+        if self.spill_drain is not None:
+            self.spill_drain.stop()
 
     def _run(self) -> None:
         while not self.stopping.is_set():

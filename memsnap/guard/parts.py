@@ -5,23 +5,27 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
+from memsnap.config import GuardConfig
+from memsnap.drain import DrainService
+from memsnap.engine import Engine
 from memsnap.guard.cgroups import MemoryCgroups
 from memsnap.guard.table import JobTable
 from memsnap.guard.watch import Watchers
+from memsnap.metrics import Metrics
 
 
 @dataclass(frozen=True)
 class Parts:
-    engine: Any  # the main Engine (its catalog is the spill engine's too)
-    spill: Any  # the Engine over guard.spill_dir, or None
-    cfg: Any  # GuardConfig
+    engine: Engine  # the main engine (its catalog is the spill engine's too)
+    spill: Engine | None  # the engine over guard.spill_dir, or None
+    spill_drain: DrainService | None  # the spill engine's drain, the guard's to start and stop
+    cfg: GuardConfig
     cg: MemoryCgroups | None  # the node's memory cgroups; None when none is usable
     cg_error: str  # why none is
     table: JobTable
     watchers: Watchers
-    metrics: Any  # or None
+    metrics: Metrics | None
     stopping: threading.Event  # set when the guard stops
 
 
@@ -29,7 +33,7 @@ class Part:
     """A part of the guard, with the shared pieces as its own attributes."""
 
     def __init__(self, parts: Parts) -> None:
-        self.engine, self.spill, self.cfg, self.cg, self.cg_error = (parts.engine, parts.spill, parts.cfg, parts.cg,
-                                                                     parts.cg_error)
+        self.engine, self.spill, self.spill_drain = parts.engine, parts.spill, parts.spill_drain
+        self.cfg, self.cg, self.cg_error = parts.cfg, parts.cg, parts.cg_error
         self.table, self.watchers, self.metrics, self.stopping = (parts.table, parts.watchers, parts.metrics,
                                                                   parts.stopping)

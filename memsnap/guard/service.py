@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from memsnap import jobs
+from memsnap.catalog import CheckpointRecord, JobRecord
+from memsnap.config import GuardConfig
+from memsnap.drain import DrainService
+from memsnap.engine import Engine
 from memsnap.errors import FailedPrecondition
 from memsnap.guard.cgroups import CgroupError, MemoryCgroups, detect
 from memsnap.guard.loop import Loop
@@ -23,6 +27,7 @@ from memsnap.guard.policy import CRITICAL, NodePolicy, Thresholds
 from memsnap.guard.resume import Resumer
 from memsnap.guard.table import ENDED, KILLED, PARKED, RESUMED, RUNNING, GuardedJob, JobTable
 from memsnap.guard.watch import Watchers
+from memsnap.metrics import Metrics
 
 log = logging.getLogger("memsnap.guard")
 
@@ -32,24 +37,25 @@ __all__ = ["ENDED", "KILLED", "PARKED", "RESUMED", "RUNNING", "Guard", "GuardedJ
 class Guard:
     """Watches limited jobs and node pressure; parks (checkpoint --stop) and resumes jobs."""
 
-    def __init__(self, engine: Any, cfg: Any, state_dir: Path, metrics: Any = None,
-                 spill_engine: Any = None) -> None:
+    def __init__(self, engine: Engine, cfg: GuardConfig, state_dir: Path, metrics: Metrics | None = None,
+                 spill_engine: Engine | None = None, spill_drain: DrainService | None = None) -> None:
+        # spill_drain: spill_engine's drain (the daemon gives it to both), which the guard starts and stops
         self.engine = engine
         self.cfg = cfg
         self.metrics = metrics
         self.spill = spill_engine
-        if spill_engine is not None and spill_engine.drain is not None:
+        if spill_drain is not None:
             # its own drain (the memory tier's reads another dir), started idle now, before the daemon starts the
             # main drain: each start clears the store's interrupted uploads, which must not hit live ones
-            spill_engine.drain.start([])
+            spill_drain.start([])
         self.dir = Path(state_dir) / "guard"
         self.dir.mkdir(mode=0o700, exist_ok=True)
         self.table = JobTable(engine.catalog, self.dir / "jobs.json")
         self.cg, self.cg_error = _cgroups(cfg)
         self.policy = NodePolicy(_thresholds(cfg), time.monotonic)
         self.watchers = Watchers(self.cg, cfg.pressure_level)
-        parts = Parts(engine, spill_engine, cfg, self.cg, self.cg_error, self.table, self.watchers, metrics,
-                      threading.Event())
+        parts = Parts(engine, spill_engine, spill_drain, cfg, self.cg, self.cg_error, self.table, self.watchers,
+                      metrics, threading.Event())
         self.parker = Parker(parts)
         self.resumer = Resumer(parts, self.adopt)
         self.loop = Loop(parts, self.policy, self.parker, self.resumer.resume)
@@ -113,7 +119,7 @@ class Guard:
             return None
         return {"limit": g.limit, "priority": g.priority, "on_limit": g.on_limit}
 
-    def restored(self, job: Any, rec: Any, man: dict[str, Any]) -> None:
+    def restored(self, job: JobRecord, rec: CheckpointRecord, man: dict[str, Any]) -> None:
         """A guarded job came back, from any restore here or a move to this node: the new job is guarded as it
         was, in the memory cgroup CRIU put it into (recreated without a limit if it was gone: its limit is set
         first) or a new one. A parked job restored this way counts as resumed. The guard's own resume does its
@@ -177,7 +183,7 @@ class Guard:
         return self.resumer.resume(key, caller, new_limit, auto)
 
 
-def _cgroups(cfg: Any) -> tuple[MemoryCgroups | None, str]:
+def _cgroups(cfg: GuardConfig) -> tuple[MemoryCgroups | None, str]:
     """The node's memory cgroups, set up for job cgroups under cfg.cgroup_parent, or (None, why not)."""
     try:
         cg = detect(cfg.cgroup_root, cfg.cgroup_parent)
@@ -189,7 +195,7 @@ def _cgroups(cfg: Any) -> tuple[MemoryCgroups | None, str]:
         return None, str(exc)
 
 
-def _thresholds(cfg: Any) -> Thresholds:
+def _thresholds(cfg: GuardConfig) -> Thresholds:
     return Thresholds(some_avg10=cfg.psi_some_avg10, full_avg10=cfg.psi_full_avg10,
                       mem_available_min=cfg.mem_available_min or 0, sustain_s=cfg.sustain_s,
                       cooldown_s=cfg.cooldown_s, resume_below_some=cfg.resume_below_some_avg10,
