@@ -19,6 +19,7 @@ from memsnap.catalog import JobRecord
 from memsnap.convert import ckpt_pb, job_pb, phases_pb
 from memsnap.engine import ROOT, Caller, DumpHooks, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
+from memsnap.gc import Collector
 from memsnap.guard.policy import CRITICAL
 from memsnap.move.plan import MoveRequest, MoveResult
 from memsnap.phases import RESTORE
@@ -98,13 +99,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
     """The memsnap.v1.Memsnap service over an Engine."""
 
     def __init__(self, engine: Engine, status_extra: Callable[[], dict[str, Any]] | None = None,
-                 migrator: Any = None, quota: Quotas | None = None) -> None:
+                 migrator: Any = None, quota: Quotas | None = None, gc: Collector | None = None) -> None:
         # migrator: the daemon's memsnap.move.Mover (Any: api must not import the move package, which
         # imports api's converters).
         self.engine = engine
         self.status_extra = status_extra or (lambda: {})
         self.migrator = migrator
         self.quota = quota  # [quota] (memsnap.quota): None = no limits
+        self.gc = gc  # retention and the chunk sweep (memsnap.gc): None = this daemon runs none
 
     def _admit(self, admit: Callable[[Quotas], AbstractContextManager[None]]) -> AbstractContextManager[None]:
         """A quota admission (memsnap.quota) around a job, checkpoint or restore; nothing without quotas."""
@@ -269,11 +271,10 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                              chunks_in_grace=rep.sweep.kept_in_grace, duration_ms=rep.duration_ms,
                              forgotten=[pb.GcKept(id=k, reason=why) for k, why in sorted(rep.forgotten.items())])
 
-    def _gc(self) -> Any:
-        gc = getattr(self.engine, "gc", None)
-        if gc is None:
+    def _gc(self) -> Collector:
+        if self.gc is None:
             raise FailedPrecondition("this daemon runs no garbage collector")
-        return gc
+        return self.gc
 
     @translate
     def JobLogs(self, request: pb.JobLogsRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:

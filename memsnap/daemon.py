@@ -106,7 +106,7 @@ class Daemon:
             observe=self._observe,
         )
         self.engine.guard = self.guard = self._make_guard(state, key)
-        self.engine.gc = self.gc = self._make_gc()
+        self.gc = self._make_gc()
         self.quota = Quotas(cfg.quota, cfg.quota_uids, self.engine)  # [quota]: what each uid may use
         self.notifier = Notifier.from_env(unset=True)
         self._stopped = threading.Event()
@@ -174,7 +174,7 @@ class Daemon:
             self.drain.start(self.engine.pending_drains())
 
         migrator.recover()
-        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator, quota=self.quota)
+        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator, quota=self.quota, gc=self.gc)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       # a second server on our port must fail, not share it

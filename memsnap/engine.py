@@ -101,7 +101,6 @@ class Engine:
         self.checkpointer = Checkpointer(self)  # every dump (memsnap.checkpointer)
         self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
         self.guard: JobGuard | None = None  # memsnap.guard.service.Guard, set by the daemon
-        self.gc: Any = None  # memsnap.gc.Collector, set by the daemon
 
     # -- helpers ------------------------------------------------------------------
     @contextmanager

@@ -24,8 +24,9 @@ from typing import Any, Protocol
 
 from memsnap import background
 from memsnap.catalog import DURABLE, CheckpointRecord
-from memsnap.engine import ROOT, Caller
+from memsnap.engine import ROOT, Caller, Engine
 from memsnap.errors import FailedPrecondition, MemsnapError
+from memsnap.metrics import Metrics
 from memsnap.retention import Ckpt, Plan, Policy, chunked, not_ours, plan, sizes
 from memsnap.store import chunkgc
 from memsnap.store.chunkgc import SweepResult
@@ -68,8 +69,8 @@ PARKED = "its job is parked on it"
 class Collector:
     """Runs gc for the API (memsnapctl gc) and periodically for the daemon; one run at a time."""
 
-    def __init__(self, engine: Any, default: Policy, grace_s: float, sweeper: ChunkSweeper | None = None,
-                 metrics: Any = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, engine: Engine, default: Policy, grace_s: float, sweeper: ChunkSweeper | None = None,
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.time) -> None:
         self.engine = engine
         self.default = default
         self.grace_s = grace_s
@@ -105,7 +106,7 @@ class Collector:
         m = rec.marks
         if m.hold or m.lazy_move or m.committing_to or m.move_pending or m.pages_remote:
             return IN_MOVE
-        guard = getattr(self.engine, "guard", None)
+        guard = self.engine.guard
         g = guard.get(rec.job) if guard is not None and rec.job else None
         if g is not None and g.state == "parked" and g.checkpoint == rec.id:
             return PARKED

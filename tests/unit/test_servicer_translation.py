@@ -112,3 +112,23 @@ def test_a_request_stream_whose_caller_went_away_ends_quietly_not_internal(caplo
 def test_an_rpc_error_while_the_caller_still_waits_is_internal(caplog: pytest.LogCaptureFixture) -> None:
     _, ctx = call(FakeEngine(_Gone()))
     assert ctx.status == grpc.StatusCode.INTERNAL and "internal error in GetCheckpoint" in caplog.text
+
+
+class FakeCollector:
+    def __init__(self) -> None:
+        self.runs: list[tuple[Caller, bool]] = []
+
+    def run(self, caller: Caller, dry_run: bool = False) -> Any:
+        from memsnap.gc import GcReport
+        self.runs.append((caller, dry_run))
+        return GcReport(dry_run=dry_run, kept={"ck-1": "newest"})
+
+
+def test_gc_runs_on_the_collector_the_servicer_is_given_and_is_refused_without_one() -> None:
+    gc = FakeCollector()
+    got = MemsnapServicer(FakeEngine(), gc=gc).Gc(pb.GcRequest(dry_run=True), FakeContext())  # type: ignore[arg-type]
+    assert gc.runs == [(Caller(1000, 1000, 4242), True)] and [k.id for k in got.kept] == ["ck-1"]
+    ctx = FakeContext()
+    with pytest.raises(Aborted):
+        MemsnapServicer(FakeEngine()).Gc(pb.GcRequest(), ctx)  # type: ignore[arg-type]
+    assert ctx.status == grpc.StatusCode.FAILED_PRECONDITION and "no garbage collector" in ctx.details
