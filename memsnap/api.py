@@ -17,7 +17,7 @@ from memsnap import validate as v
 from memsnap.auth import tcp_authenticated
 from memsnap.catalog import JobRecord
 from memsnap.convert import ckpt_pb, job_pb, phases_pb
-from memsnap.engine import ROOT, Caller, DumpHooks, Engine
+from memsnap.engine import ROOT, Caller, DumpExtras, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.gc import Collector
 from memsnap.guard.policy import CRITICAL
@@ -161,10 +161,10 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.name("name", request.name)
         v.enum("wait", request.wait, pb.WaitFor.values())
         keep = _keep_rules(request)
-        strict = DumpHooks(dump_opts={"skip_in_flight": False}) if request.fail_on_in_flight else None
+        strict = DumpExtras(dump_opts={"skip_in_flight": False}) if request.fail_on_in_flight else None
         with self._admit(lambda q: q.admit_checkpoint(caller, request.target)):
             rec = self.engine.checkpoint(caller, request.target, stop=request.stop,
-                                         tcp_established=request.tcp_established, name=request.name, hooks=strict)
+                                         tcp_established=request.tcp_established, name=request.name, extras=strict)
         if keep is not None:
             self._gc().set_policy(series_of(rec), *keep)
         if request.wait == pb.WAIT_FOR_DURABLE:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from memsnap import __version__, background, failpoints, knobs, lifecycle, manifest, mounts, proc
 from memsnap.caller import Caller
 from memsnap.catalog import DUMPING, FAILED, Catalog, CheckpointRecord, JobRecord, now_ms
-from memsnap.collaborators import EngineConfig, GpuHook, JobGuard, Uploads
+from memsnap.collaborators import EngineConfig, GpuAdapter, JobGuard, Uploads
 from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyCallback, own_mount_ns
 from memsnap.errors import FailedPrecondition, NotFound
 from memsnap.manifest import Manifest
@@ -34,7 +34,7 @@ log = logging.getLogger("memsnap.engine")
 
 
 @dataclass
-class DumpHooks:
+class DumpExtras:
     """Extras for a dump that feeds a move to another node (memsnap.move); all optional."""
 
     hold: bool = False  # leave the tree stopped after staging; end_held() or resume_held() decides
@@ -57,7 +57,7 @@ class CheckpointHost(Protocol):
     hostname: str
     node: str
     drain: Uploads | None
-    gpu: GpuHook | None
+    gpu: GpuAdapter | None
     guard: JobGuard | None
     quiesce: Quiescer
     observe: Callable[[str, str, float], None]
@@ -82,10 +82,10 @@ class Checkpointer:
         self.host = host
 
     def checkpoint(self, caller: Caller, target: str, stop: bool = False, tcp_established: bool = False,
-                   name: str = "", hooks: DumpHooks | None = None) -> CheckpointRecord:
+                   name: str = "", extras: DumpExtras | None = None) -> CheckpointRecord:
         """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop.
 
-        hooks (memsnap.move) can hold the tree stopped instead, watch the staging dir while CRIU
+        extras (memsnap.move) can hold the tree stopped instead, watch the staging dir while CRIU
         writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
         """
         pid, job = self.host.resolve_pid(target, caller)
@@ -98,7 +98,7 @@ class Checkpointer:
         with self.host.exclusive(pid), background.gate().foreground("dump"):
             reservation = self.host.reserve(self.dump_estimate(pid))
             try:
-                rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, hooks)
+                rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, extras)
             except Exception:
                 self.host.observe("checkpoint", "error", time.monotonic() - t_start)
                 raise
@@ -121,8 +121,8 @@ class Checkpointer:
 
     def _checkpoint_reserved(self, pid: int, job: JobRecord | None, owner: int, stop: bool,
                              tcp_established: bool, name: str,
-                             hooks: DumpHooks | None = None) -> CheckpointRecord:
-        hooks = hooks or DumpHooks()
+                             extras: DumpExtras | None = None) -> CheckpointRecord:
+        extras = extras or DumpExtras()
         ckpt_id = lifecycle.new_id()
         argv = proc.cmdline(pid)
         own_ns = proc.in_own_pidns(pid)
@@ -131,17 +131,17 @@ class Checkpointer:
         # crash can finish or roll back a --stop whose job CRIU left stopped.
         rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
                                job=job.id if job else "", name=name or (job.name if job else ""),
-                               meta={"stop": stop, "pid_start": proc.start_time_or_zero(pid), "hold": hooks.hold})
+                               meta={"stop": stop, "pid_start": proc.start_time_or_zero(pid), "hold": extras.hold})
         # Journal first: after a crash, recovery finds this row and removes the half-written image.
         lifecycle.begin(self.host.catalog, rec)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
         staging = self.host.tier.new_staging(ckpt_id)
         work = self.host.work_root / ckpt_id
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
-        frozen_after = stop or hooks.hold
+        frozen_after = stop or extras.hold
         opts = DumpOptions(leave_running=not frozen_after, leave_stopped=frozen_after,
                            tcp_established=tcp_established, shell_job=not proc.is_session_leader(pid),
-                           own_mntns=own_mnt, **{**self.host.cfg.extra_dump_opts, **hooks.dump_opts})
+                           own_mntns=own_mnt, **{**self.host.cfg.extra_dump_opts, **extras.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = quiet = None
         clock = PhaseClock()
@@ -159,9 +159,9 @@ class Checkpointer:
                     suspension = self.host.gpu.suspend(pid, self.host.cfg.gpu_lock_timeout_ms,
                                                        journal=self.host.journal(rec, "gpu"))
                     clock.gpu(suspension.seconds)
-            if hooks.before_dump is not None:
-                hooks.before_dump(staging)
-            stats = self.host.criu.dump(pid, staging, work, opts, notify=hooks.notify)
+            if extras.before_dump is not None:
+                extras.before_dump(staging)
+            stats = self.host.criu.dump(pid, staging, work, opts, notify=extras.notify)
         except Exception as exc:
             if suspension is not None:
                 try:
@@ -182,12 +182,12 @@ class Checkpointer:
         t_publish = time.monotonic()
         try:
             man = self.new_manifest(rec, argv, own_ns, job,
-                                    (hooks.file_table() if hooks.file_table else None)
+                                    (extras.file_table() if extras.file_table else None)
                                     or manifest.describe_files(staging),
                                     frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
                                     dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt,
                                     tcp_close=not opts.tcp_established, phases=clock.rounded())
-            man.extra.update(hooks.manifest)  # signed too (memsnap.guard: parked)
+            man.extra.update(extras.manifest)  # signed too (memsnap.guard: parked)
             size = publish_image(self.host.tier, self.host.catalog, self.host.key, staging, man, keep_meta=rec.meta,
                                  failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
                                  dump_ms=int(stats.wall_ms))
@@ -203,7 +203,7 @@ class Checkpointer:
             raise FailedPrecondition(f"could not stage the image ({exc}); the process was left running") from exc
         clock.add("publish", time.monotonic() - t_publish)
         failpoints.hit("after-publish")
-        if hooks.hold:
+        if extras.hold:
             pass  # stays stopped: the caller ends it (end_held) or resumes it (resume_held)
         elif stop:
             # The image is safely staged: now the job may end.

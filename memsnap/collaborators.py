@@ -53,7 +53,7 @@ class GpuSuspension(Protocol):
         """Forgets the suspension once CRIU has the tree (the processes are gone or held)."""
 
 
-class GpuHook(Protocol):
+class GpuAdapter(Protocol):
     """What the engine needs from memsnap.gpu around CRIU."""
 
     def suspend(self, root_pid: int, timeout_ms: int,

@@ -35,7 +35,7 @@ def _int(x: Any) -> int:
 
 
 def gpus_pb(entries: Any) -> list[pb.GpuInfo]:
-    """The manifest's CUDA processes (memsnap.gpu.hook.describe) as one GpuInfo per process and GPU it used."""
+    """The manifest's CUDA processes (memsnap.gpu.adapter.describe) as one GpuInfo per process and GPU it used."""
     out: list[pb.GpuInfo] = []
     for e in entries if isinstance(entries, list) else []:
         if not isinstance(e, dict):

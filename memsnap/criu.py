@@ -110,11 +110,11 @@ class RestoreOptions(CriuOptions):
 
 
 @dataclass
-class NotifyHooks:
+class NotifyHandlers:
     """CRIU's notify callbacks, one typed field per script memsnap answers (runc's criuNotifications).
 
-    Each hook returns None or True to let CRIU go on, False to make it abort (a dump then resumes the
-    tree). Scripts without a hook are acknowledged. An instance is a NotifyCallback.
+    Each handler returns None or True to let CRIU go on, False to make it abort (a dump then resumes the
+    tree). Scripts without a handler are acknowledged. An instance is a NotifyCallback.
     """
 
     pre_dump: Callable[[], bool | None] | None = None  # the tree is about to freeze
@@ -283,7 +283,7 @@ class Criu:
                 if notify is not None:
                     try:
                         ok = bool(notify(resp.notify.script, resp.notify.pid))
-                    except Exception:  # a failing hook aborts the operation instead of hanging CRIU
+                    except Exception:  # a failing handler aborts the operation instead of hanging CRIU
                         ok = False
                 parent.send(rpc.Req(type=rpc.NOTIFY, notify_success=ok).SerializeToString())
                 if watch is not None:

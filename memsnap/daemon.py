@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from memsnap import failpoints, manifest, safefs
 from memsnap.api import MemsnapServicer, PeerServicer
 from memsnap.catalog import Catalog
-from memsnap.collaborators import GpuHook
+from memsnap.collaborators import GpuAdapter
 from memsnap.config import Config, ConfigError, load_config
 from memsnap.criu import Criu, CriuError
 from memsnap.drain import build_drain, build_repository
@@ -339,11 +339,11 @@ def single_instance(state: Path, sock: Path, listen: str) -> int:
     return fd
 
 
-def _load_gpu() -> GpuHook | None:
-    """The GPU hook when the NVIDIA driver is present, else None (CPU nodes)."""
-    from memsnap.gpu.hook import load_hook  # (imported late: CPU-only tools never load memsnap.gpu)
+def _load_gpu() -> GpuAdapter | None:
+    """The GPU adapter when the NVIDIA driver is present, else None (CPU nodes)."""
+    from memsnap.gpu.adapter import load_adapter  # (imported late: CPU-only tools never load memsnap.gpu)
 
-    return load_hook()
+    return load_adapter()
 
 
 def main(argv: list[str] | None = None) -> None:

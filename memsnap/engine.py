@@ -34,9 +34,9 @@ from memsnap.catalog import (
     JobRecord,
 )
 from memsnap.checkpointer import Checkpointer
-from memsnap.checkpointer import DumpHooks as DumpHooks  # (re-exported)
+from memsnap.checkpointer import DumpExtras as DumpExtras  # (re-exported)
 from memsnap.collaborators import EngineConfig as EngineConfig  # (re-exported)
-from memsnap.collaborators import GpuHook, JobGuard, Uploads
+from memsnap.collaborators import GpuAdapter, JobGuard, Uploads
 from memsnap.copies import TierCopies
 from memsnap.criu import (
     CriuApi,
@@ -71,7 +71,7 @@ class Engine:
     """Checkpoint, restore and catalog operations with authorization and crash-safe ordering."""
 
     def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: CriuApi, hmac_key: bytes,
-                 drain: Uploads | None = None, gpu: GpuHook | None = None, repo: Repository | None = None,
+                 drain: Uploads | None = None, gpu: GpuAdapter | None = None, repo: Repository | None = None,
                  observe: Callable[[str, str, float], None] | None = None) -> None:
         self.cfg = cfg
         self.catalog = catalog
@@ -81,7 +81,7 @@ class Engine:
         self.drain = drain
         self.repo = repo  # the store (None without one): fetch, find, delete (memsnap.repository)
         self.gpu = gpu
-        # observe(kind, result, seconds): metrics hook ("checkpoint", "ok", 1.2), or a phase ("phase:freeze", ...)
+        # observe(kind, result, seconds): metrics callback ("checkpoint", "ok", 1.2), or a phase ("phase:freeze", ...)
         self.observe = observe or (lambda kind, result, seconds: None)
         self.hostname = socket.gethostname()
         self.node = cfg.node_name or self.hostname
@@ -260,9 +260,9 @@ class Engine:
 
     # -- checkpoint (memsnap.checkpointer) ----------------------------------------------
     def checkpoint(self, caller: Caller, target: str, stop: bool = False, tcp_established: bool = False,
-                   name: str = "", hooks: DumpHooks | None = None) -> CheckpointRecord:
+                   name: str = "", extras: DumpExtras | None = None) -> CheckpointRecord:
         """Dumps a process tree into the tier and publishes it atomically; the job runs on unless stop."""
-        return self.checkpointer.checkpoint(caller, target, stop, tcp_established, name, hooks)
+        return self.checkpointer.checkpoint(caller, target, stop, tcp_established, name, extras)
 
     def dump_estimate(self, pid: int) -> int:
         """The tier room a dump of pid's tree reserves: its resident memory and its CUDA processes' device memory."""
@@ -456,7 +456,7 @@ class Engine:
 
     # -- held trees (a move in progress) ------------------------------------------------
     def end_held(self, pid: int, job_id: str = "", ckpt_id: str = "") -> None:
-        """Ends a tree held stopped by checkpoint(hooks=DumpHooks(hold=True)) once it runs elsewhere."""
+        """Ends a tree held stopped by checkpoint(extras=DumpExtras(hold=True)) once it runs elsewhere."""
         proc.kill_tree(pid)
         if job_id:
             self.catalog.update_job(job_id, ended=True)

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from memsnap import lifecycle, proc
 from memsnap.catalog import DRAINING, DUMPING, FAILED, RESTORABLE, STAGED, Catalog, CheckpointRecord
-from memsnap.collaborators import GpuHook
+from memsnap.collaborators import GpuAdapter
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.tier import MemoryTier
 
@@ -42,7 +42,7 @@ class RecoveryHost(Protocol):
     catalog: Catalog
     tier: MemoryTier
     work_root: Path
-    gpu: GpuHook | None
+    gpu: GpuAdapter | None
     quiesce: Quiescer
 
     def end_held(self, pid: int, job_id: str = "", ckpt_id: str = "") -> None: ...

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from memsnap import background, failpoints, jobinit, jobs, knobs, lifecycle, manifest, mounts, proc, progress
 from memsnap.caller import Caller
 from memsnap.catalog import RESTORABLE, Catalog, CheckpointRecord, JobRecord, now_ms
-from memsnap.collaborators import GpuHook, JobGuard
+from memsnap.collaborators import GpuAdapter, JobGuard
 from memsnap.criu import CriuApi, CriuError, NotifyCallback, RestoreOptions, guard_lazy_restore
 from memsnap.errors import FailedPrecondition, IntegrityFailure
 from memsnap.lazyguard import LazyGuard
@@ -94,7 +94,7 @@ class RestoreHost(Protocol):
     work_root: Path
     launcher: jobs.Launcher
     repo: Repository | None  # the store (memsnap.repository)
-    gpu: GpuHook | None
+    gpu: GpuAdapter | None
     guard: JobGuard | None
     quiesce: Quiescer
     observe: Callable[[str, str, float], None]

@@ -17,10 +17,10 @@ CHECKPOINT_DEVICES and RESUME_DEVICES_LATE hooks. We do not use it, because:
   * the manifest records the CUDA processes, every GPU each one enumerates, device bytes and ns pids;
   * the CRIU we ship (scripts/install-criu.sh builds `make criu` only) needs neither the plugin
     nor `cuda-checkpoint` on PATH.
-Dump: hook.describe -> hook.suspend (preflight, journal, lock, checkpoint: device memory is now
+Dump: adapter.describe -> adapter.suspend (preflight, journal, lock, checkpoint: device memory is now
 plain host memory of the process and its /dev/nvidia* references are gone) -> plain CRIU dump ->
 release() when the dump ended the tree, else resume(). Restore: plain CRIU restore, not
-leave-stopped (the CUDA restore thread must run) -> hook.restore finds the tree's CHECKPOINTED
+leave-stopped (the CUDA restore thread must run) -> adapter.restore finds the tree's CHECKPOINTED
 processes -> checks the GPU map against this node -> restore (with complete pairs) then unlock.
 Why the plugin must stay out (as read in CRIU 4.1's plugins/cuda/cuda_plugin.c): at dump, its
 PAUSE_DEVICES leaves a process it finds already CHECKPOINTED alone but adds itself to the image
@@ -55,13 +55,13 @@ Note: cuDriverGetVersion returns the CUDA API version (12080 on r570, 13000 on r
 display driver version; detect.gpu_info() reports the driver branch (580) for preflight.
 """
 
+from memsnap.gpu.adapter import NvidiaGpuAdapter, load_adapter
 from memsnap.gpu.base import GpuDriver, GpuPairs, ProcessState
 from memsnap.gpu.checkpointer import GpuCheckpointer, GpuSuspension
 from memsnap.gpu.criuenv import criu_env, plugin_free_libdir
 from memsnap.gpu.detect import CudaProcess, device_bytes, find_cuda_processes, gpu_info, map_ns_pids
 from memsnap.gpu.driver import DriverApi, load_driver
 from memsnap.gpu.errors import GpuError, GpuPreflightError, GpuUnavailable
-from memsnap.gpu.hook import NvidiaGpuHook, load_hook
 from memsnap.gpu.preflight import GpuFacts, check, facts_from_info
 from memsnap.gpu.recovery import recover_pids, settle
 from memsnap.gpu.remap import restore_pairs, visible_gpus
@@ -79,7 +79,7 @@ __all__ = [
     "GpuPreflightError",
     "GpuSuspension",
     "GpuUnavailable",
-    "NvidiaGpuHook",
+    "NvidiaGpuAdapter",
     "ProcessState",
     "check",
     "criu_env",
@@ -88,7 +88,7 @@ __all__ = [
     "find_cuda_processes",
     "gpu_info",
     "load_driver",
-    "load_hook",
+    "load_adapter",
     "map_ns_pids",
     "plugin_free_libdir",
     "recover_pids",

@@ -109,12 +109,12 @@ class Parker(Part):
                 wait_stopped(pids, 10.0)
             frozen_ms = (time.monotonic() - t0) * 1000
             eng = self.spill or self.engine
-            from memsnap.engine import ROOT, DumpHooks
+            from memsnap.engine import ROOT, DumpExtras
             # signed into the manifest: a restore anywhere (memsnapctl restore, a Slurm requeue on another
             # node) knows the job was dumped stopped, and why
-            hooks = DumpHooks(manifest={"parked": {"reason": reason, "at_ms": now_ms(), "job": job_id,
+            extras = DumpExtras(manifest={"parked": {"reason": reason, "at_ms": now_ms(), "job": job_id,
                                                    "limit": g.limit, "priority": g.priority}})
-            rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name, hooks=hooks)
+            rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name, extras=extras)
         except BaseException:
             if headroom_to and g.cgroup and self.cg is not None:
                 try:  # the headroom was for the dump only: the job's own limit again (or each failed park adds it)

@@ -37,8 +37,8 @@ from memsnap.catalog import DURABLE, FAILED, CheckpointRecord
 from memsnap.client import ClientError, Target
 from memsnap.config import Config, parse_host_port
 from memsnap.convert import ckpt_pb
-from memsnap.criu import NotifyHooks
-from memsnap.engine import ROOT, Caller, DumpHooks
+from memsnap.criu import NotifyHandlers
+from memsnap.engine import ROOT, Caller, DumpExtras
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, TierExhausted
 from memsnap.malloc import bulk_transfer
 from memsnap.move import network
@@ -226,25 +226,25 @@ class Mover:
                 return self._streamed(caller, req, client, token, move, estimate, phases)
 
     def _dump_held(self, caller: Caller, req: MoveRequest, move: Move,
-                   hooks: DumpHooks) -> CheckpointRecord:
+                   extras: DumpExtras) -> CheckpointRecord:
         """Dumps with the job left stopped; locks its connections and moves the address off this node."""
         if req.tcp_established:
             move.lock = network.source_lock(move.pid, move.moved_ip)
-            hooks.dump_opts["network_lock_skip"] = True
+            extras.dump_opts["network_lock_skip"] = True
 
         def dumped() -> None:
             # The image is complete and the tree still frozen: the address may leave now.
             if move.moved_ip is not None:
                 move.ip_removed_from = net.remove_address(move.moved_ip, req.move_ip_dev_source)
 
-        hooks.notify = NotifyHooks(post_dump=dumped)
-        hooks.hold = True
-        hooks.dump_opts["skip_in_flight"] = not req.fail_on_in_flight
+        extras.notify = NotifyHandlers(post_dump=dumped)
+        extras.hold = True
+        extras.dump_opts["skip_in_flight"] = not req.fail_on_in_flight
         try:
             if move.lock is not None:
                 move.lock.acquire()
             return self.engine.checkpoint(caller, str(move.pid), tcp_established=req.tcp_established,
-                                          hooks=hooks)
+                                          extras=extras)
         except Exception as exc:
             # CRIU resumed the job itself (a failed dump leaves it running); undo the network side.
             restore_network(move)
@@ -258,11 +258,11 @@ class Mover:
                   move: Move, estimate: int, phases: Phases) -> MoveResult:
         # MEMSNAP_MIGRATE_SERIAL=1 on the source turns pipelining off: the benchmark's baseline.
         streamer = ImageStreamer(client, estimate, pipelined=not knobs.migrate_serial())
-        hooks = DumpHooks(before_dump=streamer.start, file_table=streamer.file_table)
+        extras = DumpExtras(before_dump=streamer.start, file_table=streamer.file_table)
         progress.phase("dump+transfer", estimate, lambda: streamer.bytes_sent)  # (memsnapctl's bar)
         t_dump = time.monotonic()
         try:
-            rec = self._dump_held(caller, req, move, hooks)
+            rec = self._dump_held(caller, req, move, extras)
         except BaseException:
             streamer.abort()
             raise
@@ -307,7 +307,7 @@ class Mover:
         if self.engine.drain is None:
             raise FailedPrecondition("--via-store needs a store on this node (store.dir or store.url)")
         t_dump = time.monotonic()
-        rec = self._dump_held(caller, req, move, DumpHooks())
+        rec = self._dump_held(caller, req, move, DumpExtras())
         move.ckpt_id = rec.id
         frozen_s = (rec.frozen_ms + float(rec.meta.get("freezing_ms", 0) or 0)) / 1000
         freeze_start = t_dump + max(0.0, rec.dump_ms / 1000 - frozen_s)

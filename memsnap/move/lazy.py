@@ -42,7 +42,7 @@ from memsnap import background, failpoints, knobs, lifecycle, manifest, net, pro
 from memsnap.auth import transfer_key
 from memsnap.catalog import DUMPING, FAILED, CheckpointRecord, now_ms
 from memsnap.client import ClientError
-from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyHooks, own_mount_ns, pipe_size_problem
+from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyHandlers, own_mount_ns, pipe_size_problem
 from memsnap.engine import Caller
 from memsnap.errors import (
     FailedPrecondition,
@@ -88,10 +88,10 @@ class _SourceState:
 
 # -- the lazy dump (source) ------------------------------------------------------------------------
 def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
-              hooks: Callable[[Path], NotifyHooks]) -> CriuError | None:
+              notify_for: Callable[[Path], NotifyHandlers]) -> CriuError | None:
     """Dumps rec.pid without its memory, whose pages CRIU then serves over ps_socket until the peer has
     them all; the tree is left stopped (end_held / resume_held decide). rec is journaled first, with
-    hold set, so recovery resumes the tree if we die. hooks(staging) answers CRIU's callbacks.
+    hold set, so recovery resumes the tree if we die. notify_for(staging) answers CRIU's callbacks.
     Returns CRIU's error, if any; raises (job untouched) when the pid is busy or the tier full."""
     try:
         pid_start = proc.start_time(rec.pid)
@@ -109,7 +109,7 @@ def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
         with host.exclusive(rec.pid):
             reservation = host.reserve(RESERVE_SLACK)
             try:
-                host.criu.dump(rec.pid, staging, work, opts, notify=hooks(staging))
+                host.criu.dump(rec.pid, staging, work, opts, notify=notify_for(staging))
             except CriuError as exc:
                 return exc
             finally:
@@ -196,7 +196,7 @@ def _move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: Mo
     criu_done = threading.Event()
     t_dump = time.monotonic()
 
-    def hooks(staging: Path) -> NotifyHooks:
+    def notify_for(staging: Path) -> NotifyHandlers:
         def frozen() -> None:
             state.t_freeze = time.monotonic()
 
@@ -212,10 +212,10 @@ def _move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: Mo
                 return False  # CRIU resumes the tree
             return True
 
-        return NotifyHooks(pre_dump=frozen, post_dump=dumped)
+        return NotifyHandlers(pre_dump=frozen, post_dump=dumped)
 
     try:
-        dump_error = lazy_dump(engine, rec, tunnel.criu_end.fileno(), hooks)
+        dump_error = lazy_dump(engine, rec, tunnel.criu_end.fileno(), notify_for)
     except MemsnapError as exc:  # busy, or no room for even the small images: the job was not touched
         tunnel.close()
         raise move_error(exc.code, f"migration failed at dump: {exc}; the job runs on here") from exc

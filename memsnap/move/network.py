@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from memsnap import net
-from memsnap.criu import NotifyCallback, NotifyHooks
+from memsnap.criu import NotifyCallback, NotifyHandlers
 from memsnap.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("memsnap.move")
@@ -60,7 +60,7 @@ def unlock_after_restore(lock: net.ConnectionLock | None) -> NotifyCallback:
         if lock is not None:
             lock.release()
 
-    return NotifyHooks(post_restore=restored)
+    return NotifyHandlers(post_restore=restored)
 
 
 class IncomingAddress:

@@ -31,10 +31,10 @@ from memsnap import failpoints, lifecycle, net
 from memsnap.backoff import Backoff, retrying
 from memsnap.catalog import FAILED, Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError
-from memsnap.collaborators import GpuHook, Uploads
+from memsnap.collaborators import GpuAdapter, Uploads
 from memsnap.config import Config
 from memsnap.criu import CriuApi, NotifyCallback
-from memsnap.engine import ROOT, Caller, DumpHooks, RestoreResult
+from memsnap.engine import ROOT, Caller, DumpExtras, RestoreResult
 from memsnap.errors import MemsnapError
 from memsnap.manifest import Manifest
 from memsnap.move import network
@@ -61,7 +61,7 @@ class MoveHost(Protocol):
     criu: CriuApi
     drain: Uploads | None  # the upload scheduler (memsnap.drain)
     repo: Repository | None  # the store (memsnap.repository)
-    gpu: GpuHook | None
+    gpu: GpuAdapter | None
     hostname: str
     key: bytes
     work_root: Path
@@ -71,8 +71,8 @@ class MoveHost(Protocol):
         """A pid, job id or name -> (live pid, job record)."""
 
     def checkpoint(self, caller: Caller, target: str, stop: bool = False, tcp_established: bool = False,
-                   name: str = "", hooks: DumpHooks | None = None) -> CheckpointRecord:
-        """Dumps into the tier (hooks: hold the tree, watch staging, answer CRIU's callbacks)."""
+                   name: str = "", extras: DumpExtras | None = None) -> CheckpointRecord:
+        """Dumps into the tier (extras: hold the tree, watch staging, answer CRIU's callbacks)."""
 
     def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
                 tcp_established: bool = False, notify: NotifyCallback | None = None,

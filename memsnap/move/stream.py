@@ -150,7 +150,7 @@ class ImageStreamer:
         self._thread: threading.Thread | None = None
         self._watch: _Inotify | None = None
 
-    # DumpHooks.before_dump: the watch must exist before CRIU creates the first file.
+    # DumpExtras.before_dump: the watch must exist before CRIU creates the first file.
     def start(self, staging: Path) -> None:
         """Starts watching staging and opens the stream to the peer."""
         self._dir = staging
@@ -160,7 +160,7 @@ class ImageStreamer:
         self._thread = threading.Thread(target=self._run, name=f"stream-{self.ckpt_id}", daemon=True)
         self._thread.start()
 
-    # DumpHooks.file_table: called by the engine right after CRIU returned.
+    # DumpExtras.file_table: called by the engine right after CRIU returned.
     def file_table(self) -> dict[str, dict[str, Any]] | None:
         """Waits until every file was read; returns {name: {size, blake3}}, or None if the stream broke."""
         self.t_criu_done = time.monotonic()

@@ -304,7 +304,7 @@ class ChunkedDrain:
                 refs.append([cid, off, n])
                 if how == "trusted":
                     trusted[cid] = (off, n)
-                progress(n)  # (called between chunks: the hook point for throttling and pausing drains)
+                progress(n)  # (called between chunks: where drains are throttled and paused)
 
             try:
                 with contextlib.ExitStack() as stack:

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from memsnap.collaborators import GpuHook
+from memsnap.collaborators import GpuAdapter
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError
 from memsnap.gpu import bindings as b
 from memsnap.gpu import criuenv, detect, preflight, remap
+from memsnap.gpu.adapter import NvidiaGpuAdapter, load_adapter
 from memsnap.gpu.base import ProcessState
 from memsnap.gpu.checkpointer import GpuCheckpointer
 from memsnap.gpu.driver import DriverApi, load_driver
 from memsnap.gpu.errors import GpuError, GpuPreflightError, GpuUnavailable
-from memsnap.gpu.hook import NvidiaGpuHook, load_hook
 from memsnap.gpu.recovery import recover_pids, settle
 from memsnap.gpu.tool import CudaCheckpointCli
 from tests.unit.fake_cuda import ILLEGAL_STATE, NOT_SUPPORTED, TIMEOUT, FakeLib, stages
@@ -499,8 +499,8 @@ def test_criu_env_points_at_an_empty_plugin_dir(tmp_path: Path) -> None:
         criuenv.criu_env(tmp_path / "criu-plugins", {})
 
 
-# -- the engine's hook ---------------------------------------------------------------------------
-def _hook_world(tmp_path: Path) -> tuple[FakeLib, list[int], NvidiaGpuHook]:
+# -- the engine's adapter -------------------------------------------------------------------------
+def _hook_world(tmp_path: Path) -> tuple[FakeLib, list[int], NvidiaGpuAdapter]:
     proc = _proc(
         tmp_path,
         {100: [101, 102]},
@@ -515,7 +515,7 @@ def _hook_world(tmp_path: Path) -> tuple[FakeLib, list[int], NvidiaGpuHook]:
         loads.append(1)
         return DriverApi(lib)
 
-    return lib, loads, NvidiaGpuHook(loader, run, proc, alive=lambda pid, start: pid in lib.states)
+    return lib, loads, NvidiaGpuAdapter(loader, run, proc, alive=lambda pid, start: pid in lib.states)
 
 
 NODE_GPUS = (
@@ -527,7 +527,7 @@ NODE_GPUS = (
 
 def test_hook_fits_the_engine_protocol_and_describes_the_tree(tmp_path: Path) -> None:
     _, loads, hook = _hook_world(tmp_path)
-    as_engine_sees_it: GpuHook = hook
+    as_engine_sees_it: GpuAdapter = hook
     desc = as_engine_sees_it.describe(100)
     assert [d["pid"] for d in desc] == [101, 102]
     assert desc[0]["ns_pid"] == 2 and desc[0]["uses_uvm_fd"] is True
@@ -547,7 +547,7 @@ def test_hook_refuses_forked_children_without_cuda_state(tmp_path: Path) -> None
     assert _ops(lib) == []
 
 
-def _dumped(tmp_path: Path, env: bytes = b"") -> tuple[FakeLib, NvidiaGpuHook, list[dict[str, Any]]]:
+def _dumped(tmp_path: Path, env: bytes = b"") -> tuple[FakeLib, NvidiaGpuAdapter, list[dict[str, Any]]]:
     """The hook world after a --stop dump: 101 CHECKPOINTED, and the manifest's gpus."""
     lib, _, hook = _hook_world(tmp_path)
     for fd in (tmp_path / "102" / "fd").iterdir():
@@ -662,7 +662,7 @@ def test_recovery_unlocks_and_restores_what_a_killed_daemon_left(tmp_path: Path,
         lib.states[101] = ProcessState.LOCKED  # the daemon died between lock and checkpoint
     del sus  # ... and never resumed or released anything
     assert lib.states[101] is left
-    after_restart = NvidiaGpuHook(lambda: DriverApi(lib), hook._runner, str(tmp_path), alive=lambda p, s: True)
+    after_restart = NvidiaGpuAdapter(lambda: DriverApi(lib), hook._runner, str(tmp_path), alive=lambda p, s: True)
     done = after_restart.recover(journal[0])
     assert lib.states[101] is ProcessState.RUNNING
     assert done == {101: "restored" if left is ProcessState.CHECKPOINTED else "unlocked"}
@@ -741,16 +741,16 @@ def test_hook_without_a_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     _, _, hook = _hook_world(tmp_path)
     for fd in (tmp_path / "102" / "fd").iterdir():
         fd.unlink()
-    none = NvidiaGpuHook(lambda: None, hook._runner, str(tmp_path))
+    none = NvidiaGpuAdapter(lambda: None, hook._runner, str(tmp_path))
     with pytest.raises(GpuUnavailable, match="driver >= 570"):
         none.suspend(100, 5000)
-    monkeypatch.setattr("memsnap.gpu.hook.shutil.which", lambda _: None)
-    assert load_hook(str(tmp_path)) is None
+    monkeypatch.setattr("memsnap.gpu.adapter.shutil.which", lambda _: None)
+    assert load_adapter(str(tmp_path)) is None
     (tmp_path / "driver" / "nvidia").mkdir(parents=True)
     (tmp_path / "driver" / "nvidia" / "version").write_text(
         "NVRM version: NVIDIA UNIX Kernel Module  580.65.06\n"
     )
-    assert isinstance(load_hook(str(tmp_path)), NvidiaGpuHook)
+    assert isinstance(load_adapter(str(tmp_path)), NvidiaGpuAdapter)
 
 
 def test_engine_recover_hands_journaled_gpu_steps_to_the_hook(tmp_path: Path) -> None:

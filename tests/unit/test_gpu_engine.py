@@ -1,5 +1,5 @@
 """The engine with a GPU job on the fake driver: a real `sleep` process as the job's root, two CUDA processes
-below it in a fake /proc, the real NvidiaGpuHook over a fake libcuda and a fake nvidia-smi, and FakeCriu."""
+below it in a fake /proc, the real NvidiaGpuAdapter over a fake libcuda and a fake nvidia-smi, and FakeCriu."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 
 from memsnap import manifest, metrics, phases
 from memsnap.config import QuotaConfig, UidQuota
-from memsnap.engine import ROOT, Caller, DumpHooks, Engine
+from memsnap.engine import ROOT, Caller, DumpExtras, Engine
 from memsnap.errors import QuotaExceeded, TierExhausted
+from memsnap.gpu.adapter import NvidiaGpuAdapter
 from memsnap.gpu.base import ProcessState
 from memsnap.gpu.driver import DriverApi
-from memsnap.gpu.hook import NvidiaGpuHook
 from memsnap.quota import Quotas
 from tests.unit.fake_cuda import FakeLib, fake_proc, ops, smi_runner, stages
 from tests.unit.fakes import FakeCriu, Procs, make_engine, procs_fixture, state_of  # noqa: F401
@@ -37,7 +37,7 @@ MIB = 1 << 20
 class World:
     engine: Engine
     lib: FakeLib
-    hook: NvidiaGpuHook
+    hook: NvidiaGpuAdapter
     pid: int  # the job's root: a real process
 
 
@@ -48,7 +48,7 @@ def make_world(tmp_path: Path, procs: Procs, capacity: int = 0, root: int = 0) -
     root = fake_proc(tmp_path / "proc", {pid: list(CUDA)}, {c: dev for c in CUDA}, nspid={pid: 1, 9001: 2, 9002: 3})
     _, run = smi_runner(NODE_GPUS, f"9001, 1024, {OLD}\n9002, 2048, {NEW}\n")
     lib = FakeLib(CUDA)
-    hook = NvidiaGpuHook(lambda: DriverApi(lib), run, root, alive=lambda p, start: p in lib.states)
+    hook = NvidiaGpuAdapter(lambda: DriverApi(lib), run, root, alive=lambda p, start: p in lib.states)
     return World(make_engine(tmp_path, capacity, criu=FakeCriu(), gpu=hook), lib, hook, pid)
 
 
@@ -60,7 +60,7 @@ def world(tmp_path: Path, procs: Procs) -> Iterator[World]:
 
 
 def test_a_held_gpu_job_that_resumes_here_gets_its_cuda_state_back(world: World) -> None:
-    rec = world.engine.checkpoint(ROOT, str(world.pid), hooks=DumpHooks(hold=True))
+    rec = world.engine.checkpoint(ROOT, str(world.pid), extras=DumpExtras(hold=True))
     assert state_of(world.pid) == "T"
     assert {world.lib.states[c] for c in CUDA} == {ProcessState.CHECKPOINTED}
     assert world.engine.catalog.get_checkpoint(rec.id).meta["gpu"]["pids"] == list(CUDA)  # type: ignore[union-attr]
@@ -75,7 +75,7 @@ def test_a_held_gpu_job_that_resumes_here_gets_its_cuda_state_back(world: World)
 
 
 def test_a_held_gpu_job_ended_after_its_move_leaves_no_cuda_journal(world: World) -> None:
-    rec = world.engine.checkpoint(ROOT, str(world.pid), hooks=DumpHooks(hold=True))
+    rec = world.engine.checkpoint(ROOT, str(world.pid), extras=DumpExtras(hold=True))
     world.engine.end_held(world.pid, "", rec.id)
     cur = world.engine.catalog.get_checkpoint(rec.id)
     assert cur is not None and "gpu" not in cur.meta

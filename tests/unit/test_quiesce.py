@@ -209,12 +209,12 @@ def test_odd_quiesce_dirs_ask_nobody_and_never_fail(where: str) -> None:
 
 
 def test_a_held_job_that_resumes_here_hears_resume_and_one_that_moved_does_not(jobs: Any, tmp_path: Path) -> None:
-    from memsnap.engine import DumpHooks
+    from memsnap.engine import DumpExtras
 
     e = make_engine(tmp_path)
     for resumed in (True, False):
         job = jobs("--mode", "ack")
-        rec = e.checkpoint(ROOT, str(job.pid), hooks=DumpHooks(hold=True))  # (a move's dump)
+        rec = e.checkpoint(ROOT, str(job.pid), extras=DumpExtras(hold=True))  # (a move's dump)
         assert job.lines() == ["ready", "quiesce"]
         cur = e.catalog.get_checkpoint(rec.id)
         assert cur is not None and cur.meta["quiesce"] is True  # (journaled: a restart would tell it)

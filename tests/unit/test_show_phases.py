@@ -15,7 +15,7 @@ from memsnap.convert import ckpt_pb
 
 GIB = 1 << 30
 UUID = "GPU-00112233-4455-6677-8899-aabbccddeeff"
-# What memsnap.gpu.hook.describe wrote into the manifest (and the catalog keeps): one entry per CUDA process.
+# What memsnap.gpu.adapter.describe wrote into the manifest (and the catalog keeps): one entry per CUDA process.
 GPUS = [{"pid": 101, "ns_pid": 2, "gpus": [{"uuid": UUID, "model": "NVIDIA H200", "bytes": 32 * GIB}],
          "device_bytes": 32 * GIB, "driver_version": "580.159.04"},
         {"pid": 102, "ns_pid": 3, "gpus": [], "device_bytes": 0, "driver_version": "580.159.04"}]

@@ -1,4 +1,4 @@
-"""The engine's GpuHook: describe, preflight + suspend, and restore the CUDA processes of a tree.
+"""The engine's GpuAdapter: describe, preflight + suspend, and restore the CUDA processes of a tree.
 
 A job declares what cannot be observed from outside through its environment: MEMSNAP_GPU_MANAGED=1
 (it uses CUDA managed/UVM memory) and MEMSNAP_GPU_IPC=1 (it shares device memory over CUDA IPC).
@@ -30,8 +30,8 @@ IPC_ENV = "MEMSNAP_GPU_IPC"
 _CACHE_S = 10.0
 
 
-class NvidiaGpuHook:
-    """GpuHook for memsnap.engine; loads the driver (cuInit) only when a CUDA job is first seen."""
+class NvidiaGpuAdapter:
+    """GpuAdapter for memsnap.engine; loads the driver (cuInit) only when a CUDA job is first seen."""
 
     def __init__(
         self,
@@ -190,8 +190,8 @@ class NvidiaGpuHook:
         return recover_pids(driver, pids, lambda p: p in live)
 
 
-def load_hook(proc_root: str = detect.PROC) -> NvidiaGpuHook | None:
-    """The hook when the NVIDIA kernel driver or nvidia-smi is present; None on CPU-only nodes."""
+def load_adapter(proc_root: str = detect.PROC) -> NvidiaGpuAdapter | None:
+    """The adapter when the NVIDIA kernel driver or nvidia-smi is present; None on CPU-only nodes."""
     if detect.kernel_driver_version(proc_root) is None and shutil.which("nvidia-smi") is None:
         return None
-    return NvidiaGpuHook(proc_root=proc_root)
+    return NvidiaGpuAdapter(proc_root=proc_root)
