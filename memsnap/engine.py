@@ -371,11 +371,11 @@ class Engine:
         if lazy and not self.criu.lazy_pages_supported():
             raise FailedPrecondition("CRIU cannot restore lazily on this node (no userfaultfd; see 'criu check "
                                      "--feature lazy_pages'); restore without --lazy")
-        spill = getattr(self.guard, "spill", None)
-        if spill is not None and spill is not self:
+        spill = self.guard.spill if self.guard is not None else None
+        if isinstance(spill, Engine) and spill is not self:
             rec = self.latest_restorable(caller, key)
             if rec.meta.get("spill"):  # a park image in guard.spill_dir: the engine of that tier restores it
-                return spill.restore(caller, rec.id, lazy, gpu_map, tcp_established, notify, restore_opts,  # type: ignore[no-any-return]
+                return spill.restore(caller, rec.id, lazy, gpu_map, tcp_established, notify, restore_opts,
                                      lazy_ps_socket, lazy_guard)
         with background.gate().foreground("restore"):
             return self.restorer.restore(caller, key, RestoreRequest(lazy, gpu_map, tcp_established, notify,
