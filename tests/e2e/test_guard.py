@@ -162,15 +162,21 @@ def test_parked_checkpoint_restored_plainly_runs_on_and_is_guarded_again(
     assert memory_cgroup_of(r["pid"]) == "/" + str(Path(cgroup).relative_to(V1))
 
 
-def test_spill_dir_takes_the_park_image_instead_of_the_memory_tier(
-        make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]) -> None:
-    spill = tmp_path / "spill"
-    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{spill}"\n')
-    d = make_daemon("spill", extra=["--config", cfg]).start()
+def _parked_into_spill(make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int], name: str, more_cfg: str = ""
+                       ) -> tuple[DaemonProc, dict[str, Any], dict[str, Any]]:
+    """A daemon with guard.spill_dir = tmp_path/spill, and a job it parked there at its 128M limit: (daemon, the
+    job as run_job gave it, its guard row once parked)."""
+    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{tmp_path / "spill"}"\n{more_cfg}')
+    d = make_daemon(name, extra=["--config", cfg]).start()
     job = run_job(d, "--memory-limit", "128M", argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "192"))
     jobs_to_kill.append(job["pid"])
-    row = wait_state(d, job["job"], "parked")
-    image = spill / row["parked_checkpoint"]
+    return d, job, wait_state(d, job["job"], "parked")
+
+
+def test_spill_dir_takes_the_park_image_instead_of_the_memory_tier(
+        make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]) -> None:
+    d, job, row = _parked_into_spill(make_daemon, tmp_path, jobs_to_kill, "spill")
+    image = tmp_path / "spill" / row["parked_checkpoint"]
     assert image.is_dir() and sum(f.stat().st_size for f in image.iterdir()) > 128 * M * 3 // 4
     assert json.loads(d.ctl("--json", "status", check=True).stdout)["tier_used_bytes"] == 0
     # drained to the store like any checkpoint; a spill dir on disk costs no RAM, so its copy stays
@@ -191,12 +197,8 @@ def test_a_restore_of_a_parked_job_finds_its_image_in_the_spill_dir_and_counts_a
     """`memsnapctl restore JOB` of a job parked into guard.spill_dir (its cgroup given room, as an admin would),
     before its image is durable: restored from the spill copy (it answered 'no tier copy and no stored copy; it is
     lost'), at the next tick, the parked row resumed as the new job, which is guarded in the same cgroup."""
-    spill = tmp_path / "spill"
-    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{spill}"\n[drain]\nbandwidth = "1M"\n')
-    d = make_daemon("spill-restore", extra=["--config", cfg]).start()
-    job = run_job(d, "--memory-limit", "128M", argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "192"))
-    jobs_to_kill.append(job["pid"])
-    row = wait_state(d, job["job"], "parked")
+    d, job, row = _parked_into_spill(make_daemon, tmp_path, jobs_to_kill, "spill-restore",
+                                     '[drain]\nbandwidth = "1M"\n')
     ck = json.loads(d.ctl("--json", "show", row["parked_checkpoint"], check=True).stdout)
     assert ck["state"] != "durable"  # (the drain is capped at 1 MB/s: only the spill copy exists)
     cgroup = guard_jobs(d)[job["job"]]["cgroup"]
