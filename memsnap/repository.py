@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from memsnap import failpoints, manifest, safefs
-from memsnap.catalog import CheckpointRecord
+from memsnap.catalog import DURABLE, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.malloc import release_memory
 from memsnap.store import (
@@ -390,8 +390,6 @@ def adopted_record(m: dict[str, Any], home: str = "") -> CheckpointRecord:
     """The catalog record of a durable checkpoint from its signed stored manifest (Repository.signed_manifest),
     for a node that did not make it. home: the node that made it, which deletes the stored copy ("" when this
     node owns it from now on: a move's target)."""
-    from memsnap.catalog import DURABLE, now_ms
-
     try:
         man = manifest.Manifest.from_dict(m)
         owner = int(m["uid"])
