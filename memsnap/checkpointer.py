@@ -14,6 +14,7 @@ import platform
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,14 +29,16 @@ from memsnap.manifest import Manifest
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.restorer import RESERVE_SLACK
-from memsnap.tier import MemoryTier, publish_image
+from memsnap.tier import TierReservation
+from memsnap.tiers import MEMORY, Tiers, publish_image
 
 log = logging.getLogger("memsnap.engine")
 
 
 @dataclass
 class DumpExtras:
-    """Extras for a dump that feeds a move to another node (memsnap.move); all optional."""
+    """Extras for a dump that feeds a move to another node (memsnap.move) or parks a job (memsnap.guard); all
+    optional."""
 
     hold: bool = False  # leave the tree stopped after staging; end_held() or resume_held() decides
     before_dump: Callable[[Path], None] | None = None  # gets the staging dir just before CRIU starts
@@ -43,13 +46,14 @@ class DumpExtras:
     notify: NotifyCallback | None = None  # CRIU notify callbacks (post-dump, ...)
     dump_opts: dict[str, Any] = field(default_factory=dict)  # extra DumpOptions fields
     manifest: dict[str, Any] = field(default_factory=dict)  # extra signed manifest fields (memsnap.guard: parked)
+    into: str = MEMORY  # the tier it goes to: SPILL for the guard's park images when guard.spill_dir is set
 
 
 class CheckpointHost(Protocol):
     """What the Checkpointer uses of the engine (memsnap.engine.Engine)."""
 
     catalog: Catalog
-    tier: MemoryTier
+    tier: Tiers
     criu: CriuApi
     cfg: EngineConfig
     key: bytes
@@ -62,9 +66,9 @@ class CheckpointHost(Protocol):
     quiesce: Quiescer
     observe: Callable[[str, str, float], None]
 
-    def exclusive(self, pid: int) -> Any: ...
+    def exclusive(self, pid: int) -> AbstractContextManager[None]: ...
 
-    def reserve(self, nbytes: int) -> Any: ...
+    def reserve(self, nbytes: int, into: str = MEMORY) -> TierReservation: ...
 
     def resolve_pid(self, target: str, caller: Caller = ...) -> tuple[int, JobRecord | None]: ...
 
@@ -96,7 +100,7 @@ class Checkpointer:
         self.host.authorize_uid(caller, owner, f"pid {pid}")
         t_start = time.monotonic()
         with self.host.exclusive(pid), background.gate().foreground("dump"):
-            reservation = self.host.reserve(self.dump_estimate(pid))
+            reservation = self.host.reserve(self.dump_estimate(pid), extras.into if extras else MEMORY)
             try:
                 rec = self._checkpoint_reserved(pid, job, owner, stop, tcp_established, name, extras)
             except Exception:
@@ -135,7 +139,7 @@ class Checkpointer:
         # Journal first: after a crash, recovery finds this row and removes the half-written image.
         lifecycle.begin(self.host.catalog, rec)
         clog = logging.LoggerAdapter(log, {"checkpoint_id": ckpt_id})
-        staging = self.host.tier.new_staging(ckpt_id)
+        staging = self.host.tier.new_staging(ckpt_id, into=extras.into)
         work = self.host.work_root / ckpt_id
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         frozen_after = stop or extras.hold

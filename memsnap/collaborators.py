@@ -4,7 +4,7 @@ protocols of the daemon's services it calls back (the drain, the GPU, the memory
 They live here, not in memsnap.engine, because the engine's parts (checkpointer, restorer, recovery, jobtable) and
 the move code name them too, and those cannot import the engine (it imports them). They are protocols, not the
 services' classes, because the services import the engine (memsnap.guard), or must stay unloaded on CPU-only
-nodes (memsnap.gpu). This module imports only the catalog's and the tier's types: anything may import it.
+nodes (memsnap.gpu). This module imports only the catalog's types: anything may import it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from memsnap.catalog import CheckpointRecord, JobRecord
-from memsnap.tier import MemoryTier
 
 
 @dataclass
@@ -88,20 +87,8 @@ class GuardedJobView(Protocol):
         """The checkpoint a parked job is parked on."""
 
 
-class SpillEngine(Protocol):
-    """The guard's second engine, over guard.spill_dir (a memsnap.engine.Engine)."""
-
-    @property
-    def tier(self) -> MemoryTier:
-        """The spill tier: where a park image of the guard lives."""
-
-
 class JobGuard(Protocol):
     """What the engine, its parts and gc use of the memory guard (memsnap.guard.service.Guard)."""
-
-    @property
-    def spill(self) -> SpillEngine | None:
-        """The spill tier's engine, or None (park images go to the memory tier)."""
 
     def get(self, job_id: str) -> GuardedJobView | None:
         """The guard's record of a job, or None when it does not guard it."""

@@ -395,6 +395,19 @@ def _check(config: Config, raw: dict[str, dict[str, tuple[object, str]]]) -> Non
         fail("tier", "numa_node", 'tier.kind = "numa" needs a node number >= 0')
     if config.tier.mount and config.tier.kind == "devdax":
         fail("tier", "mount", 'memsnapd mounts only a tmpfs: mount the DAX filesystem yourself (tier.mount = false)')
+    # Each of these directories is memsnapd's whole: at start it removes from a tier what no checkpoint names, so
+    # one inside another (a spill dir holding the state dir) would lose data.
+    roots = [("tier", "dir", config.tier.dir), ("state", "dir", config.state.dir)]
+    if not config.store.url:
+        roots.append(("store", "dir", config.store.dir))
+    if config.guard.spill_dir:
+        roots.append(("guard", "spill_dir", config.guard.spill_dir))
+    for i, (sec, key, a) in enumerate(roots):
+        for sec2, key2, b in roots[:i]:
+            pa, pb = os.path.abspath(a), os.path.abspath(b)
+            if os.path.commonpath([pa, pb]) in (pa, pb):
+                fail(sec, key, f"{a} and {sec2}.{key2} ({b}) must not be the same directory or lie inside each "
+                               "other: give each a directory of its own")
 
 
 # --- rendering ---------------------------------------------------------------------------

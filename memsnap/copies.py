@@ -1,4 +1,5 @@
-"""Tier copies: the per-checkpoint locks, room in the tier (reserved, made by evicting), and dropping a copy.
+"""Tier copies: the per-checkpoint locks, room in the tiers (reserved, made by evicting), and dropping a copy, for
+the checkpoints in the memory tier and the guard's spill tier alike (memsnap.tiers).
 
 A checkpoint's tier copy is fetched, published, evicted and deleted under its lock (checkpoint_lock), and never
 dropped while a restore reads it (in_use: the Restorer's readers and lazy page servers). reserve() makes room for
@@ -12,11 +13,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from memsnap.catalog import DURABLE, Catalog, CheckpointRecord
 from memsnap.errors import FailedPrecondition, TierExhausted
-from memsnap.tier import MemoryTier, TierFull
+from memsnap.tier import TierFull, TierReservation
+from memsnap.tiers import MEMORY, Tiers
 
 log = logging.getLogger("memsnap.engine")
 
@@ -24,18 +25,24 @@ log = logging.getLogger("memsnap.engine")
 class TierCopies:
     """The tier copies of one engine's checkpoints (see the module's doc)."""
 
-    def __init__(self, catalog: Catalog, tier: MemoryTier, in_use: Callable[[str], bool]) -> None:
+    def __init__(self, catalog: Catalog, tier: Tiers, in_use: Callable[[str], bool]) -> None:
         self.catalog, self.tier, self.in_use = catalog, tier, in_use
         self._evict_lock = threading.Lock()
         self._locks: dict[str, threading.RLock] = {}
         self._locks_lock = threading.Lock()
 
-    def reserve(self, nbytes: int) -> Any:
-        """Reserves tier room, evicting durable tier copies least-recently-used first if needed.
+    def reserve(self, nbytes: int, into: str = MEMORY) -> TierReservation:
+        """Reserves room in a tier; in the memory tier, evicting durable copies least-recently-used first if needed
+        (the spill tier is sized by its filesystem: nothing there is evicted to make room).
 
         A checkpoint whose lock someone holds (a fetch, restore, delete) is skipped, never waited for: the
         caller may hold another checkpoint's lock, and waiting could deadlock.
         """
+        if self.tier.named(into) is not self.tier.memory:
+            try:
+                return self.tier.reserve(nbytes, into)
+            except TierFull as exc:
+                raise TierExhausted(str(exc)) from exc
         with self._evict_lock:
             skipped: set[str] = set()
             while True:
@@ -60,12 +67,12 @@ class TierCopies:
     def _fits_after_evicting(self, nbytes: int) -> bool:
         """Whether evicting every evictable tier copy would make room for nbytes (else evict nothing)."""
         evictable = sum(r.size_bytes for r in self.catalog.checkpoints(states=(DURABLE,))
-                        if r.in_tier and r.in_store and self.tier.has(r.id) and not self.in_use(r.id))
+                        if r.in_tier and r.in_store and self.tier.memory.has(r.id) and not self.in_use(r.id))
         return self.tier.free_bytes() + evictable >= nbytes
 
     def _lru_evictable(self, skip: set[str] | None = None) -> CheckpointRecord | None:
         durable = [r for r in self.catalog.checkpoints(states=(DURABLE,))
-                   if r.in_tier and r.in_store and r.id not in (skip or ()) and self.tier.has(r.id)
+                   if r.in_tier and r.in_store and r.id not in (skip or ()) and self.tier.memory.has(r.id)
                    and not self.in_use(r.id)]
         return min(durable, key=lambda r: (r.last_used_ms or r.created_ms)) if durable else None
 

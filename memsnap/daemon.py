@@ -39,6 +39,7 @@ from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.store.bad_objects import BAD
 from memsnap.tier import MemoryTier, MountSpec, TierMountError
+from memsnap.tiers import Tiers
 from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc, peer_pb2, peer_pb2_grpc
 from memsnap.version import VersionAction
 
@@ -92,7 +93,7 @@ class Daemon:
             t = cfg.tier
             node = t.numa_node if t.kind == "numa" else -1
             mount = MountSpec(t.capacity or 0, t.huge_pages, node) if t.mount else None
-            self.tier = MemoryTier(t.dir, t.capacity or 0, t.kind, mount)
+            self.tier = Tiers(MemoryTier(t.dir, t.capacity or 0, t.kind, mount), self._spill_tier())
             self.criu = Criu(plugin_dir=state / "criu-plugins")
             key = manifest.load_or_create_key(Path(cfg.hmac_key_path))
             self.repo = build_repository(cfg, self.catalog, self.tier, key, self.metrics)
@@ -105,7 +106,7 @@ class Daemon:
             self.catalog, self.tier, self.criu, key, drain=self.drain, repo=self.repo, gpu=_load_gpu(),
             observe=self._observe,
         )
-        self.engine.guard = self.guard = self._make_guard(state, key)
+        self.engine.guard = self.guard = Guard(self.engine, cfg.guard, state, self.metrics)
         self.gc = self._make_gc()
         self.quota = Quotas(cfg.quota, cfg.quota_uids, self.engine)  # [quota]: what each uid may use
         self.notifier = Notifier.from_env(unset=True)
@@ -114,23 +115,14 @@ class Daemon:
         self._threads: list[Any] = []
         self.migrator: Mover | None = None
 
-    def _make_guard(self, state: Path, key: bytes) -> Guard:
-        """The memory guard (memsnap.guard), with its spill tier's engine when guard.spill_dir is set."""
-        spill = spill_drain = None
-        if self.cfg.guard.spill_dir:
-            try:
-                tier = MemoryTier(self.cfg.guard.spill_dir, 0, "tmpfs")
-            except safefs.UnsafePath as exc:
-                raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
-            spill_drain = build_drain(self.cfg, self.catalog, tier, self.repo, self.metrics)
-            spill = Engine(EngineConfig(state_dir=state, reserve_margin=self.cfg.tier.reserve_margin,
-                                        node_name=self.cfg.daemon.node_name),
-                           self.catalog, tier, self.criu, key, gpu=self.engine.gpu, drain=spill_drain, repo=self.repo,
-                           observe=self._observe)
-        guard = Guard(self.engine, self.cfg.guard, state, self.metrics, spill, spill_drain)
-        if spill is not None:  # (its park images carry the guard settings; a restore of one is the guard's news)
-            spill.guard = guard
-        return guard
+    def _spill_tier(self) -> MemoryTier | None:
+        """The guard's spill tier (guard.spill_dir): where park images go instead of the memory tier."""
+        if not self.cfg.guard.spill_dir:
+            return None
+        try:
+            return MemoryTier(self.cfg.guard.spill_dir, 0, "tmpfs", label="spill tier (guard.spill_dir)")
+        except safefs.UnsafePath as exc:
+            raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
 
     def _make_gc(self) -> Collector:
         """Retention and the chunk sweep (memsnap.gc), with the [retention] defaults."""

@@ -26,6 +26,7 @@ from memsnap.store import Codec, StoreError, Throttle, open_store
 from memsnap.store.chunked import ChunkOpts
 from memsnap.store.posix import StoreTampered
 from memsnap.tier import MemoryTier
+from memsnap.tiers import Tiers
 
 log = logging.getLogger("memsnap.drain")
 
@@ -35,7 +36,7 @@ _PROGRESS_EVERY_S = 0.25
 class DrainService:
     """A pool of drain workers over a time-ordered queue, sharing one bandwidth throttle."""
 
-    def __init__(self, repo: Repository, catalog: Catalog, tier: MemoryTier, concurrency: int = 2,
+    def __init__(self, repo: Repository, catalog: Catalog, tier: Tiers | MemoryTier, concurrency: int = 2,
                  retry_initial_s: float = 1.0, retry_max_s: float = 60.0, metrics: Any = None) -> None:
         self.repo = repo
         self.catalog = catalog
@@ -199,7 +200,8 @@ class DrainService:
         return put.stored_bytes
 
 
-def build_repository(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, metrics: Any) -> Repository | None:
+def build_repository(cfg: Any, catalog: Catalog, tier: Tiers | MemoryTier, key: bytes,
+                     metrics: Any) -> Repository | None:
     """The store repository for a daemon config: S3 when store.url is set, else the POSIX store dir; None
     without a store."""
     idle_heap()  # the drain's and fetch's 4 MiB chunks go back to the OS when freed (memsnap.malloc)
@@ -228,7 +230,7 @@ def build_repository(cfg: Any, catalog: Catalog, tier: MemoryTier, key: bytes, m
     return Repository(store, key, codec, throttle, metrics, opts, local_copies)
 
 
-def build_drain(cfg: Any, catalog: Catalog, tier: MemoryTier, repo: Repository | None,
+def build_drain(cfg: Any, catalog: Catalog, tier: Tiers | MemoryTier, repo: Repository | None,
                 metrics: Any) -> DrainService | None:
     """The drain of tier into repo (None without a store)."""
     if repo is None:

@@ -61,7 +61,8 @@ from memsnap.repository import Repository, adopted_record
 from memsnap.restorer import Restorer, RestoreRequest
 from memsnap.restorer import RestoreResult as RestoreResult
 from memsnap.retention import not_ours
-from memsnap.tier import MemoryTier
+from memsnap.tier import MemoryTier, TierReservation
+from memsnap.tiers import MEMORY, Tiers
 from memsnap.validate import shorten
 
 log = logging.getLogger("memsnap.engine")
@@ -70,12 +71,13 @@ log = logging.getLogger("memsnap.engine")
 class Engine:
     """Checkpoint, restore and catalog operations with authorization and crash-safe ordering."""
 
-    def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: MemoryTier, criu: CriuApi, hmac_key: bytes,
+    def __init__(self, cfg: EngineConfig, catalog: Catalog, tier: Tiers | MemoryTier, criu: CriuApi, hmac_key: bytes,
                  drain: Uploads | None = None, gpu: GpuAdapter | None = None, repo: Repository | None = None,
                  observe: Callable[[str, str, float], None] | None = None) -> None:
         self.cfg = cfg
         self.catalog = catalog
-        self.tier = tier
+        # the memory tier and the guard's spill tier, when it has one (a bare MemoryTier: the memory tier alone)
+        self.tier = tier if isinstance(tier, Tiers) else Tiers(tier)
         self.criu = criu
         self.key = hmac_key
         self.drain = drain
@@ -96,7 +98,7 @@ class Engine:
         self._busy: set[int] = set()
         self._busy_lock = threading.Lock()
         self.restorer = Restorer(self, from_store=restore_from_store)  # every restore (memsnap.restorer)
-        self.copies = TierCopies(catalog, tier, self.restorer.tier_copy_in_use)  # locks, room, eviction
+        self.copies = TierCopies(catalog, self.tier, self.restorer.tier_copy_in_use)  # locks, room, eviction
         self.jobtable = JobTable(self)  # jobs: run, stop, rm, prune, logs (memsnap.jobtable)
         self.checkpointer = Checkpointer(self)  # every dump (memsnap.checkpointer)
         self.quiesce = Quiescer()  # the jobs' quiesce hooks (memsnap.quiesce)
@@ -273,9 +275,10 @@ class Engine:
         """The manifest of an image dumped here (fields: frozen_ms, dump_ms, gpus, pages_remote, ...)."""
         return self.checkpointer.new_manifest(rec, argv, own_ns, job, files, **fields)
 
-    def reserve(self, nbytes: int) -> Any:
-        """Reserves tier room, evicting durable tier copies least-recently-used first if needed (TierCopies)."""
-        return self.copies.reserve(nbytes)
+    def reserve(self, nbytes: int, into: str = MEMORY) -> TierReservation:
+        """Reserves room in a tier, evicting durable memory-tier copies least-recently-used first if needed
+        (TierCopies)."""
+        return self.copies.reserve(nbytes, into)
 
     def checkpoint_lock(self, ckpt_id: str) -> AbstractContextManager[None]:
         """Serialises fetch, publish, evict and delete of one checkpoint's tier and store copies."""
@@ -371,12 +374,6 @@ class Engine:
         if lazy and not self.criu.lazy_pages_supported():
             raise FailedPrecondition("CRIU cannot restore lazily on this node (no userfaultfd; see 'criu check "
                                      "--feature lazy_pages'); restore without --lazy")
-        spill = self.guard.spill if self.guard is not None else None
-        if isinstance(spill, Engine) and spill is not self:
-            rec = self.latest_restorable(caller, key)
-            if rec.meta.get("spill"):  # a park image in guard.spill_dir: the engine of that tier restores it
-                return spill.restore(caller, rec.id, lazy, gpu_map, tcp_established, notify, restore_opts,
-                                     lazy_ps_socket, lazy_guard)
         with background.gate().foreground("restore"):
             return self.restorer.restore(caller, key, RestoreRequest(lazy, gpu_map, tcp_established, notify,
                                                                      restore_opts, lazy_ps_socket, lazy_guard))
@@ -413,14 +410,11 @@ class Engine:
             self._delete_copies(rec)
 
     def _delete_copies(self, rec: CheckpointRecord) -> None:
-        """Store copy (when this node owns it: retention.not_ours), tier copy (and a park image's spill copy),
-        then the catalog row; the caller holds checkpoint_lock(rec.id)."""
+        """Store copy (when this node owns it: retention.not_ours), tier copy (in whichever tier it lies), then the
+        catalog row; the caller holds checkpoint_lock(rec.id)."""
         if rec.in_store and self.repo is not None and not not_ours(rec, self.node):
             self.repo.delete(rec)
         self.tier.remove(rec.id)
-        spill = self.guard.spill if self.guard is not None else None  # a park image in guard.spill_dir lives there
-        if rec.meta.get("spill") and spill is not None and spill is not self:
-            spill.tier.remove(rec.id)
         lifecycle.forget(self.catalog, rec.id)
 
     def try_delete(self, ckpt_id: str, veto: Callable[[CheckpointRecord], str]) -> str:
@@ -518,8 +512,7 @@ class Engine:
 
     def pending_drains(self) -> list[str]:
         """Staged or draining checkpoints that still need to reach the store."""
-        return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING))
-                if r.in_tier and not r.meta.get("spill")]
+        return [r.id for r in self.catalog.checkpoints(states=(STAGED, DRAINING)) if r.in_tier]
 
 
 def _below_tmp(path: Path) -> bool:

@@ -18,7 +18,7 @@ from memsnap import lifecycle, proc
 from memsnap.catalog import DRAINING, DUMPING, FAILED, RESTORABLE, STAGED, Catalog, CheckpointRecord
 from memsnap.collaborators import GpuAdapter
 from memsnap.quiesce.notifier import Quiescer
-from memsnap.tier import MemoryTier
+from memsnap.tiers import Tiers
 
 log = logging.getLogger("memsnap.engine")
 
@@ -40,7 +40,7 @@ class RecoveryHost(Protocol):
     """What recovery uses of the engine (memsnap.engine.Engine)."""
 
     catalog: Catalog
-    tier: MemoryTier
+    tier: Tiers
     work_root: Path
     gpu: GpuAdapter | None
     quiesce: Quiescer
@@ -128,7 +128,7 @@ def recover(host: RecoveryHost, moves: MoveRecovery | None = None) -> dict[str, 
             host.tier.remove(ckpt_id)
             fixed["stray_tier"] += 1
     for rec in host.catalog.checkpoints():
-        if rec.in_tier and not host.tier.has(rec.id) and not rec.meta.get("spill"):  # (guard's spill tier)
+        if rec.in_tier and not host.tier.has(rec.id):
             # The tier is memory: a reboot empties it. Only the stored copy remains, if any.
             host.catalog.update_checkpoint(rec.id, in_tier=False)
             if not rec.in_store and rec.state in (STAGED, DRAINING):

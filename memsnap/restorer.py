@@ -35,7 +35,8 @@ from memsnap.lazyguard import LazyGuard
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.repository import Repository
-from memsnap.tier import MemoryTier
+from memsnap.tier import TierReservation
+from memsnap.tiers import MEMORY, Tiers
 from memsnap.validate import clip
 
 log = logging.getLogger("memsnap.engine")
@@ -88,7 +89,7 @@ class RestoreHost(Protocol):
     """What the Restorer uses of the engine (memsnap.engine.Engine)."""
 
     catalog: Catalog
-    tier: MemoryTier
+    tier: Tiers
     criu: CriuApi
     key: bytes
     work_root: Path
@@ -103,7 +104,7 @@ class RestoreHost(Protocol):
 
     def latest_restorable(self, caller: Caller, key: str) -> CheckpointRecord: ...
 
-    def reserve(self, nbytes: int) -> Any: ...
+    def reserve(self, nbytes: int, into: str = MEMORY) -> TierReservation: ...
 
     def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
                 tcp_established: bool = False, notify: NotifyCallback | None = None,

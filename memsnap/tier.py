@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memsnap import failpoints, lifecycle, manifest, mounts, safefs
-from memsnap.catalog import STAGED, Catalog, now_ms
+from memsnap import mounts, safefs
 
 log = logging.getLogger("memsnap.tier")
 
@@ -64,18 +63,19 @@ class MemoryTier:
     """
 
     def __init__(self, root: str | Path, capacity_bytes: int = 0, kind: str = "tmpfs",
-                 mount: MountSpec | None = None) -> None:
-        self.root = safefs.ensure_root(root, "memory tier")
+                 mount: MountSpec | None = None, label: str = "memory tier") -> None:
+        self.label = label  # what messages call it: "memory tier", or "spill tier (guard.spill_dir)"
+        self.root = safefs.ensure_root(root, label)
         self.kind = kind
         if mount is not None:
             # tier.mount: a tmpfs of our own on the checked root (or the one an earlier run mounted there), then the
             # root is checked again: what we use is the mount's root directory, not the directory under it.
             mount_tier(self.root, mount)
-            self.root = safefs.ensure_root(root, "memory tier")
+            self.root = safefs.ensure_root(root, label)
         self.fs, self.mount_point = describe_mount(self.root)
         if kind == "numa" and (self.fs is None or not self.fs.options.get("mpol", "").startswith("bind:")):
-            log.warning("memory tier %s: tier.kind is numa but nothing binds its pages to a node: set tier.mount = "
-                        "true, or mount a tmpfs there with mpol=bind:<node>", self.root)
+            log.warning("%s %s: tier.kind is numa but nothing binds its pages to a node: set tier.mount = "
+                        "true, or mount a tmpfs there with mpol=bind:<node>", label, self.root)
         self._fd = safefs.open_root(self.root)
         for sub in (STAGING, INCOMING):
             s = safefs.lstat(self._fd, sub)
@@ -155,7 +155,7 @@ class MemoryTier:
             free = fs_free - sum(self._reserved.values())
             if nbytes > free:
                 raise TierFull(
-                    f"memory tier {self.root} has {free >> 20} MiB free but the image needs about "
+                    f"{self.label} {self.root} has {free >> 20} MiB free but the image needs about "
                     f"{nbytes >> 20} MiB; free space (memsnapctl evict/delete) or enlarge the tier"
                 )
             key = uuid.uuid4().hex
@@ -236,22 +236,6 @@ def dir_bytes(d: Path) -> int:
     """Apparent size of the files in a directory tree."""
     with safefs.opened(os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as fd:
         return safefs.tree_bytes(fd)
-
-
-def publish_image(tier: MemoryTier, catalog: Catalog, key: bytes, staging: Path, man: manifest.Manifest,
-                  keep_meta: dict[str, Any] | None = None, failpoint: str = "", **record: Any) -> int:
-    """The one way an image enters the tier: signs man with this node's key into staging, moves staging
-    into place, and records the checkpoint (cataloged before, as DUMPING) as STAGED and in the tier, with
-    man.catalog_meta() over keep_meta and the fingerprint that spares restore a second hash. record: more
-    CheckpointRecord fields. Returns the image's size in bytes."""
-    manifest.write(staging, man.sign(key))
-    if failpoint:
-        failpoints.hit(failpoint)
-    tier.publish(staging, man.id)
-    meta = {**(keep_meta or {}), **man.catalog_meta(), "fingerprint": manifest.fingerprint(tier.path(man.id))}
-    lifecycle.advance(catalog, man.id, STAGED, in_tier=True, size_bytes=man.size_bytes,
-                              last_used_ms=now_ms(), meta=meta, **record)
-    return man.size_bytes
 
 
 # -- tier.mount: memsnapd mounts its own tmpfs on the tier root ------------------------------------------------

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from memsnap import jobs
-from memsnap.catalog import DRAINING, STAGED
 from memsnap.guard import psi
 from memsnap.guard.cgroups import CgroupError
 from memsnap.guard.park import Parker
@@ -44,10 +43,6 @@ class Loop(Part):
             if g.cgroup and self.cg is not None and Path(g.cgroup).is_dir():
                 self.watchers.watch(g.job_id, Path(g.cgroup))
         self.sweep()
-        if self.spill is not None and self.spill.drain is not None:
-            for rec in self.engine.catalog.checkpoints(states=(STAGED, DRAINING)):
-                if rec.in_tier and rec.meta.get("spill"):
-                    self.spill.drain.enqueue(rec.id)
         self._thread = threading.Thread(target=self._run, name="guard", daemon=True)
         self._thread.start()
 
@@ -76,8 +71,6 @@ class Loop(Part):
         self.stopping.set()
         if self._thread is not None:
             self._thread.join(10)
-        if self.spill_drain is not None:
-            self.spill_drain.stop()
 
     def _run(self) -> None:
         while not self.stopping.is_set():

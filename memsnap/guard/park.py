@@ -8,9 +8,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 from memsnap import background, jobs, lifecycle
 from memsnap.catalog import DURABLE, FAILED, now_ms
@@ -24,13 +22,13 @@ log = logging.getLogger("memsnap.guard")
 
 
 class Parker(Part):
-    """Parks jobs: the main engine's tier, or the spill engine's (guard.spill_dir) when there is one."""
+    """Parks jobs: into the memory tier, or the spill tier (guard.spill_dir) when there is one."""
 
     def __init__(self, parts: Parts) -> None:
         super().__init__(parts)
         # A spill tier in RAM (tmpfs, ramfs) is evicted once durable, like the memory tier; one on disk or DAX keeps
         # its copy (it costs no RAM, and a resume reads it without a fetch).
-        self.spill_in_ram = self.spill is not None and self.spill.tier.in_ram()
+        self.spill_in_ram = self.spill is not None and self.spill.in_ram()
         self._backoff: dict[str, float] = {}  # job -> monotonic time before which a failed park is not retried
 
     def backing_off(self, job_id: str) -> bool:
@@ -108,13 +106,14 @@ class Parker(Part):
             else:
                 wait_stopped(pids, 10.0)
             frozen_ms = (time.monotonic() - t0) * 1000
-            eng = self.spill or self.engine
             from memsnap.engine import ROOT, DumpExtras
+            from memsnap.tiers import MEMORY, SPILL
             # signed into the manifest: a restore anywhere (memsnapctl restore, a Slurm requeue on another
             # node) knows the job was dumped stopped, and why
             extras = DumpExtras(manifest={"parked": {"reason": reason, "at_ms": now_ms(), "job": job_id,
-                                                   "limit": g.limit, "priority": g.priority}})
-            rec = eng.checkpoint(ROOT, job_id, stop=True, name=job.name, extras=extras)
+                                                   "limit": g.limit, "priority": g.priority}},
+                                into=SPILL if self.spill is not None else MEMORY)
+            rec = self.engine.checkpoint(ROOT, job_id, stop=True, name=job.name, extras=extras)
         except BaseException:
             if headroom_to and g.cgroup and self.cg is not None:
                 try:  # the headroom was for the dump only: the job's own limit again (or each failed park adds it)
@@ -138,7 +137,7 @@ class Parker(Part):
         self.watchers.unwatch(job_id)
         parked = {"reason": reason, "at_ms": now_ms(), "job": job_id}
         if self.spill is not None:
-            parked["spill"] = str(self.spill.tier.root)
+            parked["spill"] = str(self.spill.root)
         lifecycle.mark(self.engine.catalog, rec.id, parked=parked, **({"spill": True} if self.spill else {}))
         stats = {"trigger_to_frozen_ms": round(frozen_ms, 1), "park_ms": round(park_ms, 1),
                  "image_bytes": rec.size_bytes, "headroom_limit": headroom_to, "dump_ms": rec.dump_ms,
@@ -153,9 +152,8 @@ class Parker(Part):
         if self.metrics is not None:
             self.metrics.guard_parks.labels(result="ok").inc()
             self.metrics.guard_park_seconds.observe(park_ms / 1000)
-        eng = self.spill or self.engine
-        if eng.drain is not None and (self.spill is None or self.spill_in_ram):
-            self._evict_when_durable(eng, rec.id, job_id, sampler)
+        if self.engine.drain is not None and (self.spill is None or self.spill_in_ram):
+            self._evict_when_durable(rec.id, job_id, sampler)
         else:
             self._finish_peak(job_id, sampler)
         g2 = self.table.get(job_id)
@@ -172,14 +170,14 @@ class Parker(Part):
                  extra={"job": job_id})
 
     # -- the RAM copy, once durable --------------------------------------------------------
-    def _evict_when_durable(self, eng: Any, ckpt_id: str, job_id: str, sampler: PeakSampler) -> None:
-        """Drops the copy in eng's RAM tier (the memory tier, or a tmpfs spill tier) once the drain made the image
+    def _evict_when_durable(self, ckpt_id: str, job_id: str, sampler: PeakSampler) -> None:
+        """Drops the copy in its RAM tier (the memory tier, or a tmpfs spill tier) once the drain made the image
         durable and no restore reads it (in the background, for up to guard.durable_wait_s)."""
         def wait() -> None:
             deadline = time.monotonic() + self.cfg.durable_wait_s
             try:
                 while time.monotonic() < deadline and not self.stopping.is_set():
-                    if self.evict_step(eng, ckpt_id, job_id):
+                    if self.evict_step(ckpt_id, job_id):
                         return
                     time.sleep(0.1)
                 log.warning("parked image %s not durable, or still read by a restore, after %.0f s: the tier copy "
@@ -190,8 +188,8 @@ class Parker(Part):
                 self._finish_peak(job_id, sampler)
         threading.Thread(target=wait, name=f"evict-{ckpt_id}", daemon=True).start()
 
-    def evict_step(self, eng: Any, ckpt_id: str, job_id: str) -> bool:
-        """One try at dropping a parked image's copy in eng's tier. True when nothing is left to do (dropped, the
+    def evict_step(self, ckpt_id: str, job_id: str) -> bool:
+        """One try at dropping a parked image's tier copy. True when nothing is left to do (dropped, the
         image failed, or the job is not parked any more); False to try again shortly (not durable yet, or a resume
         or restore reads that copy)."""
         rec = self.engine.catalog.get_checkpoint(ckpt_id)
@@ -205,18 +203,13 @@ class Parker(Part):
             cur = self.table.get(job_id)
             if cur is None or cur.state != PARKED:  # (a restore brought it back: the copy is no longer ours)
                 return True
-            with ExitStack() as locks:
-                # Each engine counts the restores reading a tier copy through it (CRIU, a lazy restore's pager),
-                # and marks one under its checkpoint_lock before CRIU reads: under those locks the count is exact.
-                # The guard's resume restores a spill image through the spill engine, a plain restore goes
-                # through the main engine: both are asked.
-                engines = [eng, *(e for e in (self.engine, self.spill) if e is not None and e is not eng)]
-                for e in engines:  # (eng's lock first; nothing else takes two engines' locks)
-                    locks.enter_context(e.checkpoint_lock(ckpt_id))
-                if any(e.tier_copy_in_use(ckpt_id) for e in engines):
+            with self.engine.checkpoint_lock(ckpt_id):
+                # The engine counts the restores reading a tier copy (CRIU, a lazy restore's pager), and marks one
+                # under the checkpoint's lock before CRIU reads: under that lock the count is exact.
+                if self.engine.tier_copy_in_use(ckpt_id):
                     return False
                 from memsnap.engine import ROOT
-                eng.evict(ROOT, ckpt_id)  # (which refuses a copy in use too, under the same lock)
+                self.engine.evict(ROOT, ckpt_id)  # (which refuses a copy in use too, under the same lock)
             log.info("parked image %s is durable: tier copy evicted", ckpt_id, extra={"checkpoint_id": ckpt_id})
             return True
         finally:

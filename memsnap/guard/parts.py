@@ -7,7 +7,6 @@ import threading
 from dataclasses import dataclass
 
 from memsnap.config import GuardConfig
-from memsnap.drain import DrainService
 from memsnap.engine import Engine
 from memsnap.guard.cgroups import MemoryCgroups
 from memsnap.guard.table import JobTable
@@ -17,9 +16,7 @@ from memsnap.metrics import Metrics
 
 @dataclass(frozen=True)
 class Parts:
-    engine: Engine  # the main engine (its catalog is the spill engine's too)
-    spill: Engine | None  # the engine over guard.spill_dir, or None
-    spill_drain: DrainService | None  # the spill engine's drain, the guard's to start and stop
+    engine: Engine  # its tiers hold the park images (engine.tier.spill, guard.spill_dir, when set)
     cfg: GuardConfig
     cg: MemoryCgroups | None  # the node's memory cgroups; None when none is usable
     cg_error: str  # why none is
@@ -33,7 +30,8 @@ class Part:
     """A part of the guard, with the shared pieces as its own attributes."""
 
     def __init__(self, parts: Parts) -> None:
-        self.engine, self.spill, self.spill_drain = parts.engine, parts.spill, parts.spill_drain
+        self.engine = parts.engine
+        self.spill = parts.engine.tier.spill  # the spill tier (guard.spill_dir), or None: park images in memory
         self.cfg, self.cg, self.cg_error = parts.cfg, parts.cg, parts.cg_error
         self.table, self.watchers, self.metrics, self.stopping = (parts.table, parts.watchers, parts.metrics,
                                                                   parts.stopping)

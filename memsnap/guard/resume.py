@@ -18,7 +18,7 @@ log = logging.getLogger("memsnap.guard")
 
 
 class Resumer(Part):
-    """Finds parked jobs and resumes them, through the spill engine for an image parked in guard.spill_dir."""
+    """Finds parked jobs and resumes them (from whichever tier holds the image, or from the store)."""
 
     def __init__(self, parts: Parts, adopt: Callable[..., GuardedJob]) -> None:
         super().__init__(parts)
@@ -76,11 +76,8 @@ class Resumer(Part):
                     self.cg.set_limit(cg, limit)
                 except (OSError, CgroupError) as exc:
                     raise FailedPrecondition(f"cannot prepare the memory cgroup of {g.job_id}: {exc}") from exc
-            rec = self.engine.catalog.get_checkpoint(g.checkpoint)
-            eng = self.spill if (rec is not None and rec.meta.get("spill") and self.spill is not None) \
-                else self.engine
             t0 = time.monotonic()
-            res = eng.restore(caller, g.checkpoint)  # (the engine sends SIGCONT: the manifest says parked)
+            res = self.engine.restore(caller, g.checkpoint)  # (the engine sends SIGCONT: the manifest says parked)
             resume_ms = (time.monotonic() - t0) * 1000
             ng = self.adopt(res.job.id, g.owner_uid, limit, g.priority, g.on_limit, g.cgroup)
             self.table.update(ng.job_id, stats={"resumed_from": g.job_id, "resume_ms": round(resume_ms, 1)})

@@ -16,7 +16,6 @@ from typing import Any
 from memsnap import jobs
 from memsnap.catalog import CheckpointRecord, JobRecord
 from memsnap.config import GuardConfig
-from memsnap.drain import DrainService
 from memsnap.engine import Engine
 from memsnap.errors import FailedPrecondition
 from memsnap.guard.cgroups import CgroupError, MemoryCgroups, detect
@@ -37,24 +36,18 @@ __all__ = ["ENDED", "KILLED", "PARKED", "RESUMED", "RUNNING", "Guard", "GuardedJ
 class Guard:
     """Watches limited jobs and node pressure; parks (checkpoint --stop) and resumes jobs."""
 
-    def __init__(self, engine: Engine, cfg: GuardConfig, state_dir: Path, metrics: Metrics | None = None,
-                 spill_engine: Engine | None = None, spill_drain: DrainService | None = None) -> None:
-        # spill_drain: spill_engine's drain (the daemon gives it to both), which the guard starts and stops
+    def __init__(self, engine: Engine, cfg: GuardConfig, state_dir: Path, metrics: Metrics | None = None) -> None:
+        # Park images go to the engine's spill tier (engine.tier.spill: guard.spill_dir) when it has one.
         self.engine = engine
         self.cfg = cfg
         self.metrics = metrics
-        self.spill = spill_engine
-        if spill_drain is not None:
-            # its own drain (the memory tier's reads another dir), started idle now, before the daemon starts the
-            # main drain: each start clears the store's interrupted uploads, which must not hit live ones
-            spill_drain.start([])
         self.dir = Path(state_dir) / "guard"
         self.dir.mkdir(mode=0o700, exist_ok=True)
         self.table = JobTable(engine.catalog, self.dir / "jobs.json")
         self.cg, self.cg_error = _cgroups(cfg)
         self.policy = NodePolicy(_thresholds(cfg), time.monotonic)
         self.watchers = Watchers(self.cg, cfg.pressure_level)
-        parts = Parts(engine, spill_engine, spill_drain, cfg, self.cg, self.cg_error, self.table, self.watchers,
+        parts = Parts(engine, cfg, self.cg, self.cg_error, self.table, self.watchers,
                       metrics, threading.Event())
         self.parker = Parker(parts)
         self.resumer = Resumer(parts, self.adopt)

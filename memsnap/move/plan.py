@@ -40,7 +40,8 @@ from memsnap.manifest import Manifest
 from memsnap.move import network
 from memsnap.move.peer import PeerClient
 from memsnap.repository import Repository
-from memsnap.tier import MemoryTier
+from memsnap.tier import TierReservation
+from memsnap.tiers import MEMORY, Tiers
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -57,7 +58,7 @@ class MoveHost(Protocol):
     """What moves need from the engine (memsnap.engine.Engine implements it); nothing private."""
 
     catalog: Catalog
-    tier: MemoryTier
+    tier: Tiers
     criu: CriuApi
     drain: Uploads | None  # the upload scheduler (memsnap.drain)
     repo: Repository | None  # the store (memsnap.repository)
@@ -91,7 +92,7 @@ class MoveHost(Protocol):
     def resume_held(self, pid: int, ckpt_id: str = "") -> None:
         """SIGCONTs a held tree (the move did not happen)."""
 
-    def reserve(self, nbytes: int) -> Any:
+    def reserve(self, nbytes: int, into: str = MEMORY) -> TierReservation:
         """Tier room (evicting durable copies if needed); release() it."""
 
     def exclusive(self, pid: int) -> AbstractContextManager[None]:

@@ -38,7 +38,8 @@ from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost, chain, move_error
 from memsnap.store.errors import BadObject
 from memsnap.store.parse import MANIFEST_MAX, load_json
-from memsnap.tier import INCOMING, publish_image
+from memsnap.tier import INCOMING
+from memsnap.tiers import publish_image
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")

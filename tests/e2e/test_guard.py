@@ -164,9 +164,9 @@ def test_parked_checkpoint_restored_plainly_runs_on_and_is_guarded_again(
 
 def _parked_into_spill(make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int], name: str, more_cfg: str = ""
                        ) -> tuple[DaemonProc, dict[str, Any], dict[str, Any]]:
-    """A daemon with guard.spill_dir = tmp_path/spill, and a job it parked there at its 128M limit: (daemon, the
+    """A daemon with guard.spill_dir = tmp_path/spill-tier, and a job it parked there at its 128M limit: (daemon, the
     job as run_job gave it, its guard row once parked)."""
-    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{tmp_path / "spill"}"\n{more_cfg}')
+    cfg = write_config(tmp_path / "spill.toml", f'[guard]\nspill_dir = "{tmp_path / "spill-tier"}"\n{more_cfg}')
     d = make_daemon(name, extra=["--config", cfg]).start()
     job = run_job(d, "--memory-limit", "128M", argv=counter_argv(16, 0.2, "--grow-mib", "32", "--grow-max-mib", "192"))
     jobs_to_kill.append(job["pid"])
@@ -176,7 +176,7 @@ def _parked_into_spill(make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]
 def test_spill_dir_takes_the_park_image_instead_of_the_memory_tier(
         make_daemon: Any, tmp_path: Path, jobs_to_kill: list[int]) -> None:
     d, job, row = _parked_into_spill(make_daemon, tmp_path, jobs_to_kill, "spill")
-    image = tmp_path / "spill" / row["parked_checkpoint"]
+    image = tmp_path / "spill-tier" / row["parked_checkpoint"]
     assert image.is_dir() and sum(f.stat().st_size for f in image.iterdir()) > 128 * M * 3 // 4
     assert json.loads(d.ctl("--json", "status", check=True).stdout)["tier_used_bytes"] == 0
     # drained to the store like any checkpoint; a spill dir on disk costs no RAM, so its copy stays

@@ -20,6 +20,7 @@ from memsnap.client import ClientError
 from memsnap.criu import CriuError, DumpOptions, DumpStats, NotifyCallback, RestoreOptions
 from memsnap.engine import Engine, EngineConfig
 from memsnap.tier import MemoryTier
+from memsnap.tiers import MEMORY, Tiers
 
 KEY = b"k" * 32
 # A pid no process can have (above the kernel's highest pid_max, 2**22), for rows whose process does not
@@ -109,12 +110,15 @@ def procs_fixture() -> Iterator[Procs]:
         p.wait()
 
 
-def make_engine(tmp: Path, capacity: int = 0, criu: FakeCriu | None = None, **kw: Any) -> Engine:
-    """An Engine over temp dirs and a FakeCriu."""
+def make_engine(tmp: Path, capacity: int = 0, criu: FakeCriu | None = None, spill: bool = False,
+                **kw: Any) -> Engine:
+    """An Engine over temp dirs and a FakeCriu; spill: with a spill tier (tmp/spill) beside the memory tier."""
     state = tmp / "state"
     state.mkdir(exist_ok=True)
-    return Engine(EngineConfig(state_dir=state, reserve_margin=0.0), Catalog(state),
-                  MemoryTier(tmp / "tier", capacity_bytes=capacity), criu or FakeCriu(), KEY, **kw)
+    tiers = Tiers(MemoryTier(tmp / "tier", capacity_bytes=capacity),
+                  MemoryTier(tmp / "spill", label="spill tier") if spill else None)
+    return Engine(EngineConfig(state_dir=state, reserve_margin=0.0), Catalog(state), tiers, criu or FakeCriu(),
+                  KEY, **kw)
 
 
 def add_ckpt(engine: Engine, ckpt_id: str, state: str, pid: int = 0, **kw: Any) -> CheckpointRecord:
@@ -132,9 +136,9 @@ def add_job(engine: Engine, job_id: str, pid: int, pid_start: float, restored_fr
     return job
 
 
-def put_in_tier(engine: Engine, ckpt_id: str, nbytes: int) -> None:
-    """A published tier copy of about nbytes."""
-    d = engine.tier.new_staging(ckpt_id)
+def put_in_tier(engine: Engine, ckpt_id: str, nbytes: int, into: str = MEMORY) -> None:
+    """A published tier copy of about nbytes (in the spill tier with into=SPILL)."""
+    d = engine.tier.new_staging(ckpt_id, into=into)
     (d / "pages-1.img").write_bytes(b"\0" * nbytes)
     (d / "manifest.json").write_text("{}")
     engine.tier.publish(d, ckpt_id)

@@ -77,6 +77,21 @@ def test_bad_override_names_the_key() -> None:
         load_config(None, {"drain.concurrency": 0})
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"guard.spill_dir": "/srv/m", "state.dir": "/srv/m/state"}, r"^override: guard\.spill_dir: /srv/m and state\.dir"),
+    ({"tier.dir": "/srv/m", "state.dir": "/srv/m"}, r"^override: state\.dir: /srv/m and tier\.dir"),
+    ({"store.dir": "/srv/m/tier/store", "tier.dir": "/srv/m/tier"}, r"^override: store\.dir: .* and tier\.dir"),
+])
+def test_memsnapds_own_directories_may_not_nest(overrides: dict[str, str], message: str) -> None:
+    """A spill dir holding the state dir would lose the state: start removes what no checkpoint names there."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_store_dir_inside_the_state_dir_is_fine_with_an_s3_store() -> None:
+    load_config(None, {"store.url": "s3://bucket/p", "store.dir": "/var/lib/memsnap/state/x"})
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [

@@ -15,6 +15,7 @@ from fakes import NO_PID, Procs, add_ckpt, add_job, make_engine, procs_fixture, 
 from memsnap import jobs
 from memsnap.catalog import DRAINING, DUMPING, DURABLE, FAILED, STAGED, CheckpointRecord
 from memsnap.engine import Engine
+from memsnap.tiers import SPILL
 
 
 class Moves:
@@ -315,11 +316,23 @@ def test_the_counts_add_up(tmp_path: Path) -> None:
 
 
 def test_a_copy_on_the_guards_spill_tier_is_not_lost(tmp_path: Path) -> None:
-    e = make_engine(tmp_path)
-    add_ckpt(e, "ck-a", STAGED, NO_PID, in_tier=True, meta={"spill": True})  # its image is on the spill tier
+    e = make_engine(tmp_path, spill=True)
+    add_ckpt(e, "ck-a", STAGED, NO_PID, in_tier=True, meta={"spill": True})
+    put_in_tier(e, "ck-a", 4096, into=SPILL)
     fixed = e.recover(Moves())
     rec = e.catalog.get_checkpoint("ck-a")
     assert rec is not None and rec.in_tier and rec.state == STAGED and fixed["lost_tier"] == 0
+    assert e.pending_drains() == ["ck-a"]  # (one drain for both tiers)
+
+
+def test_recovery_cleans_the_spill_tier_too(tmp_path: Path) -> None:
+    """A half-written park image and a copy no record names, in the spill tier: both go, like the memory tier's."""
+    e = make_engine(tmp_path, spill=True)
+    e.tier.new_staging("ck-half", into=SPILL)
+    put_in_tier(e, "ck-stray", 4096, into=SPILL)
+    fixed = e.recover(Moves())
+    assert fixed["stray_staging"] == 1 and fixed["stray_tier"] == 1
+    assert e.tier.spill is not None and list(e.tier.spill.staging_ids()) == [] and not e.tier.has("ck-stray")
 
 
 def test_only_a_copy_not_yet_durable_fails_when_its_tier_copy_is_lost(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from fakes import add_ckpt, make_engine, put_in_tier
 
 from memsnap.catalog import DURABLE, STAGED
 from memsnap.errors import TierExhausted
+from memsnap.tiers import SPILL
 
 MIB = 1 << 20
 
@@ -69,12 +70,12 @@ def test_a_copy_in_use_is_skipped_not_waited_for(tmp_path: Path) -> None:
     assert e.tier.has("ck-old") and not e.tier.has("ck-new")
 
 
-def test_a_durable_copy_in_another_tier_is_neither_evicted_nor_counted_as_room(tmp_path: Path) -> None:
-    """The guard's spill tier is a second engine over the same catalog: a spill image is DURABLE and in_tier
-    there, not here. Evicting it here would free nothing and orphan the spill copy (in_tier=False)."""
-    e = make_engine(tmp_path, capacity=8 * MIB)
-    add_ckpt(e, "ck-spilled", DURABLE, 1, in_tier=True, in_store=True, size_bytes=6 * MIB,  # (not in e's tier)
-             last_used_ms=1)
+def test_a_durable_copy_in_the_spill_tier_is_neither_evicted_nor_counted_as_room(tmp_path: Path) -> None:
+    """A park image in the guard's spill tier is DURABLE and in_tier, but not in the memory tier: evicting it
+    would free nothing there."""
+    e = make_engine(tmp_path, capacity=8 * MIB, spill=True)
+    add_ckpt(e, "ck-spilled", DURABLE, 1, in_tier=True, in_store=True, size_bytes=6 * MIB, last_used_ms=1)
+    put_in_tier(e, "ck-spilled", 6 * MIB, into=SPILL)
     _durable(e, "ck-here", 1000)
     with pytest.raises(TierExhausted):
         e.reserve(9 * MIB)  # (5 MiB free, ck-here frees 3 more: not enough, so nothing goes)
@@ -82,4 +83,11 @@ def test_a_durable_copy_in_another_tier_is_neither_evicted_nor_counted_as_room(t
     assert e.tier.has("ck-here")
     e.reserve(7 * MIB).release()  # (what ck-here frees is enough: it goes, the spill image stays)
     assert e.catalog.get_checkpoint("ck-spilled").in_tier  # type: ignore[union-attr]
-    assert not e.tier.has("ck-here")
+    assert e.tier.where("ck-spilled") == SPILL and not e.tier.has("ck-here")
+
+
+def test_room_in_the_spill_tier_evicts_nothing_from_the_memory_tier(tmp_path: Path) -> None:
+    e = make_engine(tmp_path, capacity=8 * MIB, spill=True)
+    _durable(e, "ck-here", 1000)
+    e.reserve(7 * MIB, into=SPILL).release()  # (the spill tier's filesystem has room; the memory tier's copy stays)
+    assert e.tier.has("ck-here") and e.catalog.get_checkpoint("ck-here").in_tier  # type: ignore[union-attr]

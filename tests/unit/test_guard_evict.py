@@ -1,6 +1,6 @@
 """When the guard drops a parked image's RAM copy once it is durable: never while a restore still reads that copy,
-and as soon as none does. A real Engine (two, with a spill tier) over FakeCriu and one catalog; no root, no
-cgroups, no drain (the test says when the image is durable)."""
+and as soon as none does. A real Engine (with a spill tier, or without) over FakeCriu; no root, no cgroups, no
+drain (the test says when the image is durable)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from fakes import KEY, FakeCriu, Procs, make_engine, procs_fixture  # noqa: F401
 from memsnap import lifecycle
 from memsnap.catalog import DRAINING, DURABLE
 from memsnap.config import GuardConfig
-from memsnap.engine import ROOT, Engine, EngineConfig
+from memsnap.engine import ROOT, DumpExtras, Engine
 from memsnap.guard.service import PARKED, Guard
-from memsnap.tier import MemoryTier
+from memsnap.tiers import MEMORY, SPILL
 
 
 class SlowCriu(FakeCriu):
@@ -48,10 +48,11 @@ def criu() -> Iterator[SlowCriu]:
             pass
 
 
-def _parked(eng: Engine, guard: Guard, procs: Procs) -> str:
-    """A durable checkpoint of a (then gone) process, made through eng, that the guard holds as job-1's park."""
+def _parked(eng: Engine, guard: Guard, procs: Procs, into: str = MEMORY) -> str:
+    """A durable checkpoint of a (then gone) process, dumped into the named tier, that the guard holds as job-1's
+    park."""
     pid, _ = procs.start()
-    rec = eng.checkpoint(ROOT, str(pid))
+    rec = eng.checkpoint(ROOT, str(pid), extras=DumpExtras(into=into))
     p = next(p for p in procs.started if p.pid == pid)
     p.kill()
     p.wait()  # (its pid must be free for the restore)
@@ -62,8 +63,8 @@ def _parked(eng: Engine, guard: Guard, procs: Procs) -> str:
     return rec.id
 
 
-def _guard(state: Path, engine: Engine, spill: Engine | None = None) -> Guard:
-    return Guard(engine, GuardConfig(cgroup_root=str(state / "no-cgroupfs")), state, spill_engine=spill)
+def _guard(state: Path, engine: Engine) -> Guard:
+    return Guard(engine, GuardConfig(cgroup_root=str(state / "no-cgroupfs")), state)
 
 
 def _restore_in_thread(eng: Engine, ckpt_id: str, criu: SlowCriu) -> threading.Thread:
@@ -88,11 +89,11 @@ def test_a_restore_reading_for_minutes_still_keeps_the_tier_copy(tmp_path: Path,
     ckpt = _parked(eng, guard, procs)
     t = _restore_in_thread(eng, ckpt, criu)
     _age(eng.work_root, ckpt, 120)  # (CRIU has been reading for two minutes, and its log has not moved)
-    assert guard.parker.evict_step(eng, ckpt, "job-1") is False  # (try again later)
+    assert guard.parker.evict_step(ckpt, "job-1") is False  # (try again later)
     assert eng.tier.has(ckpt) and eng.catalog.get_checkpoint(ckpt).in_tier  # type: ignore[union-attr]
     criu.done.set()
     t.join(10)
-    assert guard.parker.evict_step(eng, ckpt, "job-1") is True  # (the restore is over: the copy goes)
+    assert guard.parker.evict_step(ckpt, "job-1") is True  # (the restore is over: the copy goes)
     assert not eng.tier.has(ckpt) and not eng.catalog.get_checkpoint(ckpt).in_tier  # type: ignore[union-attr]
 
 
@@ -104,28 +105,25 @@ def test_a_finished_restores_fresh_work_dir_does_not_keep_the_tier_copy(tmp_path
     work = eng.work_root / f"{ckpt}.restore-0a0b0c"  # a restore that failed a moment ago left its work dir
     work.mkdir()
     (work / "restore.log").write_text("Error (criu/cr-restore.c:1): boom\n")
-    assert guard.parker.evict_step(eng, ckpt, "job-1") is True
+    assert guard.parker.evict_step(ckpt, "job-1") is True
     assert not eng.tier.has(ckpt) and not eng.catalog.get_checkpoint(ckpt).in_tier  # type: ignore[union-attr]
 
 
-def test_a_resume_through_the_spill_engine_keeps_the_spill_copy(tmp_path: Path, criu: SlowCriu,
-                                                                 procs: Procs) -> None:
-    """With guard.spill_dir the park image lives in the spill engine's tier, and the guard's resume restores it
-    through that engine: that engine's readers count (the main engine knows nothing of them)."""
-    main = make_engine(tmp_path)
-    state = main.cfg.state_dir
-    spill = Engine(EngineConfig(state_dir=state, reserve_margin=0.0), main.catalog,
-                   MemoryTier(tmp_path / "spill"), criu, KEY)
-    guard = _guard(state, main, spill)
-    ckpt = _parked(spill, guard, procs)
-    t = _restore_in_thread(spill, ckpt, criu)
-    _age(spill.work_root, ckpt, 120)
-    assert guard.parker.evict_step(spill, ckpt, "job-1") is False
-    assert spill.tier.has(ckpt)
+def test_a_restore_of_a_spill_image_keeps_the_spill_copy(tmp_path: Path, criu: SlowCriu, procs: Procs) -> None:
+    """With guard.spill_dir the park image lives in the spill tier; a restore of it reads there, and the one
+    engine counts that reader: the copy stays until the restore is done, then goes."""
+    eng = make_engine(tmp_path, criu=criu, spill=True)
+    guard = _guard(eng.cfg.state_dir, eng)
+    ckpt = _parked(eng, guard, procs, into=SPILL)
+    assert eng.tier.where(ckpt) == SPILL
+    t = _restore_in_thread(eng, ckpt, criu)
+    _age(eng.work_root, ckpt, 120)
+    assert guard.parker.evict_step(ckpt, "job-1") is False
+    assert eng.tier.has(ckpt)
     criu.done.set()
     t.join(10)
-    assert guard.parker.evict_step(spill, ckpt, "job-1") is True
-    assert not spill.tier.has(ckpt) and not main.catalog.get_checkpoint(ckpt).in_tier  # type: ignore[union-attr]
+    assert guard.parker.evict_step(ckpt, "job-1") is True
+    assert not eng.tier.has(ckpt) and not eng.catalog.get_checkpoint(ckpt).in_tier  # type: ignore[union-attr]
 
 
 def test_a_job_no_longer_parked_keeps_its_copy(tmp_path: Path, procs: Procs) -> None:
@@ -133,7 +131,7 @@ def test_a_job_no_longer_parked_keeps_its_copy(tmp_path: Path, procs: Procs) -> 
     guard = _guard(eng.cfg.state_dir, eng)
     ckpt = _parked(eng, guard, procs)
     guard.table.update("job-1", state="resumed")  # (a plain restore brought it back meanwhile)
-    assert guard.parker.evict_step(eng, ckpt, "job-1") is True
+    assert guard.parker.evict_step(ckpt, "job-1") is True
     assert eng.tier.has(ckpt)
 
 

@@ -16,7 +16,7 @@ from memsnap.guard.service import PARKED, Guard
 
 def guard(state: Path, catalog: Catalog) -> Guard:
     cfg = GuardConfig(cgroup_root=str(state / "no-cgroupfs"))  # (no controller: the table is what is tested)
-    return Guard(SimpleNamespace(catalog=catalog), cfg, state)
+    return Guard(SimpleNamespace(catalog=catalog, tier=SimpleNamespace(spill=None)), cfg, state)
 
 
 def test_a_parked_job_in_the_guards_table_is_still_parked_after_a_restart(tmp_path: Path) -> None:
@@ -63,7 +63,8 @@ class _ParkEndsMeanwhile:
 
 def test_a_park_that_ends_while_the_loop_reads_the_table_stays_parked(tmp_path: Path) -> None:
     cat = _ParkEndsMeanwhile(Catalog(tmp_path))
-    g = Guard(SimpleNamespace(catalog=cat), GuardConfig(cgroup_root=str(tmp_path / "no-cgroupfs")), tmp_path)
+    g = Guard(SimpleNamespace(catalog=cat, tier=SimpleNamespace(spill=None)),
+              GuardConfig(cgroup_root=str(tmp_path / "no-cgroupfs")), tmp_path)
     cat.guard = g
     g.adopt("job-1", 1000, limit=0, priority=0, on_limit="park", cgroup="")
     assert g.loop.running() == []

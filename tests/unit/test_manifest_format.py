@@ -10,7 +10,7 @@ from fakes import KEY, add_ckpt, make_engine
 from memsnap import manifest
 from memsnap.catalog import DUMPING, STAGED
 from memsnap.manifest import Manifest
-from memsnap.tier import publish_image
+from memsnap.tiers import publish_image
 
 # The body every memsnap since format 1 wrote for a plain checkpoint (engine.manifest_body before Manifest).
 OLD_BODY = {
