@@ -21,6 +21,8 @@ from memsnap.engine import ROOT, Caller, DumpExtras, Engine
 from memsnap.errors import FailedPrecondition, InvalidArgument, MemsnapError, PermissionDenied, Unauthenticated
 from memsnap.gc import Collector
 from memsnap.guard.policy import CRITICAL
+from memsnap.guard.service import Guard, GuardedJob
+from memsnap.move import Mover
 from memsnap.move.plan import MoveRequest, MoveResult
 from memsnap.phases import RESTORE
 from memsnap.quota import Quotas
@@ -90,21 +92,18 @@ def _aborted(context: grpc.ServicerContext) -> bool:
     return code is not None and code != grpc.StatusCode.OK
 
 
-def _guard_of(engine: Engine, job_id: str) -> Any:
-    guard = getattr(engine, "guard", None)
-    return guard.get(job_id) if guard is not None else None
 
 
 class MemsnapServicer(pb_grpc.MemsnapServicer):
     """The memsnap.v1.Memsnap service over an Engine."""
 
     def __init__(self, engine: Engine, status_extra: Callable[[], dict[str, Any]] | None = None,
-                 migrator: Any = None, quota: Quotas | None = None, gc: Collector | None = None) -> None:
-        # migrator: the daemon's memsnap.move.Mover (Any: api must not import the move package, which
-        # imports api's converters).
+                 migrator: Mover | None = None, quota: Quotas | None = None, gc: Collector | None = None,
+                 guard: Guard | None = None) -> None:
         self.engine = engine
         self.status_extra = status_extra or (lambda: {})
-        self.migrator = migrator
+        self.migrator = migrator  # moves (memsnap.move): None = this daemon moves nothing
+        self.guard = guard  # the memory guard (memsnap.guard): None = none on this daemon
         self.quota = quota  # [quota] (memsnap.quota): None = no limits
         self.gc = gc  # retention and the chunk sweep (memsnap.gc): None = this daemon runs none
 
@@ -151,7 +150,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
 
     @translate
     def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[job_pb(j, r, _guard_of(self.engine, j.id))
+        return pb.ListJobsResponse(jobs=[job_pb(j, r, self._guarded(j.id))
                                          for j, r in self.engine.list_jobs(caller_of(context))])
 
     @translate
@@ -236,6 +235,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         req = MoveRequest(**{f.name: getattr(request, f.name) for f in dataclasses.fields(MoveRequest)})
         note = note_for_target(self.engine.catalog.jobs(), request.target,  # (said only once the move is done)
                                lambda j: caller.is_root or j.owner_uid == caller.uid, "moved")
+        if self.migrator is None:
+            raise FailedPrecondition("this memsnapd moves no jobs (it was started without its mover)")
         with progress.begin(_op_id(request), "migrate", caller.uid):
             res: MoveResult = self.migrator.migrate(caller, req)
         return pb.MigrateResponse(target_pid=res.target_pid, checkpoint_id=res.checkpoint_id,
@@ -314,11 +315,14 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         g = guard.adopt(job.id, caller.uid, limit, priority, request.on_limit or "park", cgroup)
         return pb.RunJobResponse(job=job_pb(job, True, g))
 
-    def _guard(self) -> Any:
-        guard = getattr(self.engine, "guard", None)
-        if guard is None or not guard.cfg.enabled:
+    def _guard(self) -> Guard:
+        if self.guard is None or not self.guard.cfg.enabled:
             raise FailedPrecondition("the memory guard is off on this node ([guard] enabled = false)")
-        return guard
+        return self.guard
+
+    def _guarded(self, job_id: str) -> GuardedJob | None:
+        """What the memory guard knows of a job (None: nothing, or no guard)."""
+        return self.guard.get(job_id) if self.guard is not None else None
 
     @translate
     def ResumeJob(self, request: pb.ResumeJobRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
@@ -329,7 +333,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
             raise InvalidArgument(f"memory_limit_bytes {limit} is out of range: give at least 32M")
         with progress.begin(_op_id(request), "resume", caller.uid):
             res = self._guard().resume(request.job, caller=caller, new_limit=limit)
-        return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True, _guard_of(self.engine, res.job.id)),
+        return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True, self._guarded(res.job.id)),
                                   restore_ms=int(res.restore_ms), verify_ms=int(res.verify_ms),
                                   fetch_ms=int(res.fetch_ms), from_store=res.from_store)
 
@@ -362,7 +366,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     """The memsnap.v1.Peer service (daemon-to-daemon calls of a move) over the daemon's Mover; translation
     only (who may call it is auth.py's PEER_METHODS, plus the Mover's root check for local callers)."""
 
-    def __init__(self, mover: Any) -> None:
+    def __init__(self, mover: Mover) -> None:
         self.mover = mover
 
     @translate

@@ -166,7 +166,8 @@ class Daemon:
             self.drain.start(self.engine.pending_drains())
 
         migrator.recover()
-        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator, quota=self.quota, gc=self.gc)
+        servicer = MemsnapServicer(self.engine, self._status_extra, migrator=migrator, quota=self.quota, gc=self.gc,
+                                   guard=self.guard)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       # a second server on our port must fail, not share it

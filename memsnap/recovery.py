@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,7 +50,7 @@ class RecoveryHost(Protocol):
 
     def resume_held(self, pid: int, ckpt_id: str = "") -> None: ...
 
-    def journal(self, rec: CheckpointRecord, key: str) -> Any: ...
+    def journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]: ...
 
 
 def recover(host: RecoveryHost, moves: MoveRecovery | None = None) -> dict[str, int]:

@@ -38,7 +38,7 @@ from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost, chain, move_error
 from memsnap.store.errors import BadObject
 from memsnap.store.parse import MANIFEST_MAX, load_json
-from memsnap.tier import INCOMING
+from memsnap.tier import INCOMING, TierReservation
 from memsnap.tiers import publish_image
 from memsnap.v1 import memsnap_pb2 as pb
 
@@ -324,7 +324,7 @@ class ImageReceiver:
         self.verify_key = verify_key
         self._reserved = 0
         self._received = 0
-        self._reservations: list[Any] = []
+        self._reservations: list[TierReservation] = []
 
     def receive(self, chunks: Iterator[pb.ImageChunk]) -> tuple[str, int]:
         """Consumes the stream; returns (checkpoint id, bytes) once the image is published here."""
