@@ -122,7 +122,7 @@ class Daemon:
         try:
             return MemoryTier(self.cfg.guard.spill_dir, 0, "tmpfs", label="spill tier (guard.spill_dir)")
         except safefs.UnsafePath as exc:
-            raise SystemExit(f"memsnapd: guard.spill_dir: {exc}") from exc
+            raise SystemExit(f"memsnapd: {exc}") from exc
 
     def _make_gc(self) -> Collector:
         """Retention and the chunk sweep (memsnap.gc), with the [retention] defaults."""
