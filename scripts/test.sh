@@ -74,7 +74,7 @@ unit_log=$(mktemp /tmp/memsnap-unit-log.XXXXXX)
 (unit_as_nobody -rs -m "not root" >"$unit_log" 2>&1) &
 unit_pid=$!
 echo "== everything else, as root (and the unit tests that need root), beside the unit tier as uid $NOBODY"
-rest=0; $PY -m pytest tests -q -rs -m "root or not unit" || rest=$?
+rest=0; $PY -m pytest tests -q -rs --durations=25 -m "root or not unit" || rest=$?
 unit=0; wait "$unit_pid" || unit=$?
 echo "== the unit tier, as uid $NOBODY"
 cat "$unit_log"
