@@ -242,24 +242,24 @@ class Repository:
         if not isinstance(stored.get("files"), dict) or not isinstance(storage, dict) or \
                 not isinstance(storage.get("files"), dict) or set(storage["files"]) != set(stored["files"]):
             raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
-        if chunks.is_chunked(stored):
-            try:
-                chunks.layouts(stored)
-            except (StoreError, ValueError, TypeError, KeyError) as exc:
-                raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id}: {exc}") from exc
+        try:
+            chunks.chunked_storage(stored)
+        except StoreError as exc:
+            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id}: {exc}") from exc
         return dict(stored)
 
-    def chunk_reader(self, stored: dict[str, Any]) -> chunks.ChunkReader:
+    def chunk_reader(self, storage: chunks.ChunkedStorage) -> chunks.ChunkReader:
         """Reads the chunks of a verified chunked manifest (stored_manifest), through the node's chunk cache."""
-        return chunks.ChunkReader(self.store, stored, self.node_chunks.cache())  # type: ignore[arg-type]
+        return chunks.ChunkReader(self.store, storage, self.node_chunks.cache())  # type: ignore[arg-type]
 
     def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
         """Copies a durable checkpoint into dest, verifying the signature and every hash on the way."""
         t0 = time.monotonic()
         stored = self.stored_manifest(rec)
         with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
-            if chunks.is_chunked(stored):
-                self._fetch_chunked(rec, stored, dfd)
+            storage = chunks.chunked_storage(stored)
+            if storage is not None:
+                self._fetch_chunked(rec, storage, dfd)
             else:
                 self._fetch_files(rec, stored, dfd)
         tier_body = {k: v for k, v in stored.items() if k != "storage"}
@@ -268,9 +268,9 @@ class Repository:
             self.metrics.observe_phase("fetch", time.monotonic() - t0)
         release_memory()
 
-    def _fetch_chunked(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
+    def _fetch_chunked(self, rec: CheckpointRecord, storage: chunks.ChunkedStorage, dfd: int) -> None:
         try:
-            reader = chunks.ChunkReader(self.store, stored)  # type: ignore[arg-type]
+            reader = chunks.ChunkReader(self.store, storage)  # type: ignore[arg-type]
             local = self.node_chunks.tier_chunks(self._local_copies(rec.id))
             got = chunked.fetch_chunked(reader, dfd, local, self.node_chunks.cache())
         except StoreUnavailable as exc:
