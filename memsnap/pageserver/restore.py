@@ -39,12 +39,12 @@ from memsnap import failpoints, knobs, proc, safefs
 from memsnap.catalog import CheckpointRecord
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.lazyguard import LazyGuard
+from memsnap.manifest import StoredManifest
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
 from memsnap.repository import Repository
 from memsnap.restorer import PreparedImage
-from memsnap.store import chunks
 from memsnap.store.chunks import ChunkedStorage
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Prepared:
         self.fetch_ms = fetch_ms
 
 
-def prepare(repo: Repository, rec: CheckpointRecord, stored: dict[str, Any], storage: ChunkedStorage,
+def prepare(repo: Repository, rec: CheckpointRecord, stored: StoredManifest, storage: ChunkedStorage,
             root: Path) -> Prepared:
     """Fetches and verifies the small files of a chunked stored checkpoint (stored, its storage) into
     root/images, and writes the eager pages there."""
@@ -158,8 +158,7 @@ def prepare(repo: Repository, rec: CheckpointRecord, stored: dict[str, Any], sto
         finally:
             for fd in fds.values():
                 os.close(fd)
-    man = {k: v for k, v in stored.items() if k != "storage"}
-    return Prepared(root, man, index, source, (time.monotonic() - t0) * 1000)
+    return Prepared(root, stored.tier_body(), index, source, (time.monotonic() - t0) * 1000)
 
 
 def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
@@ -177,13 +176,12 @@ def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
             return None
         try:
             stored = repo.stored_manifest(rec)
-            storage = chunks.chunked_storage(stored)
-            if storage is None:
+            if stored.chunked is None:
                 # A whole-file (format 1) copy can be verified only whole: served before its hash is known,
                 # a forged one would run until the end. It is fetched and verified first, as before.
                 return None
             t_man = time.monotonic()
-            prep = prepare(repo, rec, stored, storage, root)
+            prep = prepare(repo, rec, stored, stored.chunked, root)
         except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
             shutil.rmtree(root, ignore_errors=True)
             _refused(engine, rec, str(exc), t0)

@@ -271,12 +271,12 @@ def test_store_chunk_keys_are_checked_when_the_config_loads(tmp_path: Path, text
 
 
 def test_a_checkpoint_adopted_from_a_chunked_stored_manifest_keeps_its_sizes(tmp_path: Path, store: PosixStore) -> None:
-    from memsnap.manifest import Manifest
+    from memsnap.manifest import StoredManifest
 
     d, files = _tier(tmp_path, _pages(300, 17))
     m, _ = _drain(store, d, files, "ck-1")
-    body = {"id": "ck-1", "pid": 1, "job": "job-1", "name": "n", "uid": 0, **m}
-    meta = Manifest.from_dict(body).catalog_meta()
+    body = {"id": "ck-1", "pid": 1, "job": "job-1", "name": "n", "uid": 0, "format": 2, **m}
+    meta = StoredManifest.parse(body).catalog_meta()
     assert meta["store"] == {"format": "chunked", "logical_bytes": m["storage"]["logical_bytes"],
                              "stored_bytes": m["storage"]["stored_bytes"], "new_bytes": m["storage"]["new_bytes"]}
     assert meta["store"]["logical_bytes"] == 300 * PAGE + 400
