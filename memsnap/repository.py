@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from memsnap import failpoints, manifest, safefs
 from memsnap.catalog import DURABLE, CheckpointRecord, now_ms
@@ -46,6 +46,9 @@ from memsnap.store import (
 )
 from memsnap.store.chunked import ChunkOpts
 from memsnap.store.posix import StoreTampered
+
+if TYPE_CHECKING:
+    from memsnap.metrics import Metrics
 
 log = logging.getLogger("memsnap.repository")
 
@@ -72,7 +75,7 @@ class Repository:
     """A store, the node key that signs what goes into it, and the codec and chunking it is written with."""
 
     def __init__(self, store: Store, key: bytes, codec: Codec, throttle: Throttle | None = None,
-                 metrics: Any = None, chunk_opts: ChunkOpts | None = None,
+                 metrics: Metrics | None = None, chunk_opts: ChunkOpts | None = None,
                  local_copies: LocalCopies | None = None) -> None:
         self.store = store
         self.key = key
