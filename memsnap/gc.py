@@ -267,7 +267,9 @@ class StoreSweeper:
                     raise SweepRefused(f"the stored manifest of {ckpt_id} has format {fmt}, newer than this memsnap "
                                        "knows: the sweep stopped before deleting anything; upgrade memsnap on this "
                                        "node (or delete that checkpoint from the store)")
-                keep |= self.chunks.referenced_chunks(stored) | self.chunks.referenced_packs(stored)
+                storage = self.chunks.chunked_storage(stored)  # (None: a whole-file copy references no chunk)
+                if storage is not None:
+                    keep |= storage.referenced_chunks() | storage.referenced_packs()
             except StoreNotFound:
                 continue  # deleted meanwhile: its chunks may go
             except (BadObject, ValueError) as exc:  # planted or cut: never a reason to stop every node's gc

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import secrets
 import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,9 @@ from typing import Any
 import blake3
 
 from memsnap import safefs
-from memsnap.store.errors import BadObject
-from memsnap.store.parse import MANIFEST_MAX, NOT_AN_OBJECT, load_json
+from memsnap.store.chunks import ChunkedStorage, chunked_storage, is_image_file_name
+from memsnap.store.errors import BadObject, StoreError
+from memsnap.store.parse import MANIFEST_MAX, NOT_AN_OBJECT, clip, is_count, load_json
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -111,11 +114,114 @@ class Manifest:
             meta["log_mount"] = self.log_mount
         if self.phases:
             meta["phases"] = self.phases
-        st = self.extra.get("storage")
-        if isinstance(st, dict) and st.get("layout") == "chunked":  # a stored manifest of a chunked image
-            meta["store"] = {"format": "chunked", **{k: int(st.get(k, 0) or 0)
-                                                     for k in ("logical_bytes", "stored_bytes", "new_bytes")}}
         return meta
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """Where a whole-file (format 1) stored copy keeps one file: its object, whether zstd encoded it, the hash of
+    those stored bytes, and the file's own size and hash."""
+
+    key: str
+    zstd: bool
+    stored_blake3: str
+    size: int
+    blake3: str
+
+
+@dataclass(frozen=True)
+class StoredManifest:
+    """A checkpoint's signed manifest in the store, parsed once where it enters (StoredManifest.parse, after its
+    signature was verified: memsnap.repository): the image's Manifest and where its files are stored, either
+    chunked (memsnap.store.chunks.ChunkedStorage) or one object each (StoredFile)."""
+
+    man: Manifest  # its body, less the storage section
+    storage: ChunkedStorage | Mapping[str, StoredFile]
+    _signed: dict[str, Any] = field(repr=False, compare=False)  # the JSON as stored (signature and all)
+
+    @classmethod
+    def parse(cls, signed: dict[str, Any]) -> StoredManifest:
+        """The stored manifest of its (verified) JSON; IntegrityError for any that memsnap does not write: an
+        unknown format, a field missing or of another type, a storage section that does not parse."""
+        check_format(signed)
+        man = Manifest.from_dict({k: v for k, v in signed.items() if k != "storage"})  # (id, job, ... are there)
+        for k, ok in _STORED_FIELDS.items():
+            if k in signed and not ok(signed[k]):
+                raise IntegrityError(f"integrity check failed: stored manifest has a bad {k!r} "
+                                     f"({clip(signed[k], 60)!r})")
+        files = signed.get("files")
+        if not isinstance(files, dict):
+            raise IntegrityError("integrity check failed: stored manifest has no file list")
+        for name, meta in files.items():
+            if not (is_image_file_name(name) and isinstance(meta, dict) and is_count(meta.get("size"))
+                    and isinstance(meta.get("blake3"), str)):
+                raise IntegrityError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
+        try:
+            storage = chunked_storage(signed) or _whole_files(signed, files)
+        except StoreError as exc:  # (ChunkError)
+            raise IntegrityError(str(exc)) from exc
+        return cls(man, storage, dict(signed))
+
+    @property
+    def chunked(self) -> ChunkedStorage | None:
+        """Its chunked storage, None for a whole-file copy."""
+        return self.storage if isinstance(self.storage, ChunkedStorage) else None
+
+    def check_binding(self, ckpt_id: str, job: str, uid: int) -> None:
+        """IntegrityError unless it is the manifest of checkpoint ckpt_id of job, owned by uid (check_binding)."""
+        check_binding(self._signed, ckpt_id, job, uid)
+
+    def tier_body(self) -> dict[str, Any]:
+        """The body of the tier manifest of a copy fetched back: the signed body as stored, less its storage,
+        format and signature (sign() it with the node's key)."""
+        return {k: v for k, v in self._signed.items() if k not in ("storage", "format", "signature")}
+
+    def catalog_meta(self) -> dict[str, Any]:
+        """Manifest.catalog_meta, and a chunked copy's sizes in the store (a node that adopts it shows them)."""
+        meta = self.man.catalog_meta()
+        if self.chunked is not None:
+            meta["store"] = {"format": "chunked", **self.chunked.sizes()}
+        return meta
+
+    def __getitem__(self, key: str) -> Any:
+        """A field of the signed JSON: only for memsnap.engine's adoption by name, until it reads .man."""
+        return self._signed[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A field of the signed JSON, or default (see __getitem__)."""
+        return self._signed.get(key, default)
+
+
+def _int64(v: object) -> bool:
+    return type(v) is int and -(1 << 63) <= v < 1 << 63
+
+
+def _number(v: object) -> bool:
+    return _int64(v) or (type(v) is float and math.isfinite(v))
+
+
+# The fields of a stored manifest whose type downstream code relies on (an adoption, a restore), when present;
+# id, pid, job, name, uid and files must be (Manifest.from_dict).
+_STORED_FIELDS: dict[str, Callable[[object], bool]] = {
+    "id": lambda v: isinstance(v, str), "job": lambda v: isinstance(v, str), "pid": _int64, "uid": _int64,
+    "name": lambda v: v is None or isinstance(v, str), "created_ms": _int64, "frozen_ms": _number,
+    "dump_ms": _number}
+
+
+def _whole_files(signed: dict[str, Any], files: dict[str, Any]) -> dict[str, StoredFile]:
+    """The storage of a whole-file (format 1) stored copy: each file an object of its own, under its name."""
+    st = signed.get("storage")
+    sfiles = st.get("files") if isinstance(st, dict) else None
+    if not isinstance(sfiles, dict) or set(sfiles) != set(files):
+        raise IntegrityError("integrity check failed: stored manifest lists other files")
+    out = {}
+    for name, s in sfiles.items():
+        zstd = isinstance(s, dict) and s.get("codec") == "zstd"
+        if not isinstance(s, dict) or s.get("key") != f"{signed['id']}/{name}" + (".zst" if zstd else "") or \
+                not isinstance(s.get("stored_blake3"), str):
+            raise IntegrityError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
+        out[name] = StoredFile(s["key"], zstd, s["stored_blake3"], files[name]["size"], files[name]["blake3"])
+    return out
 
 
 def file_blake3(path: Path) -> str:
@@ -276,6 +382,16 @@ def fingerprint(images_dir: Path) -> dict[str, list[int]]:
         return {name: [*_fp(s)] for name, s in _image_files(dfd, images_dir).items()}
 
 
+def check_format(manifest: dict[str, Any]) -> None:
+    """Raises IntegrityError unless the manifest has a format this memsnap knows."""
+    # Format 2 is only ever a stored manifest of a chunked image: one without its chunk lists is not one.
+    fmt = manifest.get("format")
+    if type(fmt) is not int or fmt not in KNOWN_FORMATS or \
+            (fmt == FORMAT_CHUNKED and not isinstance(manifest.get("storage"), dict)):
+        raise IntegrityError(f"integrity check failed: manifest format {manifest.get('format')!r} is not one "
+                             f"this memsnap knows ({sorted(KNOWN_FORMATS)})")
+
+
 def check_binding(manifest: dict[str, Any], ckpt_id: str, job: str, uid: int) -> None:
     """Raises IntegrityError unless a (verified) manifest is the one of checkpoint ckpt_id of job, owned by uid.
 
@@ -284,12 +400,7 @@ def check_binding(manifest: dict[str, Any], ckpt_id: str, job: str, uid: int) ->
     Every manifest since format 1 carries id, job and uid in its signed body, so old ones are bound too;
     one that lacks them, or has an unknown format, is refused.
     """
-    # Format 2 is only ever a stored manifest of a chunked image: one without its chunk lists is not one.
-    fmt = manifest.get("format")
-    if type(fmt) is not int or fmt not in KNOWN_FORMATS or \
-            (fmt == FORMAT_CHUNKED and not isinstance(manifest.get("storage"), dict)):
-        raise IntegrityError(f"integrity check failed: manifest format {manifest.get('format')!r} is not one "
-                             f"this memsnap knows ({sorted(KNOWN_FORMATS)})")
+    check_format(manifest)
     got = (manifest.get("id"), manifest.get("job"), manifest.get("uid"))
     if got != (ckpt_id, job, uid):
         raise IntegrityError(f"integrity check failed: the signed manifest belongs to checkpoint {got[0]!r} "

@@ -21,10 +21,10 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from memsnap import failpoints, manifest, safefs
 from memsnap.catalog import DURABLE, CheckpointRecord, now_ms
@@ -46,6 +46,9 @@ from memsnap.store import (
 )
 from memsnap.store.chunked import ChunkOpts
 from memsnap.store.posix import StoreTampered
+
+if TYPE_CHECKING:
+    from memsnap.metrics import Metrics
 
 log = logging.getLogger("memsnap.repository")
 
@@ -72,7 +75,7 @@ class Repository:
     """A store, the node key that signs what goes into it, and the codec and chunking it is written with."""
 
     def __init__(self, store: Store, key: bytes, codec: Codec, throttle: Throttle | None = None,
-                 metrics: Any = None, chunk_opts: ChunkOpts | None = None,
+                 metrics: Metrics | None = None, chunk_opts: ChunkOpts | None = None,
                  local_copies: LocalCopies | None = None) -> None:
         self.store = store
         self.key = key
@@ -230,74 +233,57 @@ class Repository:
                 log.error("store index entry for %r refused: %s", rec.name, exc, extra={"checkpoint_id": rec.id})
 
     # -- get ----------------------------------------------------------------------------------------------------
-    def stored_manifest(self, rec: CheckpointRecord) -> dict[str, Any]:
-        """The stored manifest of a durable checkpoint: signed, bound to rec, its storage listing the same files
-        (and, when chunked, chunk lists that parse)."""
+    def stored_manifest(self, rec: CheckpointRecord) -> manifest.StoredManifest:
+        """The stored manifest of a durable checkpoint: signed, parsed (signed_manifest) and bound to rec."""
         stored = self.signed_manifest(rec.id)
         try:
-            manifest.check_binding(stored, rec.id, rec.job, rec.owner_uid)
+            stored.check_binding(rec.id, rec.job, rec.owner_uid)
         except manifest.IntegrityError as exc:
             raise IntegrityFailure(f"{exc} (stored copy of {rec.id})") from exc
-        storage = stored.get("storage")
-        if not isinstance(stored.get("files"), dict) or not isinstance(storage, dict) or \
-                not isinstance(storage.get("files"), dict) or set(storage["files"]) != set(stored["files"]):
-            raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id} lists other files")
-        if chunks.is_chunked(stored):
-            try:
-                chunks.layouts(stored)
-            except (StoreError, ValueError, TypeError, KeyError) as exc:
-                raise IntegrityFailure(f"integrity check failed: stored manifest of {rec.id}: {exc}") from exc
-        return dict(stored)
+        return stored
 
-    def chunk_reader(self, stored: dict[str, Any]) -> chunks.ChunkReader:
+    def chunk_reader(self, storage: chunks.ChunkedStorage) -> chunks.ChunkReader:
         """Reads the chunks of a verified chunked manifest (stored_manifest), through the node's chunk cache."""
-        return chunks.ChunkReader(self.store, stored, self.node_chunks.cache())  # type: ignore[arg-type]
+        return chunks.ChunkReader(self.store, storage, self.node_chunks.cache())  # type: ignore[arg-type]
 
     def fetch(self, rec: CheckpointRecord, dest: Path) -> None:
         """Copies a durable checkpoint into dest, verifying the signature and every hash on the way."""
         t0 = time.monotonic()
         stored = self.stored_manifest(rec)
         with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
-            if chunks.is_chunked(stored):
-                self._fetch_chunked(rec, stored, dfd)
+            if isinstance(stored.storage, chunks.ChunkedStorage):
+                self._fetch_chunked(rec, stored.storage, dfd)
             else:
-                self._fetch_files(rec, stored, dfd)
-        tier_body = {k: v for k, v in stored.items() if k != "storage"}
-        manifest.write(dest, manifest.sign(tier_body, self.key))
+                self._fetch_files(rec, stored.storage, dfd)
+        manifest.write(dest, manifest.sign(stored.tier_body(), self.key))
         if self.metrics is not None:
             self.metrics.observe_phase("fetch", time.monotonic() - t0)
         release_memory()
 
-    def _fetch_chunked(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
+    def _fetch_chunked(self, rec: CheckpointRecord, storage: chunks.ChunkedStorage, dfd: int) -> None:
         try:
-            reader = chunks.ChunkReader(self.store, stored)  # type: ignore[arg-type]
+            reader = chunks.ChunkReader(self.store, storage)  # type: ignore[arg-type]
             local = self.node_chunks.tier_chunks(self._local_copies(rec.id))
             got = chunked.fetch_chunked(reader, dfd, local, self.node_chunks.cache())
         except StoreUnavailable as exc:
             self.storage_error("get")
             raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
-        except (StoreError, ValueError, TypeError, KeyError) as exc:
+        except (StoreError, ValueError) as exc:
             self.storage_error("get")
             raise IntegrityFailure(f"integrity check failed: stored copy of {rec.id}: {exc}") from exc
         log.info("fetched %s: %d chunks, %d from tier copies, %d from the chunk cache, %d from the store (%d bytes)",
                  rec.id, got["chunks"], got["from_tier"], got["from_cache"], got["from_store"], got["fetched_bytes"],
                  extra={"checkpoint_id": rec.id})
 
-    def _fetch_files(self, rec: CheckpointRecord, stored: dict[str, Any], dfd: int) -> None:
-        files = stored["files"]
-        storage = stored.get("storage", {}).get("files", {})
-        for name, meta in files.items():
-            s = storage[name]
-            if "/" in name or name.startswith(".") or not name or name == MANIFEST_NAME or \
-                    s.get("key") != f"{rec.id}/{name}" + (".zst" if s.get("codec") == "zstd" else ""):
-                raise IntegrityFailure(f"integrity check failed: bad entry {name!r} in stored manifest")
+    def _fetch_files(self, rec: CheckpointRecord, files: Mapping[str, manifest.StoredFile], dfd: int) -> None:
+        for name, s in files.items():
             fd = safefs.create_file(dfd, name, 0o600)
             try:
-                with self.store.open_reader(s["key"]) as src, os.fdopen(fd, "wb") as out:
+                with self.store.open_reader(s.key) as src, os.fdopen(fd, "wb") as out:
                     # Read ahead in a helper thread, so the store's I/O overlaps decompressing and hashing.
-                    ahead = _ReadAhead(src) if int(meta["size"]) >= _PIPELINE_MIN else None
+                    ahead = _ReadAhead(src) if s.size >= _PIPELINE_MIN else None
                     try:
-                        res = copy_decode(_as_binary(ahead or src), out, s.get("codec") == "zstd")
+                        res = copy_decode(_as_binary(ahead or src), out, s.zstd)
                     finally:
                         if ahead is not None:
                             ahead.close()
@@ -307,13 +293,12 @@ class Repository:
             except StoreError as exc:
                 self.storage_error("get")
                 raise IntegrityFailure(f"integrity check failed: {name}: {exc}") from exc
-            if (res.raw_bytes, res.raw_blake3) != (meta["size"], meta["blake3"]) or \
-                    res.stored_blake3 != s["stored_blake3"]:
+            if (res.raw_bytes, res.raw_blake3, res.stored_blake3) != (s.size, s.blake3, s.stored_blake3):
                 raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
 
-    def signed_manifest(self, ckpt_id: str) -> dict[str, Any]:
-        """The stored manifest of ckpt_id, its signature verified (this node's key, or its cluster's) and its id
-        ckpt_id: what a node that did not make the checkpoint adopts it from (adopted_record)."""
+    def signed_manifest(self, ckpt_id: str) -> manifest.StoredManifest:
+        """The stored manifest of ckpt_id, its signature verified (this node's key, or its cluster's), parsed, and
+        its id ckpt_id: what a node that did not make the checkpoint adopts it from (adopted_record)."""
         try:
             m = chunks.load_stored_manifest(self.store, ckpt_id)  # type: ignore[arg-type]
         except StoreNotFound as exc:
@@ -326,14 +311,15 @@ class Repository:
                 from exc
         try:
             manifest.verify_signature(m, self.key)
+            stored = manifest.StoredManifest.parse(m)
         except manifest.IntegrityError as exc:
             raise IntegrityFailure(f"{exc} (stored copy of {ckpt_id})") from exc
-        if m.get("id") != ckpt_id:
+        if stored.man.id != ckpt_id:
             raise IntegrityFailure(f"integrity check failed: the stored manifest under {ckpt_id} is the one of "
-                                   f"{m.get('id')!r}")
-        return m
+                                   f"{stored.man.id!r}")
+        return stored
 
-    def find(self, name: str) -> list[dict[str, Any]]:
+    def find(self, name: str) -> list[manifest.StoredManifest]:
         """Signed store manifests of the checkpoints indexed under name (unverified ones skipped)."""
         if not SAFE_NAME.match(name):
             return []
@@ -386,21 +372,16 @@ class Repository:
             self.storage_error("delete")
 
 
-def adopted_record(m: dict[str, Any], home: str = "") -> CheckpointRecord:
+def adopted_record(m: manifest.StoredManifest, home: str = "") -> CheckpointRecord:
     """The catalog record of a durable checkpoint from its signed stored manifest (Repository.signed_manifest),
     for a node that did not make it. home: the node that made it, which deletes the stored copy ("" when this
     node owns it from now on: a move's target)."""
-    try:
-        man = manifest.Manifest.from_dict(m)
-        owner = int(m["uid"])
-        return CheckpointRecord(
-            id=man.id, state=DURABLE, pid=int(man.pid), owner_uid=owner, created_ms=int(man.created_ms),
-            job=str(man.job), name=str(m.get("name") or ""), size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms),
-            dump_ms=int(man.dump_ms), in_tier=False, in_store=True, durable_ms=now_ms(),
-            meta={**man.catalog_meta(), **({"home": home} if home else {})})
-    except (manifest.IntegrityError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise IntegrityFailure(f"integrity check failed: the stored manifest of {m.get('id')!r} is no checkpoint "
-                               f"this memsnap can catalog ({exc})") from exc
+    man = m.man
+    return CheckpointRecord(
+        id=man.id, state=DURABLE, pid=man.pid, owner_uid=man.uid, created_ms=man.created_ms, job=man.job,
+        name=man.name or "", size_bytes=man.size_bytes, frozen_ms=int(man.frozen_ms), dump_ms=int(man.dump_ms),
+        in_tier=False, in_store=True, durable_ms=now_ms(),
+        meta={**m.catalog_meta(), **({"home": home} if home else {})})
 
 
 def _as_binary(f: Any) -> BinaryIO:

@@ -615,13 +615,12 @@ def stored_chunk(store_root: Path, manifest: dict[str, Any], cid: str) -> tuple[
     object whole, or its slice of a pack (memsnap.store.packs)."""
     from memsnap.store import chunks
 
-    for lay in chunks.layouts(manifest).values():
-        for ref in lay.chunks:
-            if ref.id == cid:
-                if ref.loc is None:
-                    p = store_root / chunks.chunk_key(cid)
-                    return p, 0, p.stat().st_size
-                return store_root / chunks.pack_key(ref.loc[0]), ref.loc[1], ref.loc[2]
+    for ref in _chunk_refs(manifest):
+        if ref.id == cid:
+            if ref.loc is None:
+                p = store_root / chunks.chunk_key(cid)
+                return p, 0, p.stat().st_size
+            return store_root / chunks.pack_key(ref.loc[0]), ref.loc[1], ref.loc[2]
     raise KeyError(cid)
 
 
@@ -630,8 +629,17 @@ def missing_chunks(store_root: Path, manifest: dict[str, Any]) -> list[str]:
     POSIX store at store_root."""
     from memsnap.store import chunks
 
-    return [r.id for lay in chunks.layouts(manifest).values() for r in lay.chunks
+    return [r.id for r in _chunk_refs(manifest)
             if not (store_root / (chunks.chunk_key(r.id) if r.loc is None else chunks.pack_key(r.loc[0]))).is_file()]
+
+
+def _chunk_refs(manifest: dict[str, Any]) -> list[Any]:
+    """The chunks of the files of a chunked stored manifest's JSON (memsnap.store.chunks.ChunkRef), in order."""
+    from memsnap.store import chunks
+
+    st = chunks.chunked_storage(manifest)
+    assert st is not None, "not a chunked stored manifest"
+    return [r for lay in st.files.values() for r in lay.chunks]
 
 
 def flip_stored_chunk_byte(store_root: Path, manifest: dict[str, Any], cid: str) -> None:

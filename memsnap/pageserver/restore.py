@@ -39,12 +39,13 @@ from memsnap import failpoints, knobs, proc, safefs
 from memsnap.catalog import CheckpointRecord
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.lazyguard import LazyGuard
+from memsnap.manifest import StoredManifest
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
 from memsnap.repository import Repository
 from memsnap.restorer import PreparedImage
-from memsnap.store import chunks
+from memsnap.store.chunks import ChunkedStorage
 
 if TYPE_CHECKING:
     from memsnap.restorer import RestoreHost, Restorer, RestoreRequest, RestoreResult
@@ -101,22 +102,23 @@ class Prepared:
         self.fetch_ms = fetch_ms
 
 
-def prepare(repo: Repository, rec: CheckpointRecord, stored: dict[str, Any], root: Path) -> Prepared:
-    """Fetches and verifies the small files of a chunked stored checkpoint into root/images, and writes the
-    eager pages there."""
+def prepare(repo: Repository, rec: CheckpointRecord, stored: StoredManifest, storage: ChunkedStorage,
+            root: Path) -> Prepared:
+    """Fetches and verifies the small files of a chunked stored checkpoint (stored, its storage) into
+    root/images, and writes the eager pages there."""
     t0 = time.monotonic()
     images = root / "images"
     images.mkdir(parents=True, mode=0o700)
-    files: dict[str, dict[str, Any]] = stored["files"]
-    source: PageSource = ChunkSource(repo.chunk_reader(stored), lambda: repo.storage_error("get"))
+    files = storage.files
+    source: PageSource = ChunkSource(repo.chunk_reader(storage), lambda: repo.storage_error("get"))
 
     def fetch(name: str, dfd: int) -> None:
         try:
-            data = source.read_at(name, 0, int(files[name]["size"]))
+            data = source.read_at(name, 0, files[name].size)
         except SourceFailed as exc:
             raise (IntegrityFailure if exc.integrity else Unavailable)(
                 f"cannot restore {rec.id} from the store: {exc}") from exc
-        if blake3.blake3(data).hexdigest() != files[name]["blake3"]:
+        if blake3.blake3(data).hexdigest() != files[name].blake3:
             raise IntegrityFailure(f"integrity check failed: checksum mismatch in stored {name} of {rec.id}")
         with os.fdopen(safefs.create_file(dfd, name, 0o600), "wb") as out:
             out.write(data)
@@ -138,7 +140,7 @@ def prepare(repo: Repository, rec: CheckpointRecord, stored: dict[str, Any], roo
         try:
             for name in sorted(lazy_files):
                 fds[name] = safefs.create_file(dfd, name, 0o600)
-                os.ftruncate(fds[name], int(files[name]["size"]))  # sparse: the lazy pages never land here
+                os.ftruncate(fds[name], files[name].size)  # sparse: the lazy pages never land here
 
             def eager(r: tuple[str, int, int]) -> None:
                 os.pwrite(fds[r[0]], read_retrying(source, *r), r[1])
@@ -156,8 +158,7 @@ def prepare(repo: Repository, rec: CheckpointRecord, stored: dict[str, Any], roo
         finally:
             for fd in fds.values():
                 os.close(fd)
-    man = {k: v for k, v in stored.items() if k != "storage"}
-    return Prepared(root, man, index, source, (time.monotonic() - t0) * 1000)
+    return Prepared(root, stored.tier_body(), index, source, (time.monotonic() - t0) * 1000)
 
 
 def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
@@ -175,12 +176,12 @@ def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
             return None
         try:
             stored = repo.stored_manifest(rec)
-            if not chunks.is_chunked(stored):
+            if stored.chunked is None:
                 # A whole-file (format 1) copy can be verified only whole: served before its hash is known,
                 # a forged one would run until the end. It is fetched and verified first, as before.
                 return None
             t_man = time.monotonic()
-            prep = prepare(repo, rec, stored, root)
+            prep = prepare(repo, rec, stored, stored.chunked, root)
         except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
             shutil.rmtree(root, ignore_errors=True)
             _refused(engine, rec, str(exc), t0)

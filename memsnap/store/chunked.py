@@ -447,7 +447,6 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
     Node-local chunks are copied by as many threads as there are CPUs (bounded by memory bandwidth: each reads
     into a reused buffer, hashes it, and writes it; more threads only contend for the destination file's lock),
     while `threads` others fetch the rest from the store (bounded by round trips)."""
-    files = reader.manifest["files"]
     near: list[tuple[int, ChunkRef]] = []  # in a tier copy or the cache (per the maps and the cache's index)
     far: list[tuple[int, ChunkRef]] = []
     fds: list[int] = []
@@ -481,7 +480,7 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
             fds.append(fd)
             if lay.bundle is not None:
                 data = reader.read_at(name, 0, lay.size)
-                if len(data) != lay.size or blake3.blake3(data).hexdigest() != files[name]["blake3"]:
+                if len(data) != lay.size or blake3.blake3(data).hexdigest() != lay.blake3:
                     raise ChunkError(f"integrity check failed: checksum mismatch in stored {name}")
                 os.write(fd, data)
                 continue

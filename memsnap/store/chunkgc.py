@@ -407,8 +407,8 @@ def sweep(store: ChunkStore, keep: set[str], grace_s: float, dry_run: bool = Fal
           now: float | None = None, index: ChunkIndex | None = None) -> SweepResult:
     """Deletes every loose chunk object and every pack not in keep whose upload (mtime) is older than grace_s.
 
-    Run inside StoreGc.sweeping() (no drain runs meanwhile), with keep the union of referenced_chunks() and
-    referenced_packs() over every stored manifest listed after the drains seen ended. A pack goes only when
+    Run inside StoreGc.sweeping() (no drain runs meanwhile), with keep the union of the referenced chunks and
+    packs (chunks.ChunkedStorage) of every stored manifest listed after the drains seen ended. A pack goes only when
     no manifest references any chunk in it. Before deleting anything it writes the record of what it deletes
     (_gc/<ms>-<hex>.json: loose chunk ids and pack ids), which every node's next drain reads to forget those
     chunks. On POSIX the mtime is checked again right before each unlink (an object uploaded again meanwhile

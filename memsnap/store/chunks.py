@@ -23,7 +23,7 @@ import mmap
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
@@ -223,62 +223,114 @@ class ChunkRef:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a stored file's bytes are: its chunks, or a slice of the bundle (bundle = (offset, size))."""
+    """Where a stored file's bytes are: its chunks, or a slice of the bundle (bundle = (offset, size)); blake3:
+    the hash of the whole file (its manifest's)."""
 
     size: int
     chunks: tuple[ChunkRef, ...] = ()
     bundle: tuple[int, int] | None = None
+    blake3: str = ""
 
 
-def is_chunked(stored: dict[str, Any]) -> bool:
-    """Whether a stored manifest is a chunked (format 2) one."""
-    return isinstance(stored.get("storage"), dict) and stored["storage"].get("layout") == LAYOUT
+@dataclass(frozen=True)
+class OwnBundle:
+    """A bundle stored as an object of its own, <checkpoint>/bundle (the format before packs): zstd or raw."""
+
+    key: str
+    raw_bytes: int
+    stored_bytes: int
+    stored_blake3: str
 
 
-def layouts(stored: dict[str, Any]) -> dict[str, Layout]:
-    """name -> Layout of a (signature-verified) chunked manifest, checked for consistency (else ChunkError):
-    safe names, the same file set as "files", valid ids, chunks that tile each file exactly. Total: any JSON
-    value gives a result or ChunkError (gc marks with manifests no key verified)."""
-    files = stored.get("files")
+@dataclass(frozen=True)
+class ChunkedStorage:
+    """The "storage" section of a chunked (format 2) stored manifest, parsed and checked (chunked_storage): each
+    file's layout, the bundle of the small files, and the upload's sizes."""
+
+    ckpt_id: str
+    files: Mapping[str, Layout]  # the same names as the manifest's "files"
+    bundle: ChunkRef | OwnBundle | None = None
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    new_bytes: int = 0
+
+    def refs(self) -> list[ChunkRef]:
+        """Every chunk it references: the files' and the bundle's."""
+        own = [self.bundle] if isinstance(self.bundle, ChunkRef) else []
+        return [ref for lay in self.files.values() for ref in lay.chunks] + own
+
+    def referenced_chunks(self) -> set[str]:
+        """Ids of the chunks it references."""
+        return {ref.id for ref in self.refs()}
+
+    def referenced_packs(self) -> set[str]:
+        """Ids of the packs whose chunks it references."""
+        return {ref.loc[0] for ref in self.refs() if ref.loc}
+
+    def sizes(self) -> dict[str, int]:
+        """logical_bytes, stored_bytes and new_bytes of the upload (0 where the manifest has none)."""
+        return {"logical_bytes": self.logical_bytes, "stored_bytes": self.stored_bytes, "new_bytes": self.new_bytes}
+
+
+def is_image_file_name(name: object) -> bool:
+    """Whether a manifest may list name as a file of an image: a plain name, never manifest.json itself."""
+    return isinstance(name, str) and bool(name) and "/" not in name and not name.startswith(".") and \
+        name != "manifest.json"
+
+
+def chunked_storage(stored: dict[str, Any]) -> ChunkedStorage | None:
+    """The parsed storage section of a stored manifest's JSON, None for a whole-file (format 1) one; checked
+    for consistency (else ChunkError): safe names, the same file set as "files", valid ids, chunks that tile
+    each file exactly, a bundle that holds every bundled file. Total: any JSON object gives a result or
+    ChunkError (gc marks with manifests no key verified)."""
     storage = stored.get("storage")
-    if not isinstance(files, dict) or not isinstance(storage, dict) or not isinstance(storage.get("files"), dict):
+    if not isinstance(storage, dict) or storage.get("layout") != LAYOUT:
+        return None
+    files, sfiles, ckpt_id = stored.get("files"), storage.get("files"), stored.get("id")
+    if not isinstance(files, dict) or not isinstance(sfiles, dict):
         raise ChunkError("integrity check failed: chunked manifest has no file list")
-    sfiles: dict[str, Any] = storage["files"]
+    if not isinstance(ckpt_id, str):
+        raise ChunkError("integrity check failed: chunked manifest names no checkpoint")
     packs = storage.get("packs", [])
     if not isinstance(packs, list) or not all(is_chunk_id(p) for p in packs):
         raise ChunkError("integrity check failed: bad pack list in stored manifest")
     if set(sfiles) != set(files):
         raise ChunkError("integrity check failed: stored manifest lists other files")
-    out: dict[str, Layout] = {}
-    for name, meta in files.items():
-        if "/" in name or name.startswith(".") or not name or name == "manifest.json":
-            raise ChunkError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
-        size = meta.get("size") if isinstance(meta, dict) else None
-        s = sfiles[name]
-        if not is_count(size) or not isinstance(s, dict):
-            raise ChunkError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
-        if "bundle" in s:
-            b = s["bundle"]
-            if not (isinstance(b, list) and len(b) == 2 and is_count(b[0]) and b[1] == size):
-                raise ChunkError(f"integrity check failed: bad bundle slice of {clip(name, 100)!r} in stored "
-                                 "manifest")
-            out[name] = Layout(size, bundle=(b[0], size))
-            continue
-        items = s.get("chunks", [])
-        if not isinstance(items, list):
+    bundle = _bundle(ckpt_id, storage.get("bundle"), packs)
+    out = {name: _layout(name, meta, sfiles[name], packs) for name, meta in files.items()}
+    room = -1 if bundle is None else bundle.length if isinstance(bundle, ChunkRef) else bundle.raw_bytes
+    for name, lay in out.items():
+        if lay.bundle is not None and lay.bundle[0] + lay.size > room:
+            raise ChunkError(f"integrity check failed: the bundle of the stored manifest does not hold "
+                             f"{clip(name, 100)!r}")
+    return ChunkedStorage(ckpt_id, out, bundle,
+                          *(v if is_count(v := storage.get(k)) else 0
+                            for k in ("logical_bytes", "stored_bytes", "new_bytes")))
+
+
+def _layout(name: str, meta: Any, s: Any, packs: list[str]) -> Layout:
+    size = meta.get("size") if isinstance(meta, dict) else None
+    digest = meta.get("blake3") if isinstance(meta, dict) else None
+    if not is_image_file_name(name) or not is_count(size) or not isinstance(digest, str) or not isinstance(s, dict):
+        raise ChunkError(f"integrity check failed: bad entry {clip(name, 100)!r} in stored manifest")
+    if "bundle" in s:
+        b = s["bundle"]
+        if not (isinstance(b, list) and len(b) == 2 and is_count(b[0]) and b[1] == size):
+            raise ChunkError(f"integrity check failed: bad bundle slice of {clip(name, 100)!r} in stored manifest")
+        return Layout(size, bundle=(b[0], size), blake3=digest)
+    items = s.get("chunks", [])
+    if not isinstance(items, list):
+        raise ChunkError(f"integrity check failed: bad chunk list of {clip(name, 100)!r} in stored manifest")
+    refs, pos = [], 0
+    for item in items:
+        cid, off, n, loc = _ref_item(item, packs)
+        if not is_chunk_id(cid) or off != pos or not is_count(n) or n <= 0:
             raise ChunkError(f"integrity check failed: bad chunk list of {clip(name, 100)!r} in stored manifest")
-        refs, pos = [], 0
-        for item in items:
-            cid, off, n, loc = _ref_item(item, packs)
-            if not is_chunk_id(cid) or off != pos or not is_count(n) or n <= 0:
-                raise ChunkError(f"integrity check failed: bad chunk list of {clip(name, 100)!r} in stored "
-                                 "manifest")
-            refs.append(ChunkRef(cid, off, n, loc))
-            pos += n
-        if pos != size:
-            raise ChunkError(f"integrity check failed: the chunks of {clip(name, 100)!r} do not add up to its size")
-        out[name] = Layout(size, chunks=tuple(refs))
-    return out
+        refs.append(ChunkRef(cid, off, n, loc))
+        pos += n
+    if pos != size:
+        raise ChunkError(f"integrity check failed: the chunks of {clip(name, 100)!r} do not add up to its size")
+    return Layout(size, chunks=tuple(refs), blake3=digest)
 
 
 def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, int, int] | None]:
@@ -293,60 +345,36 @@ def _ref_item(item: Any, packs: list[str]) -> tuple[Any, Any, Any, tuple[str, in
     raise ChunkError("integrity check failed: bad chunk entry in stored manifest")
 
 
-def bundle_ref(stored_manifest: dict[str, Any]) -> ChunkRef | None:
-    """The chunk holding a chunked manifest's bundle of small files (None: no bundle, or one of its own:
-    <checkpoint>/bundle, the format before packs)."""
-    st = stored_manifest.get("storage")
-    b = st.get("bundle") if isinstance(st, dict) else None
-    if not isinstance(b, dict) or "chunk" not in b:
+def _bundle(ckpt_id: str, b: Any, packs: list[str]) -> ChunkRef | OwnBundle | None:
+    """The bundle of the small files: one chunk (in a pack, or loose), an object of its own, or none."""
+    if not b:
         return None
-    packs = st.get("packs", []) if isinstance(st, dict) else []
-    cid, off, n, loc = _ref_item(b["chunk"], packs if isinstance(packs, list) else [])
-    if not is_chunk_id(cid) or off != 0 or n != b.get("raw_bytes") or not is_count(n) or n <= 0:
-        raise ChunkError("integrity check failed: bad bundle entry in stored manifest")
-    return ChunkRef(cid, 0, n, loc)
-
-
-def _all_refs(stored_manifest: dict[str, Any]) -> list[ChunkRef]:
-    if not is_chunked(stored_manifest):
-        return []
-    b = bundle_ref(stored_manifest)
-    return [ref for lay in layouts(stored_manifest).values() for ref in lay.chunks] + ([b] if b else [])
-
-
-def referenced_packs(stored_manifest: dict[str, Any]) -> set[str]:
-    """Ids of the packs whose chunks a (verified) stored manifest references."""
-    return {ref.loc[0] for ref in _all_refs(stored_manifest) if ref.loc}
-
-
-def referenced_chunks(stored_manifest: dict[str, Any]) -> set[str]:
-    """Ids of the chunks a (verified) stored manifest references; empty for a whole-file (format 1) one."""
-    return {ref.id for ref in _all_refs(stored_manifest)}
-
-
-def sizes(stored_manifest: dict[str, Any]) -> dict[str, int]:
-    """logical_bytes, stored_bytes and new_bytes of a stored manifest (0s when it has none)."""
-    st = stored_manifest.get("storage")
-    st = st if isinstance(st, dict) else {}
-    return {k: v if is_count(v := st.get(k)) else 0 for k in ("logical_bytes", "stored_bytes", "new_bytes")}
+    if isinstance(b, dict) and "chunk" in b:
+        cid, off, n, loc = _ref_item(b["chunk"], packs)
+        if is_chunk_id(cid) and off == 0 and n == b.get("raw_bytes") and is_count(n) and n > 0:
+            return ChunkRef(cid, 0, n, loc)
+    elif isinstance(b, dict) and b.get("key") == f"{ckpt_id}/{BUNDLE_NAME}":
+        raw_n, stored_n, digest = b.get("raw_bytes"), b.get("stored_bytes"), b.get("stored_blake3")
+        if is_count(raw_n) and is_count(stored_n) and isinstance(digest, str):
+            return OwnBundle(b["key"], raw_n, stored_n, digest)
+    raise ChunkError("integrity check failed: bad bundle entry in stored manifest")
 
 
 # -- random access to a stored chunked image ---------------------------------------------------------------
 class ChunkReader:
     """Random access to the files of a stored chunked image, each chunk fetched on demand and verified.
 
-    Built from a store and a stored manifest whose signature and binding the caller verified. Thread-safe:
+    Built from a store and the parsed storage of a stored manifest whose signature and binding the caller
+    verified (memsnap.manifest.StoredManifest.chunked). Thread-safe:
     concurrent reads of one chunk fetch it once. Chunks go through the optional ChunkCache; the last few
     decoded chunks stay in memory (mem_chunks) for neighbouring reads. With fill_cache=False the cache is only
     read (a restore fills it once every chunk was verified: fetch_chunked).
     """
 
-    def __init__(self, store: ChunkStore, stored_manifest: dict[str, Any], cache: ChunkCacheLike | None = None,
+    def __init__(self, store: ChunkStore, storage: ChunkedStorage, cache: ChunkCacheLike | None = None,
                  mem_chunks: int = 8, fill_cache: bool = True) -> None:
-        if not is_chunked(stored_manifest):
-            raise ChunkError("integrity check failed: not a chunked stored manifest")
-        self.store, self.manifest, self.cache, self.fill_cache = store, stored_manifest, cache, fill_cache
-        self.layouts = layouts(stored_manifest)
+        self.store, self.storage, self.cache, self.fill_cache = store, storage, cache, fill_cache
+        self.layouts = storage.files
         self._mem: OrderedDict[str, bytes] = OrderedDict()
         self._mem_max = max(1, mem_chunks)
         self._lock = threading.Lock()
@@ -430,26 +458,25 @@ class ChunkReader:
         with self._lock:
             if self._bundle is not None:
                 return self._bundle
-        b = self.manifest["storage"].get("bundle")
-        if not b or not isinstance(b, dict):
+        b = self.storage.bundle
+        if b is None:
             raise ChunkError("integrity check failed: the stored manifest has no bundle")
-        ref = bundle_ref(self.manifest)
-        if ref is not None:
-            raw = self.chunk(ref)
+        if isinstance(b, ChunkRef):
+            raw = self.chunk(b)
             with self._lock:
                 self._bundle = raw
             return raw
-        key = f"{self.manifest['id']}/{BUNDLE_NAME}"
-        if b.get("key") != key:
-            raise ChunkError("integrity check failed: bad bundle key in stored manifest")
-        with self.store.open_reader(key) as f:
-            stored = f.read(b["stored_bytes"] + 1 if is_count(b.get("stored_bytes")) else 0)
-        if len(stored) != b.get("stored_bytes") or blake3.blake3(stored).hexdigest() != b.get("stored_blake3") \
-                or not is_count(b.get("raw_bytes")):
-            raise ChunkError(f"integrity check failed: the bundle of {self.manifest['id']} does not match "
+        with self.store.open_reader(b.key) as f:
+            stored = f.read(b.stored_bytes + 1)
+        if len(stored) != b.stored_bytes or blake3.blake3(stored).hexdigest() != b.stored_blake3:
+            raise ChunkError(f"integrity check failed: the bundle of {self.storage.ckpt_id} does not match "
                              "its manifest")
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(1, b["raw_bytes"])) \
-            if stored[:4] == ZSTD_MAGIC else stored
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(1, b.raw_bytes)) \
+                if stored[:4] == ZSTD_MAGIC else stored
+        except zstandard.ZstdError as exc:
+            raise ChunkError(f"integrity check failed: the bundle of {self.storage.ckpt_id} does not "
+                             f"decompress: {exc}") from exc
         with self._lock:
             self.fetched_bytes += len(stored)
             self._bundle = raw
@@ -471,8 +498,10 @@ def _overlapping(refs: tuple[ChunkRef, ...], start: int, end: int) -> Iterator[C
 
 
 def load_stored_manifest(store: ChunkStore, ckpt_id: str) -> dict[str, Any]:
-    """The parsed (NOT verified) stored manifest of a checkpoint; BadObject (kind "manifest", reported:
-    memsnap.store.bad_objects) for any bytes that are not a JSON object (memsnap.store.parse)."""
+    """The JSON object of a checkpoint's stored manifest, NOT verified: what its signature is checked over,
+    then parsed once (memsnap.manifest.StoredManifest.parse; gc's mark: chunked_storage). BadObject (kind
+    "manifest", reported: memsnap.store.bad_objects) for any bytes that are not a JSON object
+    (memsnap.store.parse)."""
     key = f"{ckpt_id}/manifest.json"
     with store.open_reader(key) as f:
         data = f.read(MANIFEST_MAX + 1)

@@ -149,7 +149,9 @@ def read_stored(ns: NetStore, ckpt_id: str) -> dict[str, float]:
     read from its place in its pack), in MB/s."""
     store = ns.mount / "store"
     stored = json.loads((store / ckpt_id / "manifest.json").read_bytes())
-    refs = list({ref.id: ref for lay in chunks.layouts(stored).values() for ref in lay.chunks}.values())
+    st = chunks.chunked_storage(stored)
+    assert st is not None, f"{ckpt_id} is not stored chunked"
+    refs = list({ref.id: ref for lay in st.files.values() for ref in lay.chunks}.values())
     n = 0
     t0 = time.monotonic()
     for ref in refs:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from memsnap.store.chunks import referenced_chunks
+from memsnap.store.chunks import chunked_storage
 from tests.helpers import (
     REPO,
     DaemonProc,
@@ -41,6 +41,13 @@ def _ckpt(d: DaemonProc, jid: str, *flags: str) -> dict[str, Any]:
 
 def _stored(d: DaemonProc, ckpt_id: str) -> dict[str, Any]:
     return dict(json.loads((d.store / ckpt_id / "manifest.json").read_text()))
+
+
+def referenced_chunks(stored: dict[str, Any]) -> set[str]:
+    """The chunks a chunked stored manifest's JSON references."""
+    st = chunked_storage(stored)
+    assert st is not None
+    return st.referenced_chunks()
 
 
 def _reused(old: dict[str, Any], new: dict[str, Any]) -> int:

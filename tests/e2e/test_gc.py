@@ -190,7 +190,9 @@ def _referenced_chunks_present(d: DaemonProc, ckpt_id: str) -> int:
     from memsnap.store import chunks
 
     m = json.loads((d.store / ckpt_id / "manifest.json").read_text())
-    refs = chunks.referenced_chunks(m)
+    st = chunks.chunked_storage(m)
+    assert st is not None
+    refs = st.referenced_chunks()
     missing = missing_chunks(d.store, m)
     assert not missing, f"{len(missing)} of {len(refs)} chunks of {ckpt_id} are gone"
     return len(refs)

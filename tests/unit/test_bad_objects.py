@@ -13,7 +13,7 @@ import pytest
 from memsnap.metrics import Metrics
 from memsnap.store.bad_objects import BAD, BadObjects
 from memsnap.store.chunkgc import ChunkIndex, StoreGc, sweep
-from memsnap.store.chunks import pack_key
+from memsnap.store.chunks import chunked_storage, pack_key
 from memsnap.store.posix import PosixStore
 
 
@@ -88,7 +88,7 @@ def test_a_planted_huge_loose_chunk_or_bundle_is_refused_without_reading_it_whol
                                                "bundle": {"key": "ck-1/bundle", "raw_bytes": 10, "stored_bytes": 10,
                                                           "stored_blake3": "0" * 64}}}
     with pytest.raises(ChunkError, match="does not match"):
-        ChunkReader(store, m).bundle()
+        ChunkReader(store, chunked_storage(m)).bundle()
 
 
 def test_a_manifest_of_a_newer_format_stops_the_sweep_and_is_named_while_garbage_is_skipped(tmp_path: Path) -> None:

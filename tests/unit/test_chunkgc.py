@@ -20,7 +20,7 @@ from memsnap import safefs
 from memsnap.store import chunkgc
 from memsnap.store.chunked import ChunkedDrain
 from memsnap.store.chunkgc import ChunkIndex, StoreGc, SweepDeferred, sweep
-from memsnap.store.chunks import PAGE, Chunking, ChunkReader, chunk_key, layouts, pack_key, referenced_chunks
+from memsnap.store.chunks import PAGE, ChunkedStorage, Chunking, ChunkReader, chunk_key, chunked_storage, pack_key
 from memsnap.store.posix import PosixStore
 
 AVG = 64 << 10
@@ -49,6 +49,13 @@ def store(tmp_path: Path, request: pytest.FixtureRequest) -> Counting:
     return Counting(PosixStore(tmp_path / "store", create=True), request.param)
 
 
+def _st(m: dict[str, Any]) -> ChunkedStorage:
+    """The parsed storage of a chunked stored manifest's JSON."""
+    st = chunked_storage(m)
+    assert st is not None
+    return st
+
+
 def _tier(tmp: Path, seed: int, pages: int = 300) -> tuple[Path, dict[str, Any]]:
     d = tmp / f"tier-{seed}"
     d.mkdir()
@@ -73,7 +80,8 @@ def _node(store: Any, tmp: Path, name: str, **kw: float) -> StoreGc:
 
 def _objects(m: dict[str, Any]) -> set[str]:
     """The store keys of the chunk objects and packs m references."""
-    return {chunk_key(r.id) if r.loc is None else pack_key(r.loc[0]) for lay in layouts(m).values() for r in lay.chunks}
+    refs = [r for lay in _st(m).files.values() for r in lay.chunks]
+    return {chunk_key(r.id) if r.loc is None else pack_key(r.loc[0]) for r in refs}
 
 
 def _present(store: Counting, m: dict[str, Any]) -> bool:
@@ -104,13 +112,13 @@ def test_a_chunk_another_node_swept_is_uploaded_again_by_a_node_whose_index_list
     a, b = _node(store, tmp_path, "a"), _node(store, tmp_path, "b")
     d, files = _tier(tmp_path, 2)
     m1, _ = _drain(a, d, files, "ck-1")
-    assert referenced_chunks(m1) <= a.index.ids()
+    assert _st(m1).referenced_chunks() <= a.index.ids()
     with b.sweeping():  # ck-1 was deleted: nothing references its chunks
         res = sweep(b.store, set(), grace_s=0, now=time.time() + 1, index=b.index)
-    assert res.deleted == len(referenced_chunks(m1)) and not _present(store, m1)
+    assert res.deleted == len(_st(m1).referenced_chunks()) and not _present(store, m1)
     m2, job = _drain(a, d, files, "ck-2")
     assert job.stats.new_chunks == job.stats.chunks and _present(store, m2)
-    assert ChunkReader(store.store, m2).read_at("pages-1.img", 0, 300 * PAGE) == (d / "pages-1.img").read_bytes()
+    assert ChunkReader(store.store, _st(m2)).read_at("pages-1.img", 0, 300 * PAGE) == (d / "pages-1.img").read_bytes()
 
 
 def test_a_sweep_deletes_nothing_while_another_nodes_drain_holds_its_lock(tmp_path: Path, store: Counting) -> None:
@@ -121,7 +129,7 @@ def test_a_sweep_deletes_nothing_while_another_nodes_drain_holds_its_lock(tmp_pa
         sweep(b.store, set(), grace_s=0, now=time.time() + 1)
     assert _present(store, m1)
     with b.sweeping():  # the drain ended: the sweep runs
-        assert sweep(b.store, set(), grace_s=0, now=time.time() + 1).deleted == len(referenced_chunks(m1))
+        assert sweep(b.store, set(), grace_s=0, now=time.time() + 1).deleted == len(_st(m1).referenced_chunks())
 
 
 def test_a_drain_that_meets_a_sweep_starts_after_it_ends_and_trusts_its_index(tmp_path: Path,
@@ -201,7 +209,7 @@ def test_a_new_node_learns_the_stores_chunks_from_one_listing_not_a_check_per_ch
                                                                                    store: Counting) -> None:
     m = _drained_again(store, tmp_path, _node(store, tmp_path, "a"), _node(store, tmp_path, "b"), 6)
     assert store.calls["list"] == 3  # sweep records, chunks, packs
-    assert store.calls["read_tail"] == len(_objects(m) - {chunk_key(c) for c in referenced_chunks(m)})
+    assert store.calls["read_tail"] == len(_objects(m) - {chunk_key(c) for c in _st(m).referenced_chunks()})
     assert _present(store, m)
 
 
@@ -239,5 +247,5 @@ def test_gcs_sweep_never_deletes_the_chunks_of_a_drain_in_flight(tmp_path: Path,
     pending.clear()  # durable: nothing dumping or draining here now, the grace counts from now
     assert sweeper.sweep(False, time.time() + 60, set()).deleted == 0 and _present(store, m)
     store.delete_keys(["ck-1/manifest.json"])  # the checkpoint deleted: its chunks go
-    assert sweeper.sweep(False, time.time() + 60, set()).deleted == len(referenced_chunks(m))
+    assert sweeper.sweep(False, time.time() + 60, set()).deleted == len(_st(m).referenced_chunks())
     assert not _present(store, m)

@@ -20,17 +20,25 @@ from memsnap.store.chunked import ChunkedDrain, TierChunks, fetch_chunked
 from memsnap.store.chunkgc import ChunkIndex, sweep
 from memsnap.store.chunks import (
     PAGE,
+    ChunkedStorage,
     ChunkError,
     Chunking,
     ChunkReader,
     chunk_id,
     chunk_key,
+    chunked_storage,
     encode_chunk,
-    referenced_chunks,
 )
 from memsnap.store.posix import PosixStore
 
 AVG = 64 << 10
+
+
+def _st(m: dict[str, Any]) -> ChunkedStorage:
+    """The parsed storage of a chunked stored manifest's JSON."""
+    st = chunked_storage(m)
+    assert st is not None
+    return st
 
 
 def _pages(n: int, seed: int) -> bytes:
@@ -97,14 +105,14 @@ def test_a_second_drain_of_the_same_pages_uploads_no_chunk(tmp_path: Path, store
     m2, j2 = _drain(store, d, files, "ck-2")
     assert j2.stats.new_chunks == 0 and j2.stats.reused_chunks == j2.stats.chunks
     assert j2.stats.stored_bytes < 2000  # the bundle only
-    assert referenced_chunks(m1) == referenced_chunks(m2)
+    assert _st(m1).referenced_chunks() == _st(m2).referenced_chunks()
 
 
 def test_reader_returns_the_raw_bytes_at_any_offset(tmp_path: Path, store: PosixStore) -> None:
     pages = _pages(700, 5)
     d, files = _tier(tmp_path, pages)
     m, _ = _drain(store, d, files, "ck-1", level=0)
-    r = ChunkReader(store, m)
+    r = ChunkReader(store, _st(m))
     rng = random.Random(6)
     for _ in range(50):
         off, n = rng.randrange(len(pages)), rng.randrange(1, 300_000)
@@ -117,13 +125,13 @@ def test_reader_returns_the_raw_bytes_at_any_offset(tmp_path: Path, store: Posix
 def test_reader_refuses_a_tampered_chunk(tmp_path: Path, store: PosixStore) -> None:
     d, files = _tier(tmp_path, _pages(300, 7))
     m, _ = _drain(store, d, files, "ck-1", level=0)
-    ref = ChunkReader(store, m).chunks("pages-1.img")[1]
+    ref = ChunkReader(store, _st(m)).chunks("pages-1.img")[1]
     p = store.root / chunk_key(ref.id)
     data = bytearray(p.read_bytes())
     data[100] ^= 1
     p.write_bytes(bytes(data))
     with pytest.raises(ChunkError, match="does not match its id"):
-        ChunkReader(store, m).read_at("pages-1.img", ref.offset, 10)
+        ChunkReader(store, _st(m)).read_at("pages-1.img", ref.offset, 10)
 
 
 def test_fetch_writes_the_files_from_tier_chunks_cache_and_store(tmp_path: Path, store: PosixStore) -> None:
@@ -134,13 +142,13 @@ def test_fetch_writes_the_files_from_tier_chunks_cache_and_store(tmp_path: Path,
     out = tmp_path / "out"
     out.mkdir()
     with safefs.opened(os.open(out, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        got = fetch_chunked(ChunkReader(store, m), dfd, TierChunks(), cache)
+        got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache)
     assert (out / "pages-1.img").read_bytes() == pages and got["from_store"] == got["chunks"]
     # Warm cache: nothing more from the store.
     out2 = tmp_path / "out2"
     out2.mkdir()
     with safefs.opened(os.open(out2, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        got2 = fetch_chunked(ChunkReader(store, m), dfd, TierChunks(), cache)
+        got2 = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache)
     assert (out2 / "pages-1.img").read_bytes() == pages and got2["from_store"] == 0
     assert got2["from_cache"] == got2["chunks"]
     # Chunks of another checkpoint's tier copy count as local too.
@@ -148,7 +156,7 @@ def test_fetch_writes_the_files_from_tier_chunks_cache_and_store(tmp_path: Path,
     out3.mkdir()
     tier = TierChunks({d: {"pages-1.img": m["storage"]["files"]["pages-1.img"]["chunks"]}})
     with safefs.opened(os.open(out3, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        got3 = fetch_chunked(ChunkReader(store, m), dfd, tier)
+        got3 = fetch_chunked(ChunkReader(store, _st(m)), dfd, tier)
     assert (out3 / "pages-1.img").read_bytes() == pages and got3["from_tier"] == got3["chunks"]
 
 
@@ -156,7 +164,7 @@ def test_a_chunk_the_index_lists_but_the_store_lost_is_uploaded_again(tmp_path: 
     d, files = _tier(tmp_path, _pages(500, 9))
     index = ChunkIndex(tmp_path / "index")
     m, _ = _drain(store, d, files, "ck-1", index)
-    lost = sorted(referenced_chunks(m))[0]
+    lost = sorted(_st(m).referenced_chunks())[0]
     (store.root / chunk_key(lost)).unlink()
     assert lost in ChunkIndex(tmp_path / "index")  # the index file still says present
     _, j2 = _drain(store, d, files, "ck-2", ChunkIndex(tmp_path / "index"))
@@ -167,7 +175,7 @@ def test_cache_keeps_under_its_cap_and_drops_a_bad_entry(tmp_path: Path, store: 
     d, files = _tier(tmp_path, _pages(400, 10))
     m, _ = _drain(store, d, files, "ck-1", level=0)
     cache = ChunkCache(tmp_path / "cache", 3 * AVG)
-    r = ChunkReader(store, m, cache, mem_chunks=1)
+    r = ChunkReader(store, _st(m), cache, mem_chunks=1)
     r.read_at("pages-1.img", 0, 400 * PAGE)
     assert 0 < cache.size_bytes <= 3 * AVG
     cid = next(p.name for p in (tmp_path / "cache").iterdir())
@@ -189,7 +197,7 @@ def _two_checkpoints(tmp: Path, store: Any, seed: int) -> tuple[Path, dict, dict
 def test_sweep_deletes_unreferenced_chunks_past_grace_and_keeps_young_ones(tmp_path: Path,
                                                                            store: PosixStore) -> None:
     d, m1, m2 = _two_checkpoints(tmp_path, store, 11)
-    keep, old = referenced_chunks(m2), referenced_chunks(m1) - referenced_chunks(m2)
+    keep, old = _st(m2).referenced_chunks(), _st(m1).referenced_chunks() - _st(m2).referenced_chunks()
     assert old
     now = time.time()
     for cid in sorted(old)[: len(old) // 2]:  # half of ck-1's chunks are old, the other half just uploaded
@@ -200,7 +208,7 @@ def test_sweep_deletes_unreferenced_chunks_past_grace_and_keeps_young_ones(tmp_p
     assert (res.deleted, res.kept_in_grace) == (len(old) // 2, len(old) - len(old) // 2)
     assert res.bytes_freed == dry.bytes_freed > 0
     assert all((store.root / chunk_key(c)).exists() for c in keep)
-    assert ChunkReader(store, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
+    assert ChunkReader(store, _st(m2)).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
 
 
 _SWEEP_CHILD = """
@@ -214,19 +222,19 @@ sweep(PosixStore(sys.argv[1]), keep, grace_s=60, dry_run=False, now=time.time())
 
 def test_kill9_during_sweep_never_loses_a_referenced_chunk(tmp_path: Path, store: PosixStore) -> None:
     d, m1, m2 = _two_checkpoints(tmp_path, store, 13)
-    old = referenced_chunks(m1) - referenced_chunks(m2)
+    old = _st(m1).referenced_chunks() - _st(m2).referenced_chunks()
     for p in (store.root / "chunks").rglob("*"):
         if p.is_file():
             os.utime(p, (time.time() - 3600, time.time() - 3600))
     env = {**os.environ, "MEMSNAP_FAILPOINTS": "sweep-deleted-one", "PYTHONPATH": str(Path(__file__).parents[2])}
-    r = subprocess.run([sys.executable, "-c", _SWEEP_CHILD, str(store.root), ",".join(referenced_chunks(m2))],
+    r = subprocess.run([sys.executable, "-c", _SWEEP_CHILD, str(store.root), ",".join(_st(m2).referenced_chunks())],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 137, r.stderr  # died after the first delete
     left = {p.name for p in (store.root / "chunks").rglob("*") if p.is_file()}
-    assert len(old - left) == 1 and referenced_chunks(m2) <= left
-    assert ChunkReader(store, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
+    assert len(old - left) == 1 and _st(m2).referenced_chunks() <= left
+    assert ChunkReader(store, _st(m2)).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
     # A sweep run again finishes the job.
-    assert sweep(store, referenced_chunks(m2), grace_s=60).deleted == len(old) - 1
+    assert sweep(store, _st(m2).referenced_chunks(), grace_s=60).deleted == len(old) - 1
 
 
 def test_sweep_on_s3_deletes_only_unreferenced_chunks_past_grace(tmp_path: Path, s3_server) -> None:
@@ -234,14 +242,14 @@ def test_sweep_on_s3_deletes_only_unreferenced_chunks_past_grace(tmp_path: Path,
 
     s3 = S3Store(s3_server.bucket, f"sweep-{time.time_ns()}", **s3_server.store_kwargs())
     d, m1, m2 = _two_checkpoints(tmp_path, s3, 15)
-    old, keep = referenced_chunks(m1) - referenced_chunks(m2), referenced_chunks(m2)
+    old, keep = _st(m1).referenced_chunks() - _st(m2).referenced_chunks(), _st(m2).referenced_chunks()
     assert s3.touch(chunk_key(sorted(keep)[0])) and not s3.touch(chunk_key("0" * 64))
     assert sweep(s3, keep, grace_s=3600).deleted == 0  # everything is young
     res = sweep(s3, keep, grace_s=60, now=time.time() + 120)
     assert (res.deleted, res.kept_in_grace) == (len(old), 0) and res.bytes_freed > 0
     left = {k.rsplit("/", 1)[-1] for k, _, _ in s3.list_with_mtime("chunks/")}
     assert left == keep
-    assert ChunkReader(s3, m2).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
+    assert ChunkReader(s3, _st(m2)).read_at("pages-1.img", 0, 400 * PAGE) == (d / "pages-1.img").read_bytes()
 
 
 _STORE_KEYS = [('chunk_size = "256K"', True), ('chunk_size = "8K"', False), ('chunk_size = 100001', False),
@@ -263,12 +271,12 @@ def test_store_chunk_keys_are_checked_when_the_config_loads(tmp_path: Path, text
 
 
 def test_a_checkpoint_adopted_from_a_chunked_stored_manifest_keeps_its_sizes(tmp_path: Path, store: PosixStore) -> None:
-    from memsnap.manifest import Manifest
+    from memsnap.manifest import StoredManifest
 
     d, files = _tier(tmp_path, _pages(300, 17))
     m, _ = _drain(store, d, files, "ck-1")
-    body = {"id": "ck-1", "pid": 1, "job": "job-1", "name": "n", "uid": 0, **m}
-    meta = Manifest.from_dict(body).catalog_meta()
+    body = {"id": "ck-1", "pid": 1, "job": "job-1", "name": "n", "uid": 0, "format": 2, **m}
+    meta = StoredManifest.parse(body).catalog_meta()
     assert meta["store"] == {"format": "chunked", "logical_bytes": m["storage"]["logical_bytes"],
                              "stored_bytes": m["storage"]["stored_bytes"], "new_bytes": m["storage"]["new_bytes"]}
     assert meta["store"]["logical_bytes"] == 300 * PAGE + 400
@@ -278,7 +286,7 @@ def test_a_checkpoint_adopted_from_a_chunked_stored_manifest_keeps_its_sizes(tmp
 def _fetch(store: PosixStore, m: dict, out: Path, cache: ChunkCache | None, tier: TierChunks | None = None) -> dict:
     out.mkdir()
     with safefs.opened(os.open(out, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        return fetch_chunked(ChunkReader(store, m), dfd, tier or TierChunks(), cache)
+        return fetch_chunked(ChunkReader(store, _st(m)), dfd, tier or TierChunks(), cache)
 
 
 def _warmed(tmp: Path, store: PosixStore, pages: bytes, level: int = 3) -> tuple[dict, ChunkCache]:

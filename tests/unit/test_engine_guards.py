@@ -16,6 +16,7 @@ from memsnap import recovery as recovery_module
 from memsnap.catalog import Catalog, CheckpointRecord, JobRecord
 from memsnap.engine import Caller, Engine, EngineConfig, scoped_name
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from memsnap.manifest import Manifest, StoredManifest
 from memsnap.tier import MemoryTier
 
 ROOT, ALICE, BOB = Caller(0), Caller(1000, 1000), Caller(1001, 1001)
@@ -221,11 +222,13 @@ def test_a_name_also_finds_checkpoints_of_jobs_of_that_name(eng: Engine) -> None
 
 
 class _Store:
+    """A repository whose find() gives these signed manifests (their storage left out: nothing is fetched)."""
+
     def __init__(self, manifests: list[dict[str, Any]]) -> None:
-        self.manifests = manifests
+        self.manifests = [StoredManifest(Manifest.from_dict(m), {}, m) for m in manifests]
         self.asked: list[str] = []
 
-    def find(self, name: str) -> list[dict[str, Any]]:
+    def find(self, name: str) -> list[StoredManifest]:
         self.asked.append(name)
         return self.manifests
 
@@ -250,7 +253,7 @@ def test_the_store_is_searched_by_name_and_owner_only_when_the_catalog_has_none(
 
 
 def test_a_stored_manifest_naming_another_job_is_not_adopted(eng: Engine) -> None:
-    eng.repo = _Store([{"id": "ck-s", "name": "other", "uid": 1000, "job": "j", "files": {}}])  # type: ignore
+    eng.repo = _Store([{"id": "ck-s", "name": "other", "uid": 1000, "job": "j", "files": {}, "pid": 5}])  # type: ignore
     with pytest.raises(NotFound):
         eng.latest_restorable(ALICE, "train")
     assert eng.catalog.get_checkpoint("ck-s") is None

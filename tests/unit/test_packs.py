@@ -19,13 +19,12 @@ from memsnap.store.chunked import ChunkedDrain
 from memsnap.store.chunkgc import ChunkIndex, StoreGc, sweep
 from memsnap.store.chunks import (
     PAGE,
+    ChunkedStorage,
     ChunkError,
     Chunking,
     ChunkReader,
-    layouts,
+    chunked_storage,
     pack_key,
-    referenced_chunks,
-    referenced_packs,
 )
 from memsnap.store.errors import StoreError
 from memsnap.store.packs import FOOTER, PACK_MAGIC, Packer, parse_tail, read_pack_index
@@ -34,6 +33,13 @@ from memsnap.store.throttle import Throttle
 
 AVG = 64 << 10
 PACK = 512 << 10
+
+
+def _st(m: dict[str, Any]) -> ChunkedStorage:
+    """The parsed storage of a chunked stored manifest's JSON."""
+    st = chunked_storage(m)
+    assert st is not None
+    return st
 
 
 def _tier(tmp: Path, name: str, pages: bytes) -> tuple[Path, dict[str, Any]]:
@@ -70,9 +76,9 @@ def test_a_drain_writes_its_new_chunks_and_small_files_into_packs_not_an_object_
     packs = store.list("packs/")
     assert job.stats.new_chunks > 40 and not store.list("chunks/")
     assert len(packs) == job.stats.round_trips <= len(pages) // PACK and not store.list("ck-1/")  # (bundle too)
-    assert {pack_key(p) for p in referenced_packs(m)} == set(packs)
-    assert ChunkReader(store, m).read_at("pages-1.img", 0, len(pages)) == pages
-    assert ChunkReader(store, m).read_at("core-1.img", 0, 400) == b"core" * 100
+    assert {pack_key(p) for p in _st(m).referenced_packs()} == set(packs)
+    assert ChunkReader(store, _st(m)).read_at("pages-1.img", 0, len(pages)) == pages
+    assert ChunkReader(store, _st(m)).read_at("core-1.img", 0, 400) == b"core" * 100
 
 
 def test_a_pack_holding_only_a_checkpoints_small_files_is_kept_by_the_sweep(tmp_path: Path,
@@ -86,21 +92,21 @@ def test_a_pack_holding_only_a_checkpoints_small_files_is_kept_by_the_sweep(tmp_
     f2["core-1.img"]["blake3"] = blake3.blake3(b"CORE" * 100).hexdigest()
     m2, job = _drain(store, d2, f2, "ck-2", index)
     assert job.stats.new_chunks == 0 and job.stats.round_trips == 1  # a pack with the bundle alone
-    sweep(store, referenced_chunks(m2) | referenced_packs(m2), grace_s=0, now=time.time() + 1)
-    assert ChunkReader(store, m2).read_at("core-1.img", 0, 400) == b"CORE" * 100
+    sweep(store, _st(m2).referenced_chunks() | _st(m2).referenced_packs(), grace_s=0, now=time.time() + 1)
+    assert ChunkReader(store, _st(m2)).read_at("core-1.img", 0, 400) == b"CORE" * 100
 
 
 def test_a_chunk_changed_inside_a_pack_is_refused(tmp_path: Path, store: PosixStore) -> None:
     d, files = _tier(tmp_path, "t", _pages(300, 2))
     m, _ = _drain(store, d, files, "ck-1", ChunkIndex(None))
-    ref = layouts(m)["pages-1.img"].chunks[2]
+    ref = _st(m).files["pages-1.img"].chunks[2]
     assert ref.loc is not None
     p = store.root / pack_key(ref.loc[0])
     data = bytearray(p.read_bytes())
     data[ref.loc[1] + 100] ^= 1
     p.write_bytes(bytes(data))
     with pytest.raises(ChunkError, match="does not match its id"):
-        ChunkReader(store, m).read_at("pages-1.img", ref.offset, 10)
+        ChunkReader(store, _st(m)).read_at("pages-1.img", ref.offset, 10)
 
 
 def test_a_manifest_locating_a_chunk_in_a_pack_it_does_not_list_is_refused(tmp_path: Path,
@@ -109,7 +115,7 @@ def test_a_manifest_locating_a_chunk_in_a_pack_it_does_not_list_is_refused(tmp_p
     m, _ = _drain(store, d, files, "ck-1", ChunkIndex(None))
     m["storage"]["files"]["pages-1.img"]["chunks"][0][3] = len(m["storage"]["packs"])
     with pytest.raises(ChunkError, match="bad chunk entry"):
-        layouts(m)
+        chunked_storage(m)
 
 
 @pytest.mark.parametrize("cut", ["footer", "magic", "index", "entry past the chunks"])
@@ -192,7 +198,7 @@ def test_a_node_learns_the_chunks_of_packs_another_node_wrote_since_its_last_dra
     with b.draining():  # b's index was filled before ck-3's packs existed
         m, job = _drain(store, d2, f2, "ck-4", b.index)
     assert job.stats.new_chunks == 0 and set(store.list("packs/")) == packs_before
-    assert ChunkReader(store, m).read_at("pages-1.img", 0, 300 * PAGE) == (d2 / "pages-1.img").read_bytes()
+    assert ChunkReader(store, _st(m)).read_at("pages-1.img", 0, 300 * PAGE) == (d2 / "pages-1.img").read_bytes()
 
 
 def test_a_pack_stays_while_any_manifest_references_a_chunk_in_it(tmp_path: Path, store: PosixStore) -> None:
@@ -202,14 +208,14 @@ def test_a_pack_stays_while_any_manifest_references_a_chunk_in_it(tmp_path: Path
     m1, _ = _drain(store, d1, f1, "ck-1", index, pack=64 << 20)
     d2, f2 = _tier(tmp_path, "t2", old[: 100 * PAGE] + _pages(200, 8))
     m2, _ = _drain(store, d2, f2, "ck-2", index, pack=64 << 20)
-    shared = referenced_packs(m1) & referenced_packs(m2)
-    assert shared and referenced_chunks(m1) - referenced_chunks(m2)
-    only1 = referenced_packs(m1) - shared
+    shared = _st(m1).referenced_packs() & _st(m2).referenced_packs()
+    assert shared and _st(m1).referenced_chunks() - _st(m2).referenced_chunks()
+    only1 = _st(m1).referenced_packs() - shared
     unused = sum(len(read_pack_index(store, p)) for p in only1)
-    keep = referenced_chunks(m2) | referenced_packs(m2)  # ck-1 deleted: part of its packs is still used
+    keep = _st(m2).referenced_chunks() | _st(m2).referenced_packs()  # ck-1 deleted: part of its packs is still used
     res = sweep(store, keep, grace_s=0, now=time.time() + 1)
     assert res.deleted == unused and all((store.root / pack_key(p)).is_file() for p in shared)
-    assert ChunkReader(store, m2).read_at("pages-1.img", 0, 300 * PAGE) == (d2 / "pages-1.img").read_bytes()
+    assert ChunkReader(store, _st(m2)).read_at("pages-1.img", 0, 300 * PAGE) == (d2 / "pages-1.img").read_bytes()
     res = sweep(store, set(), grace_s=0, now=time.time() + 1)  # ck-2 deleted too
     assert not store.list("packs/")
 
@@ -221,14 +227,14 @@ def test_packs_on_s3_are_read_by_range_and_swept(tmp_path: Path, s3_server) -> N
     pages = _pages(600, 9)
     d, files = _tier(tmp_path, "t", pages)
     m, job = _drain(s3, d, files, "ck-1", ChunkIndex(None))
-    assert len(s3.list("packs/")) == len(referenced_packs(m)) >= 2 and not s3.list("chunks/")
-    assert ChunkReader(s3, m).read_at("pages-1.img", 0, len(pages)) == pages
+    assert len(s3.list("packs/")) == len(_st(m).referenced_packs()) >= 2 and not s3.list("chunks/")
+    assert ChunkReader(s3, _st(m)).read_at("pages-1.img", 0, len(pages)) == pages
     b = StoreGc(s3, ChunkIndex(tmp_path / "ib"), "bbbbbbbbbbbb")
-    assert b.learn_packs() == 1 + len(referenced_packs(m)) and referenced_chunks(m) <= b.index.ids()
+    assert b.learn_packs() == 1 + len(_st(m).referenced_packs()) and _st(m).referenced_chunks() <= b.index.ids()
     res = sweep(s3, set(), grace_s=0, now=time.time() + 1)
-    assert res.deleted == len(referenced_chunks(m)) and not s3.list("packs/")
+    assert res.deleted == len(_st(m).referenced_chunks()) and not s3.list("packs/")
     with pytest.raises(StoreError):
-        ChunkReader(s3, m).read_at("pages-1.img", 0, 10)
+        ChunkReader(s3, _st(m)).read_at("pages-1.img", 0, 10)
 
 
 def test_a_ranged_read_returns_exactly_the_bytes_asked_at_any_offset(store: PosixStore) -> None:

@@ -76,7 +76,7 @@ def test_staged_durable_fetched_found_and_deleted_in_turn(node: Node, tmp_path: 
     durable = node.wait_state(rec.id, DURABLE)
     assert durable is not None and durable.in_store and durable.stored_bytes > 0 and durable.last_error == ""
     stored = node.repo.stored_manifest(durable)
-    assert set(stored["files"]) == {"pages-1.img", "core-1.img"}
+    assert set(stored.man.files) == {"pages-1.img", "core-1.img"}
     # fetched back: the same bytes, and a tier manifest that verifies bound to the record
     dest = tmp_path / "fetched"
     dest.mkdir(mode=0o700)
@@ -84,7 +84,7 @@ def test_staged_durable_fetched_found_and_deleted_in_turn(node: Node, tmp_path: 
     assert (dest / "pages-1.img").read_bytes() == PAGES
     manifest.verify_dir(dest, KEY, bound_to=(rec.id, rec.job, rec.owner_uid))
     # found by name, bound to its id; another name finds nothing
-    assert [m["id"] for m in node.repo.find("train")] == ["ck-1"]
+    assert [m.man.id for m in node.repo.find("train")] == ["ck-1"]
     assert node.repo.find("eval") == [] and node.repo.find("../x") == []
     # the same store's id on every call, and on a second repository over it
     assert node.repo.id() and node.repo.id() == Repository(node.store, KEY, Codec()).id()
@@ -151,7 +151,7 @@ def test_two_nodes_sharing_a_store_reuse_chunks_and_find_each_others_checkpoints
         b.drain.enqueue(b.staged("ck-b").id)
         rec_b = b.wait_state("ck-b", DURABLE)
         assert rec_b is not None and rec_b.stored_bytes < len(PAGES) // 4  # a's chunks, not uploaded again
-        assert sorted(m["id"] for m in a.repo.find("train")) == ["ck-a", "ck-b"]
+        assert sorted(m.man.id for m in a.repo.find("train")) == ["ck-a", "ck-b"]
     finally:
         for n in (a, b):
             n.drain.stop()

@@ -27,15 +27,7 @@ from memsnap.store import Codec, StoreError, StoreNotFound
 from memsnap.store import chunks as chunks_mod
 from memsnap.store.chunked import ChunkOpts, NodeChunks
 from memsnap.store.chunkgc import ChunkIndex, read_record
-from memsnap.store.chunks import (
-    bundle_ref,
-    is_chunked,
-    layouts,
-    load_stored_manifest,
-    referenced_chunks,
-    referenced_packs,
-    sizes,
-)
+from memsnap.store.chunks import chunked_storage, load_stored_manifest
 from memsnap.store.packs import FOOTER, PACK_MAGIC, parse_tail, read_pack_index
 
 SETTINGS = settings(max_examples=120, deadline=None, database=None,
@@ -145,7 +137,7 @@ VALID_PACK = _pack([[CID, 0, 100, 200], ["c" * 64, 100, 50, 4096]])
 
 def _stored_manifest() -> dict[str, Any]:
     return {
-        "id": "ck-1", "job": "job-1", "uid": 0, "format": 2, "signature": "0" * 64,
+        "id": "ck-1", "job": "job-1", "uid": 0, "pid": 7, "name": "train", "format": 2, "signature": "0" * 64,
         "files": {"pages-1.img": {"size": 300, "blake3": "d" * 64}, "core-1.img": {"size": 10, "blake3": "e" * 64}},
         "storage": {"layout": "chunked", "codec": "zstd", "chunk_avg": 1 << 20, "logical_bytes": 310,
                     "stored_bytes": 200, "new_bytes": 310, "packs": [PID],
@@ -212,13 +204,21 @@ def test_a_sweep_record_of_any_bytes_reads_as_its_ids_or_as_unreadable(raw: byte
 
 
 def _use_stored(m: dict[str, Any]) -> None:
-    """What gc's mark, a restore and a lazy restore do with a stored manifest: each call gives its value or
-    a StoreError (ChunkError)."""
-    for fn in (layouts, bundle_ref, referenced_chunks, referenced_packs, sizes, is_chunked):
-        try:
-            fn(m)
-        except StoreError:
-            pass
+    """What gc's mark, a restore and a lazy restore do with a stored manifest: its parse gives a value or a
+    StoreError (ChunkError: gc's chunked_storage) or IntegrityError (the repository's StoredManifest.parse)."""
+    try:
+        st = chunked_storage(m)
+    except StoreError:
+        pass
+    else:
+        assert st is None or isinstance(st.referenced_chunks() | st.referenced_packs(), set)
+    try:
+        stored = manifest.StoredManifest.parse(m)
+    except IntegrityError:
+        return
+    from memsnap.repository import adopted_record
+
+    assert adopted_record(stored).id == stored.man.id and isinstance(stored.tier_body(), dict)
 
 
 @SETTINGS
