@@ -45,7 +45,6 @@ from memsnap.criu import (
 from memsnap.errors import (
     Aborted,
     FailedPrecondition,
-    IntegrityFailure,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -341,21 +340,18 @@ class Engine:
         key). The store's name index is only a hint: the signed manifest must carry this name and owner."""
         if self.repo is None:
             return None
-        for m in self.repo.find(name):
-            if self.catalog.get_checkpoint(m["id"]) is not None:
+        for stored in self.repo.find(name):
+            m = stored.man
+            if self.catalog.get_checkpoint(m.id) is not None:
                 continue
-            if m.get("name") != name or m.get("uid") != owner:
+            if m.name != name or m.uid != owner:
                 log.warning("store index %r lists %s, whose signed manifest names %r of uid %s: not adopted",
-                            name, m.get("id"), m.get("name"), m.get("uid"))
+                            name, m.id, m.name, m.uid)
                 continue
-            home = str(m.get("node") or m.get("host") or "?")  # its stored copy is that node's to delete
-            try:
-                rec = adopted_record(m, home if home != self.node else "")
-            except IntegrityFailure as exc:
-                log.warning("stored checkpoint %s of %r is not adopted: %s", m.get("id"), name, exc)
-                continue
+            home = str(m.extra.get("node") or m.host or "?")  # its stored copy is that node's to delete
+            rec = adopted_record(stored, home if home != self.node else "")
             lifecycle.begin(self.catalog, rec)
-            log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.get("host"))
+            log.info("adopted %s of %r from the shared store (written by %s)", rec.id, name, m.host)
             return rec
         return None
 

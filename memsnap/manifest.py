@@ -183,13 +183,6 @@ class StoredManifest:
             meta["store"] = {"format": "chunked", **self.chunked.sizes()}
         return meta
 
-    def __getitem__(self, key: str) -> Any:
-        """A field of the signed JSON: only for memsnap.engine's adoption by name, until it reads .man."""
-        return self._signed[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """A field of the signed JSON, or default (see __getitem__)."""
-        return self._signed.get(key, default)
 
 
 def _int64(v: object) -> bool:
