@@ -4,7 +4,7 @@ protocols of the daemon's services it calls back (the drain, the GPU, the memory
 They live here, not in memsnap.engine, because the engine's parts (checkpointer, restorer, recovery, jobtable) and
 the move code name them too, and those cannot import the engine (it imports them). They are protocols, not the
 services' classes, because the services import the engine (memsnap.guard), or must stay unloaded on CPU-only
-nodes (memsnap.gpu). This module imports only the catalog's types: anything may import it.
+nodes (memsnap.gpu). This module imports only the catalog's and the manifest's types: anything may import it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from memsnap.catalog import CheckpointRecord, JobRecord
+from memsnap.manifest import Manifest
 
 
 @dataclass
@@ -96,5 +97,5 @@ class JobGuard(Protocol):
     def settings_of(self, job_id: str) -> dict[str, Any] | None:
         """What a checkpoint of a guarded job carries wherever it is restored (its manifest's "guard")."""
 
-    def restored(self, job: JobRecord, rec: CheckpointRecord, man: dict[str, Any]) -> None:
+    def restored(self, job: JobRecord, rec: CheckpointRecord, man: Manifest) -> None:
         """A guarded job came back (a restore here, or a move to this node): guard the new job as it was."""

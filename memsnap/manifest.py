@@ -85,6 +85,15 @@ class Manifest:
         except TypeError as exc:
             raise IntegrityError(f"integrity check failed: the manifest lacks a field ({exc})") from exc
 
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Manifest:
+        """A verified manifest's JSON, parsed where it enters (a restore of a tier copy, a stored copy): from_dict,
+        and IntegrityError for a field present with a type that memsnap never writes (what a restore relies on)."""
+        for k, ok in _TYPED_FIELDS.items():
+            if k in d and not ok(d[k]):
+                raise IntegrityError(f"integrity check failed: the manifest has a bad {k!r} ({clip(d[k], 60)!r})")
+        return cls.from_dict(d)
+
     def body(self) -> dict[str, Any]:
         """The unsigned JSON body, with exactly the keys memsnap has always written."""
         out: dict[str, Any] = {}
@@ -144,11 +153,7 @@ class StoredManifest:
         """The stored manifest of its (verified) JSON; IntegrityError for any that memsnap does not write: an
         unknown format, a field missing or of another type, a storage section that does not parse."""
         check_format(signed)
-        man = Manifest.from_dict({k: v for k, v in signed.items() if k != "storage"})  # (id, job, ... are there)
-        for k, ok in _STORED_FIELDS.items():
-            if k in signed and not ok(signed[k]):
-                raise IntegrityError(f"integrity check failed: stored manifest has a bad {k!r} "
-                                     f"({clip(signed[k], 60)!r})")
+        man = Manifest.parse({k: v for k, v in signed.items() if k != "storage"})  # (id, job, ... are there)
         files = signed.get("files")
         if not isinstance(files, dict):
             raise IntegrityError("integrity check failed: stored manifest has no file list")
@@ -184,7 +189,6 @@ class StoredManifest:
         return meta
 
 
-
 def _int64(v: object) -> bool:
     return type(v) is int and -(1 << 63) <= v < 1 << 63
 
@@ -193,12 +197,26 @@ def _number(v: object) -> bool:
     return _int64(v) or (type(v) is float and math.isfinite(v))
 
 
-# The fields of a stored manifest whose type downstream code relies on (an adoption, a restore), when present;
-# id, pid, job, name, uid and files must be (Manifest.from_dict).
-_STORED_FIELDS: dict[str, Callable[[object], bool]] = {
-    "id": lambda v: isinstance(v, str), "job": lambda v: isinstance(v, str), "pid": _int64, "uid": _int64,
-    "name": lambda v: v is None or isinstance(v, str), "created_ms": _int64, "frozen_ms": _number,
-    "dump_ms": _number}
+def _str(v: object) -> bool:
+    return isinstance(v, str)
+
+
+def _strs(v: object) -> bool:
+    return isinstance(v, list) and all(isinstance(a, str) for a in v)
+
+
+def _flag(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+# The fields of a manifest whose type downstream code relies on (an adoption, a restore), when present; id, pid,
+# job, name, uid and files must be (Manifest.from_dict).
+_TYPED_FIELDS: dict[str, Callable[[object], bool]] = {
+    "id": _str, "job": _str, "pid": _int64, "uid": _int64, "name": lambda v: v is None or isinstance(v, str),
+    "created_ms": _int64, "frozen_ms": _number, "dump_ms": _number, "argv": _strs, "host": _str, "log_path": _str,
+    "log_mount": _str, "own_pidns": _flag, "own_mntns": _flag, "pages_remote": _flag, "tcp_close": _flag,
+    "gpus": lambda v: isinstance(v, list) and all(isinstance(g, dict) for g in v),
+    "files": lambda v: isinstance(v, dict)}
 
 
 def _whole_files(signed: dict[str, Any], files: dict[str, Any]) -> dict[str, StoredFile]:
@@ -402,19 +420,20 @@ def check_binding(manifest: dict[str, Any], ckpt_id: str, job: str, uid: int) ->
 
 
 def verify_dir(images_dir: Path, key: bytes, trusted: dict[str, list[int]] | None = None,
-               bound_to: tuple[str, str, int] | None = None) -> dict[str, Any]:
+               bound_to: tuple[str, str, int] | None = None) -> Manifest:
     """Checks signature, binding to (checkpoint id, job, uid) when given, file set, sizes and checksums;
-    returns the manifest. Every file is opened with O_NOFOLLOW from the dir's fd; a symlink, fifo or
-    device in the dir fails the check.
+    returns the manifest, parsed (Manifest.parse). Every file is opened with O_NOFOLLOW from the dir's fd; a
+    symlink, fifo or device in the dir fails the check.
 
     Files whose fingerprint equals `trusted` (recorded right after we hashed them) are not re-hashed.
     """
     with safefs.opened(_open_images(images_dir)) as dfd:
-        manifest = _read_at(dfd, images_dir)
-        verify_signature(manifest, key)
+        raw = _read_at(dfd, images_dir)
+        verify_signature(raw, key)
         if bound_to is not None:
-            check_binding(manifest, *bound_to)
-        files: dict[str, Any] = manifest["files"]
+            check_binding(raw, *bound_to)
+        man = Manifest.parse(raw)
+        files = man.files
         present = set(_image_files(dfd, images_dir))
         extra = present - set(files) - _CRIU_WRITES_ON_RESTORE
         if extra:
@@ -431,7 +450,7 @@ def verify_dir(images_dir: Path, key: bytes, trusted: dict[str, list[int]] | Non
                     continue
                 if fd_blake3(fd) != meta.get("blake3"):
                     raise IntegrityError(f"integrity check failed: checksum mismatch in {name}")
-    return manifest
+    return man
 
 
 def verify_dir_signature_only(images_dir: Path, key: bytes,

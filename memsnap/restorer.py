@@ -32,6 +32,7 @@ from memsnap.collaborators import GpuAdapter, JobGuard
 from memsnap.criu import CriuApi, CriuError, NotifyCallback, RestoreOptions, guard_lazy_restore
 from memsnap.errors import FailedPrecondition, IntegrityFailure
 from memsnap.lazyguard import LazyGuard
+from memsnap.manifest import Manifest
 from memsnap.phases import PhaseClock
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.repository import Repository
@@ -77,7 +78,7 @@ class RestoreRequest:
 class PreparedImage:
     """An image ready for CRIU, proved to be the signed one (or proved as its pages arrive)."""
 
-    man: dict[str, Any]  # its verified manifest
+    man: Manifest  # its verified manifest
     path: Path  # the directory CRIU reads
     started: float  # time.monotonic() when the restore began
     verified_from: float  # time.monotonic() when its verification began (verify_ms is measured from it)
@@ -194,14 +195,14 @@ class Restorer:
         lazy, gpu_map, tcp_established, notify = req.lazy, req.gpu_map, req.tcp_established, req.notify
         restore_opts, lazy_ps_socket, guard = req.restore_opts, req.lazy_ps_socket, req.lazy_guard
         verify_ms = (time.monotonic() - t1) * 1000
-        if man.get("pages_remote") and lazy_ps_socket < 0:
+        if man.pages_remote and lazy_ps_socket < 0:
             raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
                                      "on the source node, so it cannot be restored on its own")
-        if not man.get("own_pidns", False) and proc.alive(rec.pid):
+        if not man.own_pidns and proc.alive(rec.pid):
             raise FailedPrecondition(
                 f"pid {rec.pid} is in use, and this checkpoint needs it back: stop that process first, "
                 "or start jobs with 'memsnapctl run' (own PID namespace) so that restores never collide")
-        if not man.get("own_pidns", False):
+        if not man.own_pidns:
             proc.wait_pid_free(rec.pid, 10)
         work = self.host.work_root / f"{rec.id}.restore-{secrets.token_hex(3)}"
         work.mkdir(parents=True, mode=0o700)
@@ -219,8 +220,8 @@ class Restorer:
                     opts["on_criu"], notify = guard.on_criu, guard.notify(notify)
                 new_pid = self.host.criu.restore(images, work, RestoreOptions(
                     tcp_established=tcp_established, shell_job=False, lazy_pages=lazy,
-                    tcp_close=not tcp_established or bool(man.get("tcp_close")),
-                    own_mntns=bool(man.get("own_mntns", False)), **opts), notify=notify)
+                    tcp_close=not tcp_established or man.tcp_close, own_mntns=man.own_mntns, **opts),
+                    notify=notify)
             except CriuError as exc:
                 if server is not None:
                     _kill_group(server.pid)
@@ -251,7 +252,7 @@ class Restorer:
             with self._lazy_lock:
                 self._restoring.discard(work)
         restore_ms = (time.monotonic() - t2) * 1000
-        if man.get("parked"):
+        if man.extra.get("parked"):
             proc.resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
         clock = PhaseClock()
         for name, ms in (("fetch", fetch_ms), ("verify", verify_ms), ("criu_restore", restore_ms)):
@@ -283,7 +284,7 @@ class Restorer:
             shutil.rmtree(old, ignore_errors=True)
         return dest
 
-    def _record_restored(self, rec: CheckpointRecord, man: dict[str, Any], new_pid: int, server: Any, work: Path,
+    def _record_restored(self, rec: CheckpointRecord, man: Manifest, new_pid: int, server: Any, work: Path,
                          gpu_map: Any, log_path: str = "", clock: PhaseClock | None = None) -> JobRecord:
         """Brings a restored tree's GPU state back, tells its quiesce hooks to resume, and records it as a job
         (the caller kills it on error)."""
@@ -292,9 +293,9 @@ class Restorer:
             raise OSError("failpoint record-restored-fails: the catalog could not be written")
         if server is not None and failpoints.armed("kill-lazy-pages"):
             _kill_lazy_pages(server.pid)
-        if self.host.gpu is not None and man.get("gpus"):
+        if self.host.gpu is not None and man.gpus:
             try:
-                clock.gpu(self.host.gpu.restore(new_pid, gpu_map, man.get("gpus")))
+                clock.gpu(self.host.gpu.restore(new_pid, gpu_map, man.gpus))
             except Exception as exc:
                 # A restored tree whose CUDA state cannot come back would stay locked forever.
                 raise FailedPrecondition(f"GPU state of {rec.id} could not be restored: {exc}") from exc
@@ -305,7 +306,7 @@ class Restorer:
             shutil.rmtree(work, ignore_errors=True)
         job = JobRecord(id="job-" + secrets.token_hex(4), name=restored_job_name(rec, man), pid=new_pid,
                         pid_start=proc.start_time_or_zero(new_pid), owner_uid=rec.owner_uid,
-                        argv=list(man.get("argv", [])), log_path=log_path or str(man.get("log_path", "")),
+                        argv=list(man.argv), log_path=log_path or man.log_path,
                         started_ms=now_ms(), restored_from=rec.id)
         self.host.catalog.add_job(job)
         self.host.catalog.update_checkpoint(rec.id, last_used_ms=now_ms())
@@ -445,31 +446,32 @@ class Restorer:
             raise
         return path, fd
 
-    def _log_for_mount(self, rec: CheckpointRecord, man: dict[str, Any],
+    def _log_for_mount(self, rec: CheckpointRecord, man: Manifest,
                        opts: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """For an image whose job log is a bind mount (its private /tmp): a new log of this node's own, bound
         there by CRIU (opts["external"]); the options and the new log's path ("" for any other image)."""
-        key = str(man.get("log_mount") or "")
+        key = man.log_mount
         if not key:
             return opts, ""
         if key != mounts.LOG_MOUNT_KEY:
             raise FailedPrecondition(f"checkpoint {rec.id} names a job log mount {clip(key, 40)} this memsnap "
                                      "does not know; restore it with the memsnap version that made it")
-        moved_from = f"{man.get('host') or '?'}/{rec.job or rec.id}" if rec.marks.move_incoming else ""
-        path, fd = self._open_new_log(rec, str(man.get("log_path") or ""), moved_from)
+        moved_from = f"{man.host or '?'}/{rec.job or rec.id}" if rec.marks.move_incoming else ""
+        path, fd = self._open_new_log(rec, man.log_path, moved_from)
         os.close(fd)
         opts["external"] = [*opts.get("external", []), f"mnt[{key}]:{path}"]
         return opts, str(path)
 
 
-def restored_job_name(rec: CheckpointRecord, man: dict[str, Any]) -> str:
+def restored_job_name(rec: CheckpointRecord, man: Manifest) -> str:
     """What a restored job is called: the job it was (not the checkpoint's own --name), else, for a process
     memsnap did not start, its command's name; a checkpoint from before job names were signed: its name."""
-    if man.get("job_name"):
-        return str(man["job_name"])
+    job_name = man.extra.get("job_name")
+    if job_name and isinstance(job_name, str):
+        return job_name
     if rec.job:
         return rec.name or rec.job
-    argv = [str(a) for a in man.get("argv") or []]
+    argv = man.argv
     argv = argv[4:] if jobinit.is_init(argv) else argv
     return os.path.basename(argv[0])[:64] if argv and argv[0] else rec.name or rec.id
 

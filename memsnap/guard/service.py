@@ -26,6 +26,7 @@ from memsnap.guard.policy import CRITICAL, NodePolicy, Thresholds
 from memsnap.guard.resume import Resumer
 from memsnap.guard.table import ENDED, KILLED, PARKED, RESUMED, RUNNING, GuardedJob, JobTable
 from memsnap.guard.watch import Watchers
+from memsnap.manifest import Manifest
 from memsnap.metrics import Metrics
 
 log = logging.getLogger("memsnap.guard")
@@ -112,7 +113,7 @@ class Guard:
             return None
         return {"limit": g.limit, "priority": g.priority, "on_limit": g.on_limit}
 
-    def restored(self, job: JobRecord, rec: CheckpointRecord, man: dict[str, Any]) -> None:
+    def restored(self, job: JobRecord, rec: CheckpointRecord, man: Manifest) -> None:
         """A guarded job came back, from any restore here or a move to this node: the new job is guarded as it
         was, in the memory cgroup CRIU put it into (recreated without a limit if it was gone: its limit is set
         first) or a new one. A parked job restored this way counts as resumed. The guard's own resume does its
@@ -120,7 +121,7 @@ class Guard:
         src = self.table.get(rec.job) if rec.job else None
         if self.table.get(job.id) is not None or (src is not None and self.table.busy(src.job_id)):
             return
-        s = self.settings_of(src.job_id) if src is not None else man.get("guard")
+        s = self.settings_of(src.job_id) if src is not None else man.extra.get("guard")
         if not isinstance(s, dict):
             return
         try:

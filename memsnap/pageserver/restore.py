@@ -39,7 +39,7 @@ from memsnap import failpoints, knobs, proc, safefs
 from memsnap.catalog import CheckpointRecord
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.lazyguard import LazyGuard
-from memsnap.manifest import StoredManifest
+from memsnap.manifest import Manifest, StoredManifest
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
@@ -96,7 +96,7 @@ class CutAfterResume:
 class Prepared:
     """A restore dir with everything but the lazy pages, and where those come from."""
 
-    def __init__(self, root: Path, man: dict[str, Any], index: PageIndex, source: PageSource,
+    def __init__(self, root: Path, man: Manifest, index: PageIndex, source: PageSource,
                  fetch_ms: float) -> None:
         self.root, self.images, self.man, self.index, self.source = root, root / "images", man, index, source
         self.fetch_ms = fetch_ms
@@ -158,7 +158,7 @@ def prepare(repo: Repository, rec: CheckpointRecord, stored: StoredManifest, sto
         finally:
             for fd in fds.values():
                 os.close(fd)
-    return Prepared(root, stored.tier_body(), index, source, (time.monotonic() - t0) * 1000)
+    return Prepared(root, stored.man, index, source, (time.monotonic() - t0) * 1000)
 
 
 def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,

@@ -80,7 +80,7 @@ def test_migrate_moves_the_job_and_the_source_lets_go(pair, jobs_to_kill):
     assert {"preflight", "dump", "transfer", "restore", "paging", "confirm", "cleanup"} == set(out["phases"])
     assert 0 < out["downtime_ms"] < 30_000 and out["bytes_sent"] > BIG_MIB << 20
     m = manifest.verify_dir(b.tier / out["checkpoint"], (b.state / "hmac.key").read_bytes())
-    assert m["id"] == out["checkpoint"]
+    assert m.id == out["checkpoint"]
     assert (a.state / "hmac.key").read_bytes() != (b.state / "hmac.key").read_bytes()
     # The source dropped its copy: the target drains the same image (docs/background.md).
     assert not (a.tier / out["checkpoint"]).exists()

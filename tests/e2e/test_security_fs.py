@@ -258,7 +258,7 @@ def test_racing_staging_swap_gets_nothing_outside_the_tier_and_nothing_signed(ma
                 failed.append(exc)  # a dump spoiled by the attacker may fail; it must never succeed wrongly
                 continue
             made += 1
-            if "evil.img" in manifest.verify_dir(d.tier / ckpt_id, key)["files"]:
+            if "evil.img" in manifest.verify_dir(d.tier / ckpt_id, key).files:
                 signed_evil.append(ckpt_id)
             c.delete(ckpt_id)  # (keeps the tier and store small)
     out, _ = attacker.communicate("stop\n", timeout=60)

@@ -25,7 +25,8 @@ def _image(tmp_path: Path, files: dict[str, bytes] | None = None, **extra: Any) 
     d.mkdir()
     for name, data in (files or {"pages-1.img": b"p" * 5000, "core-1.img": b"core"}).items():
         (d / name).write_bytes(data)
-    body = {"id": BOUND[0], "job": BOUND[1], "uid": BOUND[2], "files": manifest.describe_files(d), **extra}
+    body = {"id": BOUND[0], "job": BOUND[1], "uid": BOUND[2], "pid": 42, "name": "",
+            "files": manifest.describe_files(d), **extra}
     manifest.write(d, manifest.sign(body, KEY))
     return d
 
@@ -48,10 +49,28 @@ def _refused(d: Path, match: str, **kw: Any) -> None:
 def test_an_untouched_image_verifies_and_returns_its_manifest(tmp_path: Path) -> None:
     d = _image(tmp_path)
     m = manifest.verify_dir(d, KEY, bound_to=BOUND)
-    assert m["id"] == "ck-1" and m["format"] == manifest.FORMAT
-    assert m["files"]["core-1.img"] == {"size": 4, "blake3": blake3.blake3(b"core").hexdigest()}
-    assert manifest.verify_dir_signature_only(d, KEY, bound_to=BOUND) == m
+    assert m.id == "ck-1" and m.pid == 42
+    assert m.files["core-1.img"] == {"size": 4, "blake3": blake3.blake3(b"core").hexdigest()}
+    raw = manifest.verify_dir_signature_only(d, KEY, bound_to=BOUND)
+    assert raw["format"] == manifest.FORMAT and manifest.Manifest.parse(raw) == m
     assert manifest.verify_dir(d, KEY) == m  # no binding asked: still checked for signature and files
+
+
+@pytest.mark.parametrize(("field", "value"), [("argv", "python3 train.py"), ("own_pidns", "yes"), ("pid", "42"),
+                                              ("log_path", ["/x"]), ("gpus", {"0": 1})])
+def test_a_signed_manifest_with_a_field_of_the_wrong_type_is_refused(tmp_path: Path, field: str,
+                                                                      value: Any) -> None:
+    """What a restore reads of its manifest (argv, own_pidns, the log path, the GPUs) has the type memsnap writes,
+    or the image is refused as corrupt: never an error deep inside a restore."""
+    d = _image(tmp_path)
+    _edit(d, lambda m: m.update({field: value}), key=KEY)
+    _refused(d, f"bad {field!r}")
+
+
+def test_a_signed_manifest_without_its_pid_is_refused(tmp_path: Path) -> None:
+    d = _image(tmp_path)
+    _edit(d, lambda m: m.pop("pid"), key=KEY)
+    _refused(d, "lacks a field")
 
 
 def test_sign_replaces_an_old_signature_and_sets_the_format() -> None:

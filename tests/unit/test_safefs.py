@@ -153,7 +153,8 @@ def _image(d: Path, key: bytes, ckpt_id: str = "ck-a", job: str = "job-a", uid: 
     d.mkdir(mode=0o700)
     (d / "pages-1.img").write_bytes(os.urandom(1000))
     files = manifest.describe_files(d)
-    manifest.write(d, manifest.sign({"id": ckpt_id, "job": job, "uid": uid, "files": files}, key))
+    manifest.write(d, manifest.sign({"id": ckpt_id, "job": job, "uid": uid, "pid": 1, "name": "", "files": files},
+                                       key))
 
 
 def test_manifest_is_bound_to_checkpoint_job_and_owner(tmp_path: Path) -> None:
