@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +57,7 @@ class RestoreResult:
     verify_ms: float
     fetch_ms: float = 0.0
     from_store: bool = False
-    lazy_server: Any = None  # the lazy-pages process of a lazy restore
+    lazy_server: subprocess.Popen[bytes] | None = None  # the lazy-pages process of a lazy restore
     work_dir: Path | None = None
     phases: dict[str, float] = field(default_factory=dict)  # memsnap.phases.RESTORE: seconds each
 
@@ -284,7 +285,8 @@ class Restorer:
             shutil.rmtree(old, ignore_errors=True)
         return dest
 
-    def _record_restored(self, rec: CheckpointRecord, man: Manifest, new_pid: int, server: Any, work: Path,
+    def _record_restored(self, rec: CheckpointRecord, man: Manifest, new_pid: int,
+                         server: subprocess.Popen[bytes] | None, work: Path,
                          gpu_map: Any, log_path: str = "", clock: PhaseClock | None = None) -> JobRecord:
         """Brings a restored tree's GPU state back, tells its quiesce hooks to resume, and records it as a job
         (the caller kills it on error)."""
@@ -317,7 +319,8 @@ class Restorer:
                 log.warning("could not guard restored job %s again: %s", job.id, exc, extra={"job": job.id})
         return job
 
-    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int, guard: LazyGuard) -> Any:
+    def _start_lazy_server(self, ckpt_id: str, images: Path, work: Path, ps_socket: int,
+                           guard: LazyGuard) -> subprocess.Popen[bytes]:
         """Starts `criu lazy-pages` on the tier copy (or the source's, over ps_socket); it serves faults
         and pushes the rest, then exits. guard learns of it."""
         if guard.why:  # (the pages' source failed already)

@@ -9,10 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from memsnap.caller import Caller
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound
 from memsnap.guard.cgroups import CgroupError
 from memsnap.guard.parts import Part, Parts
 from memsnap.guard.table import PARKED, RESUMED, GuardedJob
+from memsnap.restorer import RestoreResult
 
 log = logging.getLogger("memsnap.guard")
 
@@ -46,7 +48,7 @@ class Resumer(Part):
                                      + (f" (resumed as {g.resumed_as})" if g.resumed_as else ""))
         return max(parked, key=lambda x: x.parked_ms)
 
-    def resume(self, key: str, caller: Any = None, new_limit: int = 0, auto: str = "") -> Any:
+    def resume(self, key: str, caller: Caller | None = None, new_limit: int = 0, auto: str = "") -> RestoreResult:
         """Restores a parked job into its memory cgroup (with new_limit if given) and lets it run on."""
         from memsnap.engine import ROOT
         caller = caller or ROOT

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memsnap import jobs
+from memsnap.caller import Caller
 from memsnap.catalog import CheckpointRecord, JobRecord
 from memsnap.config import GuardConfig
 from memsnap.engine import Engine
@@ -28,6 +29,7 @@ from memsnap.guard.table import ENDED, KILLED, PARKED, RESUMED, RUNNING, Guarded
 from memsnap.guard.watch import Watchers
 from memsnap.manifest import Manifest
 from memsnap.metrics import Metrics
+from memsnap.restorer import RestoreResult
 
 log = logging.getLogger("memsnap.guard")
 
@@ -172,7 +174,7 @@ class Guard:
         """A parked job by id or name, that the caller may act on."""
         return self.resumer.find_parked(caller, key)
 
-    def resume(self, key: str, caller: Any = None, new_limit: int = 0, auto: str = "") -> Any:
+    def resume(self, key: str, caller: Caller | None = None, new_limit: int = 0, auto: str = "") -> RestoreResult:
         """Restores a parked job into its memory cgroup (with new_limit if given) and lets it run on."""
         return self.resumer.resume(key, caller, new_limit, auto)
 

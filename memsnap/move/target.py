@@ -203,6 +203,7 @@ class MoveTarget:
         """Early resume: waits until lazy-pages has put every page in place; ms the job ran meanwhile."""
         t0 = time.monotonic()
         failpoints.hit("paging-in")
+        assert res.lazy_server is not None  # (a lazy restore's result: its lazy-pages process)
         rc = res.lazy_server.wait()
         self.engine.reap_lazy()
         if rc != 0:
