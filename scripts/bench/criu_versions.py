@@ -163,7 +163,7 @@ class Workload:
     def verify_restored(self, nlines_before: int) -> dict[str, Any]:
         """The restored process is alive and its second fresh digest after the restore (read wholly from restored
         memory) is the one it started with."""
-        fresh = []
+        fresh: list[list[str]] = []
         t0 = time.monotonic()
         deadline = t0 + 60 + 2 * self.mib / 300
         while len(fresh) < 2:
@@ -173,7 +173,8 @@ class Workload:
             time.sleep(0.2)
         alive = Path(f"/proc/{self.pid}").exists()
         ok = alive and fresh[1][3] == self.digest and fresh[1][2] == str(self.pid)
-        return {"alive": alive, "digest_after": fresh[1][3], "digest_ok": ok, "verify_s": round(time.monotonic() - t0, 2)}
+        return {"alive": alive, "digest_after": fresh[1][3], "digest_ok": ok,
+                "verify_s": round(time.monotonic() - t0, 2)}
 
     def kill(self) -> None:
         try:
@@ -231,13 +232,13 @@ def cycle(w: Workload, criu: str, tag: str) -> dict[str, Any]:
 
 def summarise(runs: list[dict[str, Any]], gib: int) -> dict[str, Any]:
     def med(key: str) -> float:
-        return round(statistics.median(r[key] for r in runs), 3)
+        return round(float(statistics.median(r[key] for r in runs)), 3)
 
     def med_stat(group: str, key: str) -> float | None:
         vals = [r[group][key] / 1e6 for r in runs if key in r[group]]
         return round(statistics.median(vals), 3) if vals else None
 
-    s = {"n": len(runs), "dump_s": med("dump_s"), "restore_s": med("restore_s")}
+    s: dict[str, Any] = {"n": len(runs), "dump_s": med("dump_s"), "restore_s": med("restore_s")}
     s["dump_s_per_gib"] = round(s["dump_s"] / gib, 3)
     s["restore_s_per_gib"] = round(s["restore_s"] / gib, 3)
     for k in ("frozen_time", "memdump_time", "memwrite_time"):
