@@ -20,13 +20,27 @@
 #   CRIU_SOURCE_SUITE  Debian suite to take the source from (default: trixie)
 #   CRIU_MIRROR        Debian archive base URL (default: read from apt sources)
 #   JOBS               parallel make jobs (default: nproc)
+#   CRIU_VERSION       build exactly this upstream version (e.g. 4.2.1) from the first suite that has it:
+#                      CRIU_SOURCE_SUITE if set, else trixie, forky, sid. Its patches are
+#                      scripts/criu-patches/<version>/*.patch if that folder exists, else the default set.
+#   CRIU_PREFIX        install to $CRIU_PREFIX/sbin/criu (stamp in $CRIU_PREFIX/share/memsnap/) instead of
+#                      /usr/local/sbin/criu, always from source (steps 1 and 2 are skipped, and the criu
+#                      on PATH is left alone). E.g. CRIU_VERSION=4.2.1 CRIU_PREFIX=/opt/criu-4.2.1; point
+#                      MEMSNAP_CRIU at $CRIU_PREFIX/sbin/criu to use it.
 #
 # Needs root. crit / pycriu are not built (memsnap does not need them).
 set -euo pipefail
 
 MIN_VERSION=4.1
-INSTALL_PATH=/usr/local/sbin/criu
-SOURCE_SUITE=${CRIU_SOURCE_SUITE:-trixie}
+WANT_VERSION=${CRIU_VERSION:-}
+PREFIX=${CRIU_PREFIX:-}
+INSTALL_PATH=${PREFIX:+$PREFIX/sbin/criu}
+INSTALL_PATH=${INSTALL_PATH:-/usr/local/sbin/criu}
+if [[ -n ${CRIU_SOURCE_SUITE:-} || -z $WANT_VERSION ]]; then
+    SOURCE_SUITES=("${CRIU_SOURCE_SUITE:-trixie}")
+else
+    SOURCE_SUITES=(trixie forky sid)
+fi
 JOBS=${JOBS:-$(nproc)}
 KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 
@@ -42,13 +56,19 @@ BUILD_DEPS=(
     libnftables-dev
 )
 # libnftables-dev: nftables network locking for --tcp-established (the iptables lock needs legacy tables).
+# criu >= 4.2 generates its protobuf code with `protoc --c_out` (protobuf-c's protoc-gen-c plugin), not protoc-c.
+if [[ -n $WANT_VERSION ]] && dpkg --compare-versions "$WANT_VERSION" ge 4.2; then
+    BUILD_DEPS+=(protobuf-compiler)
+fi
 
 # Fixes memsnap needs on top of the upstream release (see scripts/criu-patches/README.md). A build
 # carries a stamp of the patch set it was made with; a different stamp means "rebuild".
 PATCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/criu-patches
-STAMP_FILE=/usr/local/share/memsnap/criu-build.stamp
+[[ -n $WANT_VERSION && -d $PATCH_DIR/$WANT_VERSION ]] && PATCH_DIR=$PATCH_DIR/$WANT_VERSION
+STAMP_FILE=${PREFIX:-/usr/local}/share/memsnap/criu-build.stamp
 patch_stamp() {
-    { echo "min=$MIN_VERSION deps=${BUILD_DEPS[*]}"; cat "$PATCH_DIR"/*.patch 2>/dev/null; } | sha256sum | cut -d' ' -f1
+    { echo "min=$MIN_VERSION deps=${BUILD_DEPS[*]}"; [[ -z $WANT_VERSION ]] || echo "version=$WANT_VERSION"
+      cat "$PATCH_DIR"/*.patch 2>/dev/null; } | sha256sum | cut -d' ' -f1
 }
 
 # Functional probe: can this criu dump a process holding an inet socket? Stock CRIU <= 4.1.1 cannot on
@@ -195,6 +215,25 @@ parse_sources() {
     '
 }
 
+# Fetch <suite>'s verified Sources index into <tmp> and print the criu line of parse_sources, or nothing.
+suite_criu_source() { # mirror suite tmp
+    local mirror=$1 suite=$2 tmp=$3
+    # 1. Signed release file -> expected sha256 of the Sources index.
+    fetch "$mirror/dists/$suite/InRelease" "$tmp/InRelease"
+    gpgv --quiet --keyring "$KEYRING" --output "$tmp/Release" "$tmp/InRelease" 2>"$tmp/gpgv.log" \
+        || { cat "$tmp/gpgv.log" >&2; die "InRelease signature verification failed"; }
+    local sources_sha
+    sources_sha=$(awk '/^SHA256:/ { s = 1; next } /^[^ ]/ { s = 0 }
+                       s && $3 == "main/source/Sources.xz" { print $1; exit }' "$tmp/Release")
+    [[ -n $sources_sha ]] || die "main/source/Sources.xz not listed in $suite InRelease"
+
+    # 2. Sources index -> criu version, pool directory, orig tarball sha256.
+    fetch "$mirror/dists/$suite/main/source/Sources.xz" "$tmp/Sources.xz"
+    echo "$sources_sha  $tmp/Sources.xz" | sha256sum --check --quiet --strict \
+        || die "sha256 mismatch for $suite main/source/Sources.xz"
+    xz -dc "$tmp/Sources.xz" | parse_sources
+}
+
 build_from_source() {
     local codename mirror tmp
     # shellcheck disable=SC1091
@@ -208,35 +247,26 @@ build_from_source() {
         [[ -n $mirror ]] || die "no http(s) apt source serving '$codename main' found in /etc/apt; set CRIU_MIRROR"
     fi
     mirror=${mirror%/}
-    log "using Debian mirror from apt sources: $mirror (source suite: $SOURCE_SUITE)"
+    log "using Debian mirror from apt sources: $mirror (source suites: ${SOURCE_SUITES[*]})"
 
-    command -v gpgv >/dev/null 2>&1 || die "gpgv not found (needed to verify $SOURCE_SUITE InRelease)"
+    command -v gpgv >/dev/null 2>&1 || die "gpgv not found (needed to verify the suites' InRelease)"
     [[ -r $KEYRING ]] || die "$KEYRING missing (install debian-archive-keyring)"
 
     tmp=$(mktemp -d /tmp/install-criu.XXXXXX)
     # shellcheck disable=SC2064
     trap "rm -rf '$tmp'" EXIT
-
-    # 1. Signed release file -> expected sha256 of the Sources index.
-    fetch "$mirror/dists/$SOURCE_SUITE/InRelease" "$tmp/InRelease"
-    gpgv --quiet --keyring "$KEYRING" --output "$tmp/Release" "$tmp/InRelease" 2>"$tmp/gpgv.log" \
-        || { cat "$tmp/gpgv.log" >&2; die "InRelease signature verification failed"; }
-    local sources_sha
-    sources_sha=$(awk '/^SHA256:/ { s = 1; next } /^[^ ]/ { s = 0 }
-                       s && $3 == "main/source/Sources.xz" { print $1; exit }' "$tmp/Release")
-    [[ -n $sources_sha ]] || die "main/source/Sources.xz not listed in $SOURCE_SUITE InRelease"
-
-    # 2. Sources index -> criu version, pool directory, orig tarball sha256.
-    fetch "$mirror/dists/$SOURCE_SUITE/main/source/Sources.xz" "$tmp/Sources.xz"
-    echo "$sources_sha  $tmp/Sources.xz" | sha256sum --check --quiet --strict \
-        || die "sha256 mismatch for $SOURCE_SUITE main/source/Sources.xz"
-    local info ver dir sum size file upver
-    info=$(xz -dc "$tmp/Sources.xz" | parse_sources)
-    [[ -n $info ]] || die "no criu source package in $SOURCE_SUITE Sources index"
-    IFS=$'\t' read -r ver dir sum size file <<<"$info"
-    upver=${ver#*:}
-    upver=${upver%-*}
-    log "$SOURCE_SUITE has criu $ver ($file, $size bytes, sha256 $sum)"
+    local info="" ver dir sum size file upver SOURCE_SUITE
+    for SOURCE_SUITE in "${SOURCE_SUITES[@]}"; do
+        info=$(suite_criu_source "$mirror" "$SOURCE_SUITE" "$tmp")
+        [[ -n $info ]] || { log "no criu source package in $SOURCE_SUITE"; continue; }
+        IFS=$'\t' read -r ver dir sum size file <<<"$info"
+        upver=${ver#*:}
+        upver=${upver%-*}
+        log "$SOURCE_SUITE has criu $ver ($file, $size bytes, sha256 $sum)"
+        [[ -z $WANT_VERSION || $upver == "$WANT_VERSION" ]] && break
+        info=""
+    done
+    [[ -n $info ]] || die "no criu ${WANT_VERSION:-source package} in ${SOURCE_SUITES[*]}"
     version_ge "$upver" "$MIN_VERSION" || die "$SOURCE_SUITE criu $upver is older than $MIN_VERSION"
 
     # 3. Tarball, verified against the Sources index.
@@ -311,45 +341,50 @@ main() {
         run_check "$INSTALL_PATH"
         return 0
     fi
-    for bin in "$(command -v criu 2>/dev/null || true)" "$INSTALL_PATH"; do
-        [[ -n $bin && -x $bin ]] || continue
-        ver=$(criu_version "$bin")
-        if [[ -n $ver ]] && version_ge "$ver" "$MIN_VERSION"; then
-            if dumps_inet_sockets "$bin"; then
-                log "criu $ver already installed at $bin"
-                run_check "$bin"
+    # A chosen version or prefix is always our own build (1 and 2 would take whatever criu is there).
+    if [[ -n $PREFIX || -n $WANT_VERSION ]]; then
+        log "building criu ${WANT_VERSION:-from ${SOURCE_SUITES[*]}} into $INSTALL_PATH"
+    else
+        for bin in "$(command -v criu 2>/dev/null || true)" "$INSTALL_PATH"; do
+            [[ -n $bin && -x $bin ]] || continue
+            ver=$(criu_version "$bin")
+            if [[ -n $ver ]] && version_ge "$ver" "$MIN_VERSION"; then
+                if dumps_inet_sockets "$bin"; then
+                    log "criu $ver already installed at $bin"
+                    run_check "$bin"
+                    return 0
+                fi
+                log "criu $ver at $bin cannot dump inet sockets on this kernel: building a patched one"
+                continue
+            fi
+            log "found criu ${ver:-<unknown version>} at $bin: too old (need >= $MIN_VERSION)"
+        done
+
+        # 2. Distro package new enough?
+        local cand
+        cand=$(apt-cache policy criu 2>/dev/null | awk '/Candidate:/ { print $2; exit }')
+        if [[ -z $cand || $cand == "(none)" ]]; then
+            apt-get update >/dev/null
+            cand=$(apt-cache policy criu 2>/dev/null | awk '/Candidate:/ { print $2; exit }')
+        fi
+        if [[ -n $cand && $cand != "(none)" ]] && version_ge "$cand" "$MIN_VERSION"; then
+            log "installing distro package criu $cand"
+            apt-get install -y criu
+            if dumps_inet_sockets "$(command -v criu || echo /usr/sbin/criu)"; then
+                run_check "$(command -v criu || echo /usr/sbin/criu)"
                 return 0
             fi
-            log "criu $ver at $bin cannot dump inet sockets on this kernel: building a patched one"
-            continue
+            log "distro criu $cand cannot dump inet sockets on this kernel: building a patched one"
         fi
-        log "found criu ${ver:-<unknown version>} at $bin: too old (need >= $MIN_VERSION)"
-    done
-
-    # 2. Distro package new enough?
-    local cand
-    cand=$(apt-cache policy criu 2>/dev/null | awk '/Candidate:/ { print $2; exit }')
-    if [[ -z $cand || $cand == "(none)" ]]; then
-        apt-get update >/dev/null
-        cand=$(apt-cache policy criu 2>/dev/null | awk '/Candidate:/ { print $2; exit }')
+        log "distro candidate criu ${cand:-none} < $MIN_VERSION: building from ${SOURCE_SUITES[*]} source"
     fi
-    if [[ -n $cand && $cand != "(none)" ]] && version_ge "$cand" "$MIN_VERSION"; then
-        log "installing distro package criu $cand"
-        apt-get install -y criu
-        if dumps_inet_sockets "$(command -v criu || echo /usr/sbin/criu)"; then
-            run_check "$(command -v criu || echo /usr/sbin/criu)"
-            return 0
-        fi
-        log "distro criu $cand cannot dump inet sockets on this kernel: building a patched one"
-    fi
-    log "distro candidate criu ${cand:-none} < $MIN_VERSION: building from $SOURCE_SUITE source"
 
     # 3. Build from source.
     build_from_source
     run_check "$INSTALL_PATH"
 
     bin=$(command -v criu 2>/dev/null || true)
-    if [[ $bin != "$INSTALL_PATH" ]]; then
+    if [[ -z $PREFIX && $bin != "$INSTALL_PATH" ]]; then
         log "WARNING: 'criu' on PATH resolves to '${bin:-nothing}', not $INSTALL_PATH; put /usr/local/sbin first in PATH"
     fi
 }
