@@ -8,12 +8,17 @@ in hex rather than built by the code under test."""
 from __future__ import annotations
 
 import random
+import socket
 import struct
 from pathlib import Path
 
 import pytest
 
+from memsnap.move.psflow import PageFlow
 from memsnap.pageserver.images import PAGE, ImageError, PageIndex, parse_pagemap
+from memsnap.pageserver.server import PageServer
+from memsnap.pageserver.sources import DirPageSource
+from memsnap.pageserver.wire import IOV_41, IOV_42, IovLayout, UnknownCriuVersion, iov_layout
 
 VA = 0x7F0000004000
 MAGICS = "1943565425400856"  # IMG_COMMON_MAGIC, PAGEMAP_MAGIC (little-endian u32s)
@@ -80,6 +85,161 @@ def test_a_broken_42_image_only_ever_raises_image_error() -> None:
             parse_pagemap(data)
         except ImageError:
             pass
+
+
+# -- the page-server header --------------------------------------------------------------------------------------
+GET_41 = "07000000" "01000000" "00400000007f0000" "0700000000000000"  # PS_IOV_GET, 1 page at VA of task 7
+GET_42 = "07000000" "00000000" "0100000000000000" "00400000007f0000" "0700000000000000"
+ADD_41 = "06000400" "01000000" "00400000007f0000" "0700000000000000"  # PS_IOV_ADD_F | PE_PRESENT << 16
+ADD_42 = "06000400" "00000000" "0100000000000000" "00400000007f0000" "0700000000000000"
+CLOSE_41 = "24100000" + "00" * 20  # PS_IOV_FORCE_CLOSE
+CLOSE_42 = "24100000" + "00" * 28
+LAYOUTS = [(IOV_41, GET_41, ADD_41, CLOSE_41, LAZY_41), (IOV_42, GET_42, ADD_42, CLOSE_42, LAZY_42)]
+IDS = ["criu-4.1", "criu-4.2"]
+
+
+@pytest.mark.parametrize("version, layout", [("4.1.1", IOV_41), ("4.1", IOV_41), ("3.19", IOV_41),
+                                             ("4.2", IOV_42), ("4.2.1", IOV_42), ("4.10.0", IOV_42),
+                                             ("5.0", IOV_42)])
+def test_the_header_layout_follows_criu_version(version: str, layout: IovLayout) -> None:
+    assert iov_layout(version) is layout
+
+
+@pytest.mark.parametrize("version", ["", "4", "v4.2", "4.2-rc1", "4.2.1.7", "x.y", "4." + "9" * 50])
+def test_a_version_that_says_nothing_is_refused(version: str) -> None:
+    with pytest.raises(UnknownCriuVersion):
+        iov_layout(version)
+
+
+@pytest.mark.parametrize("layout, get, add, close, _entry", LAYOUTS, ids=IDS)
+def test_headers_are_the_bytes_criu_sends(layout: IovLayout, get: str, add: str, close: str, _entry: str) -> None:
+    assert layout.size == len(bytes.fromhex(get)) == {IOV_41: 24, IOV_42: 32}[layout]
+    assert layout.pack(7, 1, VA, 7) == bytes.fromhex(get)
+    assert layout.pack(6 | 4 << 16, 1, VA, 7) == bytes.fromhex(add)
+    assert layout.unpack(bytes.fromhex(close)) == (0x1024, 0, 0, 0)
+
+
+def test_the_42_padding_is_not_read() -> None:
+    """CRIU's requests are built with designated initializers: the 4 bytes after cmd are unspecified."""
+    raw = bytearray.fromhex(GET_42)
+    raw[4:8] = b"\xde\xad\xbe\xef"
+    assert IOV_42.unpack(bytes(raw)) == (7, 1, VA, 7)
+
+
+# -- memsnap's page server, as `criu lazy-pages` of either version talks to it -------------------------------------
+def _serve(tmp_path: Path, layout: IovLayout, entry: str) -> tuple[PageServer, socket.socket, list[str], bytes]:
+    content = b"".join(bytes([i + 1]) * PAGE for i in range(3))
+    (tmp_path / "pages-3.img").write_bytes(content)
+    idx = PageIndex.from_images({"pagemap-7.img": image(HEAD, entry)})
+    ours, theirs = socket.socketpair()
+    failures: list[str] = []
+    server = PageServer(ours, idx, DirPageSource(tmp_path), iov=layout, on_fail=failures.append, name="t",
+                        prefetch=False).start()
+    theirs.settimeout(10)
+    return server, theirs, failures, content
+
+
+def _recv(sk: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = sk.recv(n - len(buf))
+        assert got, "the page server closed the socket"
+        buf += got
+    return buf
+
+
+@pytest.mark.parametrize("layout, get, add, close, entry", LAYOUTS, ids=IDS)
+def test_the_page_server_answers_lazy_pages_in_its_layout(tmp_path: Path, layout: IovLayout, get: str, add: str,
+                                                         close: str, entry: str) -> None:
+    server, sk, failures, content = _serve(tmp_path, layout, entry)
+    try:
+        sk.sendall(bytes.fromhex(get))
+        assert _recv(sk, len(bytes.fromhex(add))) == bytes.fromhex(add)
+        assert _recv(sk, PAGE) == content[:PAGE]
+        sk.sendall(layout.pack(7, 2, VA + PAGE, 7))  # (the rest of the lazy run)
+        assert layout.unpack(_recv(sk, layout.size)) == (6 | 4 << 16, 2, VA + PAGE, 7)
+        assert _recv(sk, 2 * PAGE) == content[PAGE:]
+        sk.sendall(bytes.fromhex(close))
+        assert _recv(sk, 4) == b"\0\0\0\0"
+        assert server.ok.wait(5) and not failures
+    finally:
+        server.close()
+        sk.close()
+
+
+def test_a_42_request_to_a_server_in_the_41_layout_fails_it_without_an_answer(tmp_path: Path) -> None:
+    """What 21 e2e tests met on 4.2.1 ("unexpected request 0x7 (0 pages)"): refused, never answered wrongly."""
+    server, sk, failures, _ = _serve(tmp_path, IOV_41, LAZY_42)
+    try:
+        sk.sendall(bytes.fromhex(GET_42))
+        assert server.done.wait(5)
+        assert failures == ["lazy-pages sent an unexpected request 0x7 (0 pages)"]
+        assert sk.recv(1) == b""  # (not a byte was sent)
+    finally:
+        server.close()
+        sk.close()
+
+
+@pytest.mark.parametrize("nr", [0, (1 << 20) + 1, 1 << 32, (1 << 64) - 1])
+def test_a_42_request_for_no_or_too_many_pages_fails_the_server(tmp_path: Path, nr: int) -> None:
+    server, sk, failures, _ = _serve(tmp_path, IOV_42, LAZY_42)
+    try:
+        sk.sendall(IOV_42.pack(7, nr, VA, 7))
+        assert server.done.wait(5)
+        assert failures == [f"lazy-pages sent an unexpected request 0x7 ({nr} pages)"]
+    finally:
+        server.close()
+        sk.close()
+
+
+def test_a_42_header_cut_short_fails_the_server(tmp_path: Path) -> None:
+    server, sk, failures, _ = _serve(tmp_path, IOV_42, LAZY_42)
+    try:
+        sk.sendall(bytes.fromhex(GET_42)[:24])  # (a whole 4.1 header's worth)
+        sk.shutdown(socket.SHUT_WR)
+        assert server.done.wait(5)
+        assert failures and "short read (24 of 32 bytes)" in failures[0]
+    finally:
+        server.close()
+        sk.close()
+
+
+# -- the lazy move's relay check (PageFlow) ----------------------------------------------------------------------
+@pytest.mark.parametrize("layout, get, add, close, _entry", LAYOUTS, ids=IDS)
+def test_the_relay_follows_a_conversation_in_its_layout(layout: IovLayout, get: str, add: str, close: str,
+                                                        _entry: str) -> None:
+    flow = PageFlow(layout)
+    out = bytes.fromhex(get) + layout.pack(7, 3, VA + PAGE, 7)
+    for i in range(0, len(out), 5):  # (requests split anywhere)
+        assert flow.sent(out[i:i + 5], 1.0) == ""
+    back = bytes.fromhex(add) + b"p" * PAGE + layout.pack(6 | 4 << 16, 2, VA + PAGE, 7) + b"q" * 2 * PAGE
+    for i in range(0, len(back), 7):
+        assert flow.received(back[i:i + 7], 1.001) == ""
+    assert not flow.waiting() and len(flow.fault_ms) == 1 and len(flow.bulk_ms) == 1
+    assert flow.sent(bytes.fromhex(close), 1.1) == "" and flow.received(b"\0\0\0\0", 1.2) == ""
+    assert flow.ended() == ""
+
+
+def test_a_42_request_seen_in_the_41_layout_breaks_the_relay() -> None:
+    assert "unexpected request 0x7 (0 pages" in PageFlow(IOV_41).sent(bytes.fromhex(GET_42), 1.0)
+
+
+def test_41_replies_to_a_42_request_break_the_relay_before_a_byte_passes() -> None:
+    """A source whose CRIU speaks the other layout: its reply does not match the request."""
+    flow = PageFlow(IOV_42)
+    assert flow.sent(bytes.fromhex(GET_42), 1.0) == ""
+    assert "answered" in flow.received(bytes.fromhex(ADD_41) + b"p" * PAGE, 1.1)
+
+
+@pytest.mark.parametrize("nr", [0, (1 << 20) + 1, 1 << 32, (1 << 64) - 1])
+def test_a_42_request_for_no_or_too_many_pages_breaks_the_relay(nr: int) -> None:
+    assert "unexpected request" in PageFlow(IOV_42).sent(IOV_42.pack(7, nr, VA, 7), 1.0)
+
+
+def test_a_42_reply_with_more_pages_than_asked_breaks_the_relay() -> None:
+    flow = PageFlow(IOV_42)
+    assert flow.sent(bytes.fromhex(GET_42), 1.0) == ""
+    assert "answered" in flow.received(IOV_42.pack(6 | 4 << 16, (1 << 32) + 1, VA, 7), 1.1)
 
 
 # -- real dumps of both CRIU versions -----------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from memsnap.pageserver.images import (
     PageIndex,
     parse_pagemap,
 )
-from memsnap.pageserver.server import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
+from memsnap.pageserver.server import PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
 from memsnap.pageserver.sources import DirPageSource, SourceFailed, fixed_blocks
+from memsnap.pageserver.wire import IOV_41 as IOV
 
 CRIU = "/usr/local/sbin/criu"
 
@@ -153,7 +154,7 @@ def _serve(tmp_path: Path, content: bytes, **kw) -> tuple[PageServer, socket.soc
     ours, theirs = socket.socketpair()
     failures: list[str] = []
     src = kw.pop("source", None) or DirPageSource(tmp_path)
-    server = PageServer(ours, idx, src, on_fail=failures.append, name="t", **kw).start()
+    server = PageServer(ours, idx, src, iov=IOV, on_fail=failures.append, name="t", **kw).start()
     return server, theirs, failures
 
 
@@ -246,7 +247,7 @@ def test_a_failed_page_is_never_answered_and_the_tasks_die_before_the_socket_end
         except BlockingIOError:
             seen.append("tasks killed while lazy-pages still waits")
 
-    server = PageServer(ours, idx, _Broken(tmp_path, False), on_fail=on_fail, name="t", prefetch=False,
+    server = PageServer(ours, idx, _Broken(tmp_path, False), iov=IOV, on_fail=on_fail, name="t", prefetch=False,
                         held=held).start()
     _get(sk, BASE + 4 * PAGE, 1)
     assert server.done.wait(5)
@@ -276,7 +277,8 @@ def test_a_fault_behind_a_background_request_never_waits_for_its_slow_blocks(tmp
     (tmp_path / "pages-3.img").write_bytes(content)
     idx = PageIndex.from_images({"pagemap-7.img": pagemap_image(3, ENTRIES)})
     ours, sk = socket.socketpair()
-    server = PageServer(ours, idx, _SlowMiddle(tmp_path), on_fail=lambda why: None, name="t", prefetch=False).start()
+    server = PageServer(ours, idx, _SlowMiddle(tmp_path), iov=IOV, on_fail=lambda why: None, name="t",
+                        prefetch=False).start()
     t0 = time.monotonic()
     _get(sk, BASE + 4 * PAGE, 3)  # (the push)
     _get(sk, BASE + 10 * PAGE, 1)  # (the fault)
