@@ -19,6 +19,7 @@ from memsnap.pageserver.images import PAGE, ImageError, PageIndex, parse_pagemap
 from memsnap.pageserver.server import PageServer
 from memsnap.pageserver.sources import DirPageSource
 from memsnap.pageserver.wire import IOV_41, IOV_42, IovLayout, UnknownCriuVersion, iov_layout
+from tests.unit.test_pageserver import _recv
 
 VA = 0x7F0000004000
 MAGICS = "1943565425400856"  # IMG_COMMON_MAGIC, PAGEMAP_MAGIC (little-endian u32s)
@@ -139,15 +140,6 @@ def _serve(tmp_path: Path, layout: IovLayout, entry: str) -> tuple[PageServer, s
     return server, theirs, failures, content
 
 
-def _recv(sk: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        got = sk.recv(n - len(buf))
-        assert got, "the page server closed the socket"
-        buf += got
-    return buf
-
-
 @pytest.mark.parametrize("layout, get, add, close, entry", LAYOUTS, ids=IDS)
 def test_the_page_server_answers_lazy_pages_in_its_layout(tmp_path: Path, layout: IovLayout, get: str, add: str,
                                                          close: str, entry: str) -> None:
@@ -167,41 +159,35 @@ def test_the_page_server_answers_lazy_pages_in_its_layout(tmp_path: Path, layout
         sk.close()
 
 
-def test_a_42_request_to_a_server_in_the_41_layout_fails_it_without_an_answer(tmp_path: Path) -> None:
-    """What 21 e2e tests met on 4.2.1 ("unexpected request 0x7 (0 pages)"): refused, never answered wrongly."""
-    server, sk, failures, _ = _serve(tmp_path, IOV_41, LAZY_42)
+def _failed(tmp_path: Path, layout: IovLayout, data: bytes, eof: bool = False) -> tuple[list[str], bytes]:
+    """Feeds data (then an EOF) to a page server in layout: why it failed, and all it sent back."""
+    server, sk, failures, _ = _serve(tmp_path, layout, LAZY_42)
     try:
-        sk.sendall(bytes.fromhex(GET_42))
+        sk.sendall(data)
+        if eof:
+            sk.shutdown(socket.SHUT_WR)
         assert server.done.wait(5)
-        assert failures == ["lazy-pages sent an unexpected request 0x7 (0 pages)"]
-        assert sk.recv(1) == b""  # (not a byte was sent)
+        return failures, sk.recv(1)
     finally:
         server.close()
         sk.close()
+
+
+def test_a_42_request_to_a_server_in_the_41_layout_fails_it_without_an_answer(tmp_path: Path) -> None:
+    """What 21 e2e tests met on 4.2.1 ("unexpected request 0x7 (0 pages)"): refused, never answered wrongly."""
+    assert _failed(tmp_path, IOV_41, bytes.fromhex(GET_42)) == (
+        ["lazy-pages sent an unexpected request 0x7 (0 pages)"], b"")
 
 
 @pytest.mark.parametrize("nr", [0, (1 << 20) + 1, 1 << 32, (1 << 64) - 1])
 def test_a_42_request_for_no_or_too_many_pages_fails_the_server(tmp_path: Path, nr: int) -> None:
-    server, sk, failures, _ = _serve(tmp_path, IOV_42, LAZY_42)
-    try:
-        sk.sendall(IOV_42.pack(7, nr, VA, 7))
-        assert server.done.wait(5)
-        assert failures == [f"lazy-pages sent an unexpected request 0x7 ({nr} pages)"]
-    finally:
-        server.close()
-        sk.close()
+    assert _failed(tmp_path, IOV_42, IOV_42.pack(7, nr, VA, 7)) == (
+        [f"lazy-pages sent an unexpected request 0x7 ({nr} pages)"], b"")
 
 
 def test_a_42_header_cut_short_fails_the_server(tmp_path: Path) -> None:
-    server, sk, failures, _ = _serve(tmp_path, IOV_42, LAZY_42)
-    try:
-        sk.sendall(bytes.fromhex(GET_42)[:24])  # (a whole 4.1 header's worth)
-        sk.shutdown(socket.SHUT_WR)
-        assert server.done.wait(5)
-        assert failures and "short read (24 of 32 bytes)" in failures[0]
-    finally:
-        server.close()
-        sk.close()
+    failures, sent = _failed(tmp_path, IOV_42, bytes.fromhex(GET_42)[:24], eof=True)  # (a 4.1 header's worth)
+    assert len(failures) == 1 and "short read (24 of 32 bytes)" in failures[0] and sent == b""
 
 
 # -- the lazy move's relay check (PageFlow) ----------------------------------------------------------------------
@@ -241,59 +227,3 @@ def test_a_42_reply_with_more_pages_than_asked_breaks_the_relay() -> None:
     assert flow.sent(bytes.fromhex(GET_42), 1.0) == ""
     assert "answered" in flow.received(IOV_42.pack(6 | 4 << 16, (1 << 32) + 1, VA, 7), 1.1)
 
-
-# -- real dumps of both CRIU versions -----------------------------------------------------------------------------
-CRIUS = {"4.1.1": "/usr/local/sbin/criu", "4.2.1": "/opt/criu-4.2.1/sbin/criu"}
-
-
-@pytest.mark.root
-@pytest.mark.parametrize("version", list(CRIUS))
-def test_a_real_dumps_pagemap_parses_whichever_criu_wrote_it(tmp_path: Path, version: str) -> None:
-    """The entries of a real dump: 4.1.1 counts pages in field 2 only, 4.2.1 in field 5 with field 2 at 0; the
-    index covers the pages image exactly, and the buffer's pattern is where it says."""
-    import os
-    import subprocess
-    import sys
-
-    from memsnap.pageserver.images import _fields
-
-    criu = CRIUS[version]
-    if not os.access(criu, os.X_OK) or os.geteuid() != 0:
-        pytest.skip(f"needs root and CRIU {version} at {criu}")
-    code = ("import ctypes,time\nb=bytearray(1<<20)\n"
-            "for i in range(0,len(b),4096): b[i:i+8]=(0xC0FFEE00+i//4096).to_bytes(8,'little')\n"
-            "print(ctypes.addressof((ctypes.c_char*1).from_buffer(b)), flush=True)\n"
-            "while True: time.sleep(1)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                         start_new_session=True)
-    try:
-        assert p.stdout is not None
-        buf = int(p.stdout.readline())
-        r = subprocess.run([criu, "dump", "-t", str(p.pid), "-D", str(tmp_path), "--shell-job", "-o", "dump.log"],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, (tmp_path / "dump.log").read_text()[-2000:]
-    finally:
-        p.kill()
-        p.wait()
-    raw = (tmp_path / f"pagemap-{p.pid}.img").read_bytes()
-    pos, fields = 8, []
-    while pos < len(raw):
-        (n,) = struct.unpack_from("<I", raw, pos)
-        fields.append(dict(_fields(raw[pos + 4:pos + 4 + n])))
-        pos += 4 + n
-    entries = fields[1:]
-    assert entries
-    if version.startswith("4.1"):
-        assert all(f[2] > 0 and 5 not in f for f in entries)
-    else:
-        assert all(f[2] == 0 and f[5] > 0 for f in entries)
-    idx = PageIndex.from_images({f"pagemap-{p.pid}.img": raw})
-    lazy, eager = idx.ranges(lazy=True), idx.ranges(lazy=False)
-    pages = tmp_path / idx.pages_file(p.pid)
-    assert sum(n for _, _, n in lazy) + sum(n for _, _, n in eager) == pages.stat().st_size
-    with open(pages, "rb") as f:
-        for k in range(0, 256, 17):
-            vaddr = buf + k * PAGE
-            ((_, off, _),) = idx.locate(p.pid, vaddr - vaddr % PAGE, 1)
-            f.seek(off + vaddr % PAGE)
-            assert int.from_bytes(f.read(8), "little") == 0xC0FFEE00 + k
