@@ -3,8 +3,9 @@ lazy-pages that it did not ask for, and timed.
 
 criu/page-xfer.c: struct page_server_iov {u32 cmd; nr_pages; u64 vaddr; u64 dst_id}, with a u32 nr_pages (24 bytes)
 up to CRIU 4.1 and a u64 one (32 bytes, padded after cmd) from 4.2. Nothing on the wire tells them apart: the flow
-is given the layout of the target's CRIU, by its version (memsnap.pageserver.wire), which runs lazy-pages; a
-source whose CRIU speaks the other one answers with headers that do not match the requests, and the tunnel breaks.
+is given the layout of the target's CRIU (the one that runs lazy-pages), by its version (memsnap.pageserver.wire).
+A source whose CRIU speaks the other layout misreads the requests, or answers with headers that match none of
+them: the move fails (a broken tunnel, or a stall); what passes is always a reply to the request lazy-pages made.
 
     lazy-pages -> source   PS_IOV_GET (nr_pages at vaddr of task dst_id), one after another
     source -> lazy-pages   per request, in order: PS_IOV_ADD_F (same vaddr and dst_id, at most nr_pages), then
