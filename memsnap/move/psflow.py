@@ -1,7 +1,11 @@
 """lazy-pages' page-server conversation as it crosses the target's relay: checked, so that nothing reaches
 lazy-pages that it did not ask for, and timed.
 
-CRIU 4.1 (criu/page-xfer.c): struct page_server_iov {u32 cmd; u32 nr_pages; u64 vaddr; u64 dst_id}, 24 bytes.
+criu/page-xfer.c: struct page_server_iov {u32 cmd; nr_pages; u64 vaddr; u64 dst_id}, with a u32 nr_pages (24 bytes)
+up to CRIU 4.1 and a u64 one (32 bytes, padded after cmd) from 4.2. Nothing on the wire tells them apart: the flow
+is given the layout of the target's CRIU (the one that runs lazy-pages), by its version (memsnap.pageserver.wire).
+A source whose CRIU speaks the other layout misreads the requests, or answers with headers that match none of
+them: the move fails (a broken tunnel, or a stall); what passes is always a reply to the request lazy-pages made.
 
     lazy-pages -> source   PS_IOV_GET (nr_pages at vaddr of task dst_id), one after another
     source -> lazy-pages   per request, in order: PS_IOV_ADD_F (same vaddr and dst_id, at most nr_pages), then
@@ -18,13 +22,13 @@ else breaks the tunnel (memsnap.lazyguard then kills the tasks first, then lazy-
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 from collections import deque
 
+from memsnap.pageserver.wire import IovLayout
+
 log = logging.getLogger("memsnap.move")
 
-IOV = struct.Struct("<IIQQ")
 PS_IOV_ADD_F, PS_IOV_GET, PS_CMD_MASK = 6, 7, 0xFFFF
 PS_IOV_CLOSE = (0x1023, 0x1024)  # PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE
 PAGE = 4096
@@ -37,9 +41,11 @@ class PageFlow:
     one lazy-pages can take, else what is wrong with it (the caller breaks the tunnel; nothing more passes).
 
     One-page requests are faults (lazy-pages asks for the faulting page alone; its background push asks for
-    runs): each request is timed from leaving for the source until its reply's header is back."""
+    runs): each request is timed from leaving for the source until its reply's header is back. iov: the header
+    layout of lazy-pages' CRIU (memsnap.pageserver.wire.iov_layout of its version)."""
 
-    def __init__(self) -> None:
+    def __init__(self, iov: IovLayout) -> None:
+        self.iov = iov
         self._out = b""  # a request's first bytes
         self._in = b""  # a reply header's first bytes
         self._skip = 0  # page bytes of the current reply still to come
@@ -61,10 +67,11 @@ class PageFlow:
         with self._lock:
             if self.broken:
                 return self.broken
+            size = self.iov.size
             buf = self._out + data
-            n = len(buf) - len(buf) % IOV.size
-            for off in range(0, n, IOV.size):
-                cmd, nr, vaddr, dst = IOV.unpack_from(buf, off)
+            n = len(buf) - len(buf) % size
+            for off in range(0, n, size):
+                cmd, nr, vaddr, dst = self.iov.unpack(buf, off)
                 if self.closing:
                     return self._break(f"lazy-pages sent {cmd:#x} after its close")
                 if cmd & PS_CMD_MASK == PS_IOV_GET and 0 < nr <= _MAX_PAGES:
@@ -94,12 +101,12 @@ class PageFlow:
                         return ""
                     return self._break(f"the source sent {len(view)} bytes while lazy-pages had no request "
                                        "outstanding")
-                need = IOV.size - len(self._in)
+                need = self.iov.size - len(self._in)
                 self._in += bytes(view[:need])
                 view = view[need:]
-                if len(self._in) < IOV.size:
+                if len(self._in) < self.iov.size:
                     return ""
-                cmd, nr, vaddr, dst = IOV.unpack(self._in)
+                cmd, nr, vaddr, dst = self.iov.unpack(self._in)
                 self._in = b""
                 a_vaddr, a_nr, a_dst, t_sent = self._asked.popleft()
                 if cmd & PS_CMD_MASK != PS_IOV_ADD_F or vaddr != a_vaddr or dst != a_dst or not 0 < nr <= a_nr:

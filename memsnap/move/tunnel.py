@@ -42,6 +42,7 @@ from memsnap.lazyguard import LazyGuard
 from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost
 from memsnap.move.psflow import PageFlow
+from memsnap.pageserver.wire import iov_layout
 from memsnap.v1 import memsnap_pb2 as pb
 
 log = logging.getLogger("memsnap.move")
@@ -274,13 +275,13 @@ class _Tunnel:
     pump: socket.socket
     seal_in: Seal  # checks what the source sends
     seal_out: Seal  # seals what goes back
+    flow: PageFlow  # checks the conversation, in the page-server layout of this node's CRIU (lazy-pages')
     restore_started: bool = False
     verdict: tuple[bool, str] | None = None
     last_activity: float = field(default_factory=time.monotonic)
     forwarded: int = 0
     broken: str = ""  # why the tunnel was cut on our side (a message failed its check)
     settled: threading.Event = field(default_factory=threading.Event)
-    flow: PageFlow = field(default_factory=PageFlow)
     guard: LazyGuard = field(default_factory=lambda: LazyGuard("move"))
 
 
@@ -316,12 +317,13 @@ class TunnelHost:
         if first.done:
             return iter([seal_out.seal(self._verdict_for(first.tunnel_id))])
         ckpt_id = first.data.decode(errors="replace")
+        flow = PageFlow(iov_layout(self.engine.criu.version()))
         with self._lock:
             if first.tunnel_id in self._tunnels or first.tunnel_id in self._verdicts:
                 raise FailedPrecondition("that page tunnel exists already")
             criu_end, pump = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             t = self._tunnels[first.tunnel_id] = _Tunnel(first.tunnel_id, ckpt_id, criu_end, pump, seal_in,
-                                                         seal_out, guard=LazyGuard(ckpt_id))
+                                                         seal_out, flow, guard=LazyGuard(ckpt_id))
         # Foreground work from now until the verdict (the source dumps next, then the job restores here and
         # pages in): drains on this node step aside (memsnap.background).
         background.gate().hold_while("lazy move", lambda: t.tunnel_id in self._tunnels and not t.settled.is_set())

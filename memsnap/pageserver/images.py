@@ -1,10 +1,17 @@
 """CRIU's pagemap images, read by hand: which pages of a process sit where in its pages-<id>.img.
 
 An image file is a magic header (IMG_COMMON_MAGIC, then the image's own magic) and length-prefixed
-protobuf messages: one PagemapHead {pages_id}, then PagemapEntry {vaddr, nr_pages, in_parent, flags} per
-run of pages. The pages of every entry with PE_PRESENT lie in pages-<pages_id>.img back to back, in entry
-order; PE_LAZY marks those that `criu lazy-pages` asks for (private anonymous memory, not the stack), the
-rest are restored by `criu restore` itself from the local pages image.
+protobuf messages: one PagemapHead {pages_id}, then one PagemapEntry per run of pages (images/pagemap.proto):
+
+    1 vaddr (uint64)   2 nr_pages (uint32; CRIU >= 4.2: compat_nr_pages, written as 0)   3 in_parent (bool)
+    4 flags (uint32)   5 nr_pages (uint64, CRIU >= 4.2 only)
+
+As CRIU >= 4.2 reads them (criu/pagemap.c init_compat_pagemap_entry), an entry's page count is field 5 when the
+entry has it, else field 2: images of both versions parse, whichever CRIU wrote them.
+
+The pages of every entry with PE_PRESENT lie in pages-<pages_id>.img back to back, in entry order; PE_LAZY
+marks those that `criu lazy-pages` asks for (private anonymous memory, not the stack), the rest are restored by
+`criu restore` itself from the local pages image.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ PE_PARENT = 1 << 0
 PE_LAZY = 1 << 1
 PE_PRESENT = 1 << 2
 
+_ADDRESS_SPACE = 1 << 64  # an entry ends within it
 PAGEMAP_NAME = re.compile(r"^pagemap-(\d+)\.img$")  # a task's (pagemap-shmem-* are restored by CRIU itself)
 
 
@@ -119,16 +127,20 @@ def parse_pagemap(data: bytes) -> Pagemap:
     head = dict(_fields(msgs[0]))
     if 1 not in head:
         raise ImageError("pagemap head without pages_id")
-    entries = []
-    for m in msgs[1:]:
-        f = dict(_fields(m))
-        if 1 not in f or 2 not in f:
-            raise ImageError("pagemap entry without vaddr or nr_pages")
-        flags = f.get(4, PE_PRESENT)
-        if f.get(3):  # in_parent (old images): the pages are in the parent's image
-            flags |= PE_PARENT
-        entries.append(PagemapEntry(vaddr=f[1], nr_pages=f[2], flags=flags))
-    return Pagemap(pages_id=head[1], entries=tuple(entries))
+    return Pagemap(pages_id=head[1], entries=tuple(_entry(m) for m in msgs[1:]))
+
+
+def _entry(msg: bytes) -> PagemapEntry:
+    f = dict(_fields(msg))  # (a field given twice: the last one counts, as in protobuf)
+    if 1 not in f or 2 not in f:  # (both required, in 4.1's schema and in 4.2's)
+        raise ImageError("pagemap entry without vaddr or nr_pages")
+    vaddr, nr_pages = f[1], f.get(5, f[2])  # CRIU >= 4.2: field 5, field 2 (compat_nr_pages) is 0
+    if nr_pages <= 0 or vaddr + nr_pages * PAGE > _ADDRESS_SPACE:
+        raise ImageError(f"pagemap entry of {nr_pages} pages at {vaddr:#x}")
+    flags = f.get(4, PE_PRESENT)
+    if f.get(3):  # in_parent (old images): the pages are in the parent's image
+        flags |= PE_PARENT
+    return PagemapEntry(vaddr=vaddr, nr_pages=nr_pages, flags=flags)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from memsnap.manifest import Manifest, StoredManifest
 from memsnap.pageserver.images import ImageError, PageIndex
 from memsnap.pageserver.server import PageServer, read_retrying
 from memsnap.pageserver.sources import ChunkSource, PageSource, SourceFailed
+from memsnap.pageserver.wire import iov_layout
 from memsnap.repository import Repository
 from memsnap.restorer import PreparedImage
 from memsnap.store.chunks import ChunkedStorage
@@ -181,6 +182,7 @@ def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
                 # a forged one would run until the end. It is fetched and verified first, as before.
                 return None
             t_man = time.monotonic()
+            iov = iov_layout(engine.criu.version())  # (lazy-pages' CRIU: the page-server header it speaks)
             prep = prepare(repo, rec, stored, stored.chunked, root)
         except (IntegrityFailure, Unavailable) as exc:  # (the store failed, or a file or chunk did not verify)
             shutil.rmtree(root, ignore_errors=True)
@@ -196,7 +198,7 @@ def restore_from_store(restorer: Restorer, rec: CheckpointRecord, t0: float,
     guard = LazyGuard(rec.id)
     watch = _Watch(engine, rec, prep, guard, restorer.reap_lazy)
     ours, theirs = socket.socketpair()
-    server = PageServer(ours, prep.index, prep.source, on_fail=watch.failed, name=rec.id,
+    server = PageServer(ours, prep.index, prep.source, iov=iov, on_fail=watch.failed, name=rec.id,
                         on_first_request=prep.source.resumed.set if isinstance(prep.source, CutAfterResume)
                         else None, held=True)
     watch.server = server

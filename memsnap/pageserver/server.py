@@ -1,13 +1,16 @@
 """A CRIU page server (the lazy-migration source side) that answers `criu lazy-pages` from a PageSource.
 
-The protocol (CRIU 4.1 criu/page-xfer.c), over the socket lazy-pages got as --ps-socket:
+The protocol (criu/page-xfer.c), over the socket lazy-pages got as --ps-socket:
 
-    lazy-pages -> us   page_server_iov {u32 cmd = PS_IOV_GET, u32 nr_pages, u64 vaddr, u64 dst_id = pid}
+    lazy-pages -> us   page_server_iov {cmd = PS_IOV_GET, nr_pages, vaddr, dst_id = pid}
     us -> lazy-pages   page_server_iov {cmd = PS_IOV_ADD_F | PE_PRESENT << 16, same nr_pages, vaddr, dst_id}
                        then nr_pages * PAGE bytes
     ...                (replies in request order: lazy-pages matches them first in, first out)
     lazy-pages -> us   PS_IOV_FORCE_CLOSE (PS_IOV_CLOSE without --ps-socket) once every page is in place
     us -> lazy-pages   int32 status 0
+
+page_server_iov is 24 bytes up to CRIU 4.1, 32 from 4.2 (a u64 nr_pages): the layout is the one of the CRIU
+that runs lazy-pages, by its version (memsnap.pageserver.wire), never by what arrives.
 
 lazy-pages asks for each faulting page as it faults, and, once the restore finished, for the rest of each
 task's lazy memory in address order (64 KiB first, growing to 4 MiB per request, one request at a time).
@@ -44,6 +47,7 @@ from typing import Any
 from memsnap.backoff import retrying
 from memsnap.pageserver.images import PAGE, PE_PRESENT, PageIndex
 from memsnap.pageserver.sources import PageSource, SourceFailed
+from memsnap.pageserver.wire import IovLayout
 
 log = logging.getLogger("memsnap.pageserver")
 
@@ -52,7 +56,6 @@ PS_IOV_GET = 7
 PS_IOV_CLOSE = 0x1023
 PS_IOV_FORCE_CLOSE = 0x1024
 PS_CMD_BITS = 16
-IOV = struct.Struct("<IIQQ")  # CRIU 4.1: u32 cmd, u32 nr_pages, u64 vaddr, u64 dst_id
 _MAX_REQUEST_PAGES = 1 << 20  # (4 GiB: lazy-pages asks for 4 MiB at most)
 _RETRIES = (0.2, 0.5, 1.0)  # seconds between attempts at a block the store failed to give
 
@@ -286,7 +289,8 @@ class BlockCache:
 
 
 class PageServer:
-    """Serves one `criu lazy-pages` over sock from source, using index to find the pages.
+    """Serves one `criu lazy-pages` over sock from source, using index to find the pages; iov is the header
+    layout of that lazy-pages' CRIU (memsnap.pageserver.wire.iov_layout of its version).
 
     on_fail(why) is called once when a page cannot be had (or the peer breaks the protocol), before the socket
     is shut: it must kill the tasks (and lazy-pages) first. ok is set once lazy-pages said every page arrived
@@ -294,12 +298,14 @@ class PageServer:
     restore, whose faults get the link and the CPU meanwhile).
     """
 
-    def __init__(self, sock: socket.socket, index: PageIndex, source: PageSource, *, prefetch: bool = True,
+    def __init__(self, sock: socket.socket, index: PageIndex, source: PageSource, *, iov: IovLayout,
+                 prefetch: bool = True,
                  ahead_bytes: int = 256 << 20, prefetchers: int = 8, workers: int = 4, quiet_s: float = 0.05,
                  hold_s: float = 1.0,
                  on_fail: Callable[[str], None] | None = None, name: str = "",
                  on_first_request: Callable[[], None] | None = None, held: bool = False) -> None:
         self.sock = sock
+        self.iov = iov
         self.index = index
         self.source = source
         self.name = name
@@ -407,12 +413,12 @@ class PageServer:
     def _receive(self) -> None:
         try:
             while not self._stop.is_set():
-                head = _recv_exact(self.sock, IOV.size)
+                head = _recv_exact(self.sock, self.iov.size)
                 if head is None:
                     if not self.ok.is_set():
                         self.fail("lazy-pages closed its socket before every page arrived")
                     return
-                cmd, nr, vaddr, dst = IOV.unpack(head)
+                cmd, nr, vaddr, dst = self.iov.unpack(head)
                 if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     self._replies.put(("close", cmd))
                     return
@@ -480,7 +486,7 @@ class PageServer:
                 return
             n = sum(len(p) for p in data) // PAGE  # (a background push may get fewer than nr)
             try:
-                self.sock.sendall(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, n, vaddr, pid))
+                self.sock.sendall(self.iov.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, n, vaddr, pid))
                 for part in data:
                     self.sock.sendall(part)
             except OSError as exc:

@@ -220,8 +220,9 @@ def _iov(cmd: int, nr: int, vaddr: int) -> bytes:
 
 def test_page_flow_matches_replies_to_requests_across_message_boundaries() -> None:
     from memsnap.move.psflow import PageFlow
+    from memsnap.pageserver.wire import IOV_41
 
-    t = PageFlow()
+    t = PageFlow(IOV_41)
     out = _iov(7, 1, 0x1000) + _iov(7, 4, 0x8000)
     assert t.sent(out[:10], 1.0) == ""  # a request split over two messages
     assert t.sent(out[10:], 1.0) == ""
@@ -239,17 +240,18 @@ def test_page_flow_matches_replies_to_requests_across_message_boundaries() -> No
 
 def test_page_flow_refuses_bytes_nobody_asked_for_and_an_early_end() -> None:
     from memsnap.move.psflow import PageFlow
+    from memsnap.pageserver.wire import IOV_41
 
-    t = PageFlow()
+    t = PageFlow(IOV_41)
     assert t.sent(_iov(7, 1, 0x1000), 1.0) == ""
     assert "answered" in t.received(_iov(6, 1, 0x2000) + b"x" * 4096, 1.1)  # a reply to another request
     assert t.broken and t.received(b"x", 1.2) == t.broken  # (nothing more passes)
 
-    idle = PageFlow()  # what crashed lazy-pages (BUG at page-xfer.c:1635): bytes, or an EOF, while it waits for none
+    idle = PageFlow(IOV_41)  # what crashed lazy-pages (BUG at page-xfer.c:1635): bytes, or an EOF, waiting for none
     assert "no request outstanding" in idle.received(b"\0" * 24, 1.0)
-    assert "before lazy-pages had every page" in PageFlow().ended()
-    waiting = PageFlow()
+    assert "before lazy-pages had every page" in PageFlow(IOV_41).ended()
+    waiting = PageFlow(IOV_41)
     waiting.sent(_iov(7, 4, 0x1000), 1.0)
     waiting.received(_iov(6, 4, 0x1000) + b"y" * 4096, 1.1)  # (one page of four)
     assert "outstanding" in waiting.ended()
-    assert "unexpected request" in PageFlow().sent(_iov(0x99, 1, 0), 1.0)
+    assert "unexpected request" in PageFlow(IOV_41).sent(_iov(0x99, 1, 0), 1.0)

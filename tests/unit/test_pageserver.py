@@ -1,6 +1,6 @@
 """memsnap.pageserver: pagemap parsing, (pid, vaddr, nr_pages) -> pages image offsets, and the page-server
-protocol as `criu lazy-pages` speaks it (CRIU 4.1 criu/page-xfer.c), against a real dump and synthetic
-images."""
+protocol as `criu lazy-pages` speaks it (CRIU 4.1 criu/page-xfer.c), against real dumps (by 4.1.1 and 4.2.1)
+and synthetic images; tests/unit/test_criu_formats.py has both versions' formats byte for byte."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ from memsnap.pageserver.images import (
     PE_PRESENT,
     ImageError,
     PageIndex,
+    _fields,
     parse_pagemap,
 )
-from memsnap.pageserver.server import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
+from memsnap.pageserver.server import PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
 from memsnap.pageserver.sources import DirPageSource, SourceFailed, fixed_blocks
+from memsnap.pageserver.wire import IOV_41 as IOV
 
-CRIU = "/usr/local/sbin/criu"
+CRIUS = {"4.1.1": "/usr/local/sbin/criu", "4.2.1": "/opt/criu-4.2.1/sbin/criu"}  # (what memsnap ships; the next)
 
 
 def _varint(n: int) -> bytes:
@@ -95,11 +97,13 @@ def test_a_request_across_adjacent_entries_maps_to_one_range():
     assert idx.locate(1, BASE + PAGE, 2) == [("pages-1.img", PAGE, 2 * PAGE)]
 
 
-@pytest.fixture(scope="module")
-def real_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CRIU dump of a small Python process whose 4 MiB buffer holds a known pattern."""
-    if not os.path.exists(CRIU) or os.geteuid() != 0:
-        pytest.skip("needs root and CRIU")
+@pytest.fixture(scope="module", params=list(CRIUS))
+def real_dump(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dump by CRIU 4.1.1 or 4.2.1 (their pagemaps differ) of a small Python process whose 4 MiB buffer holds a
+    known pattern."""
+    criu = CRIUS[request.param]
+    if not os.path.exists(criu) or os.geteuid() != 0:
+        pytest.skip(f"needs root and CRIU {request.param} at {criu}")
     d = tmp_path_factory.mktemp("dump")
     code = ("import ctypes,sys,time\nb=bytearray(4<<20)\n"
             "for i in range(0,len(b),4096): b[i:i+8]=(0xC0FFEE00+i//4096).to_bytes(8,'little')\n"
@@ -110,10 +114,11 @@ def real_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         assert p.stdout is not None
         (d / "buffer").write_text(p.stdout.readline().decode().strip())
-        r = subprocess.run([CRIU, "dump", "-t", str(p.pid), "-D", str(d), "--shell-job", "-o", "dump.log"],
+        r = subprocess.run([criu, "dump", "-t", str(p.pid), "-D", str(d), "--shell-job", "-o", "dump.log"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (d / "dump.log").read_text()[-2000:]
         (d / "pid").write_text(str(p.pid))
+        (d / "criu").write_text(request.param)
     finally:
         p.kill()
         p.wait()
@@ -130,6 +135,23 @@ def test_a_real_dumps_pagemap_indexes_its_whole_pages_image(real_dump):
     lazy, eager = idx.ranges(lazy=True), idx.ranges(lazy=False)
     assert sum(n for _, _, n in lazy) + sum(n for _, _, n in eager) == pages.stat().st_size
     assert sum(n for _, _, n in lazy) >= 4 << 20  # the buffer is private anonymous memory: lazy
+
+
+@pytest.mark.root
+def test_a_real_dump_counts_pages_in_the_field_of_its_criu_version(real_dump):
+    """4.1.1: nr_pages in field 2; 4.2.1: field 2 (compat_nr_pages) is 0, the count is in field 5."""
+    raw = next(real_dump.glob("pagemap-*.img")).read_bytes()
+    pos, entries = 8, []
+    while pos < len(raw):
+        (n,) = struct.unpack_from("<I", raw, pos)
+        entries.append(dict(_fields(raw[pos + 4:pos + 4 + n])))
+        pos += 4 + n
+    entries = entries[1:]  # (after the head)
+    assert entries
+    if (real_dump / "criu").read_text() == "4.1.1":
+        assert all(f[2] > 0 and 5 not in f for f in entries)
+    else:
+        assert all(f[2] == 0 and f[5] > 0 for f in entries)
 
 
 @pytest.mark.root
@@ -153,7 +175,7 @@ def _serve(tmp_path: Path, content: bytes, **kw) -> tuple[PageServer, socket.soc
     ours, theirs = socket.socketpair()
     failures: list[str] = []
     src = kw.pop("source", None) or DirPageSource(tmp_path)
-    server = PageServer(ours, idx, src, on_fail=failures.append, name="t", **kw).start()
+    server = PageServer(ours, idx, src, iov=IOV, on_fail=failures.append, name="t", **kw).start()
     return server, theirs, failures
 
 
@@ -246,7 +268,7 @@ def test_a_failed_page_is_never_answered_and_the_tasks_die_before_the_socket_end
         except BlockingIOError:
             seen.append("tasks killed while lazy-pages still waits")
 
-    server = PageServer(ours, idx, _Broken(tmp_path, False), on_fail=on_fail, name="t", prefetch=False,
+    server = PageServer(ours, idx, _Broken(tmp_path, False), iov=IOV, on_fail=on_fail, name="t", prefetch=False,
                         held=held).start()
     _get(sk, BASE + 4 * PAGE, 1)
     assert server.done.wait(5)
@@ -276,7 +298,8 @@ def test_a_fault_behind_a_background_request_never_waits_for_its_slow_blocks(tmp
     (tmp_path / "pages-3.img").write_bytes(content)
     idx = PageIndex.from_images({"pagemap-7.img": pagemap_image(3, ENTRIES)})
     ours, sk = socket.socketpair()
-    server = PageServer(ours, idx, _SlowMiddle(tmp_path), on_fail=lambda why: None, name="t", prefetch=False).start()
+    server = PageServer(ours, idx, _SlowMiddle(tmp_path), iov=IOV, on_fail=lambda why: None, name="t",
+                        prefetch=False).start()
     t0 = time.monotonic()
     _get(sk, BASE + 4 * PAGE, 3)  # (the push)
     _get(sk, BASE + 10 * PAGE, 1)  # (the fault)

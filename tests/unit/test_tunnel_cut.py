@@ -7,14 +7,16 @@ import socket
 import subprocess
 
 from memsnap.lazyguard import LazyGuard
+from memsnap.move.psflow import PageFlow
 from memsnap.move.tunnel import Seal, TunnelHost, _Tunnel
+from memsnap.pageserver.wire import IOV_41
 
 
 def _tunnel(job: subprocess.Popen[bytes]) -> _Tunnel:
     criu_end, pump = socket.socketpair()
     tid = "ab" * 8
     t = _Tunnel(tid, "ck-1", criu_end, pump, Seal("tok", tid, "to-target"), Seal("tok", tid, "to-source"),
-                restore_started=True, guard=LazyGuard("move"))
+                PageFlow(IOV_41), restore_started=True, guard=LazyGuard("move"))
     t.guard.pid = job.pid
     return t
 
