@@ -271,8 +271,14 @@ class _Watch:
         self._lock = threading.Lock()
 
     def failed(self, why: str) -> None:
-        """The page server gave up: the tasks die (restored, or still restoring), then lazy-pages."""
-        self.guard.fail(f"paging in from the store failed: {why}")
+        """The page server gave up: the tasks die (restored, or still restoring), then lazy-pages. A job that ran
+        gets its reason recorded first: whoever sees it gone (`memsnapctl show`) reads why."""
+        why = f"paging in from the store failed: {why}"
+        with self._lock:
+            ran = bool(self.pid)
+        if ran:
+            self.engine.catalog.update_checkpoint(self.rec.id, last_error=self._message(why))
+        self.guard.fail(why)
 
     def started(self, res: Any) -> None:
         with self._lock:
@@ -336,8 +342,11 @@ class _Watch:
                      extra={"checkpoint_id": self.rec.id, "job": self.job_id})
             self.engine.observe("phase:page_in", "ok", secs)
 
+    def _message(self, why: str) -> str:
+        return f"lazy restore into job {self.job_id} (pid {self.pid}) killed: {why}"
+
     def _record(self, why: str) -> None:
-        msg = f"lazy restore into job {self.job_id} (pid {self.pid}) killed: {why}"
+        msg = self._message(why)
         if self.pid:
             proc.kill_tree(self.pid)
         if self.job_id:
