@@ -114,9 +114,12 @@ class Loop(Part):
                 s = self.cg.sample(Path(g.cgroup))
             except CgroupError:
                 continue
-            if not (s.at_limit or g.job_id in fired):
+            retry = self.parker.retry_due(g.job_id)
+            if not (s.at_limit or g.job_id in fired or retry):
                 continue
-            if s.at_limit or g.job_id not in pressured:
+            if retry and not s.at_limit and g.job_id not in fired:
+                reason = f"a park that failed 30 s ago, retried (usage {s.usage >> 20} of {g.limit >> 20} MiB)"
+            elif s.at_limit or g.job_id not in pressured:
                 reason = f"reached its memory limit ({g.limit >> 20} MiB; usage {s.usage >> 20} MiB)"
             else:
                 reason = (f"memory pressure in its cgroup (memory.pressure_level {self.cfg.pressure_level}; "

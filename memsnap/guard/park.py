@@ -35,6 +35,11 @@ class Parker(Part):
         """Whether a park of the job failed lately (it is retried 30 s after)."""
         return self._backoff.get(job_id, 0) > time.monotonic()
 
+    def retry_due(self, job_id: str) -> bool:
+        """Whether a failed park of the job waits for its retry, and the 30 s are over. The retry needs no new
+        event: a watcher fires once, and a job that stays just under its limit would never be parked again."""
+        return job_id in self._backoff and not self.backing_off(job_id)
+
     def park_async(self, job_id: str, reason: str, t_event: float) -> None:
         """Parks the job in a thread of its own, unless something works on it already."""
         if not self.table.claim(job_id):
@@ -49,6 +54,7 @@ class Parker(Part):
     def _park_thread(self, job_id: str, reason: str, t_event: float) -> None:
         try:
             self.park(job_id, reason, t_event)
+            self._backoff.pop(job_id, None)
         except Exception as exc:
             self._backoff[job_id] = time.monotonic() + 30
             log.error("could not park %s (retrying in 30 s): %s", job_id, exc, extra={"job": job_id})

@@ -232,6 +232,33 @@ def test_a_park_whose_dump_fails_leaves_the_job_running_at_its_own_limit_and_bac
     assert r.row("job-a").state == RUNNING
 
 
+def test_a_failed_park_is_retried_after_its_backoff_without_a_new_event(tmp_path: Path, criu: FakeCriu,
+                                                                          procs: Procs) -> None:
+    """The watcher fired once; the job then hovers just under its limit (the kernel reclaims), so neither the
+    limit nor an event would ever ask again: the retry the log promised ("retrying in 30 s") must come anyway.
+    (Seen in the soak: a PyTorch job's park met an exiting DataLoader worker, "Zombies with threads are not
+    supported", and the job was never parked.)"""
+    r = rig(tmp_path, criu, procs)
+    pid, cg = r.guarded()
+    criu.fail_dump = "Error (criu/seize.c:882): Zombies with threads are not supported"
+    r.fs.reach_limit(cg)
+    r.guard.loop.check_limits(set(), time.monotonic())
+    r.settle("job-a")
+    assert r.row("job-a").state == RUNNING and r.guard.parker.backing_off("job-a")
+    r.fs.use(cg, LIMIT - (4 << 20))  # (just under the limit: no longer at it, and no event)
+    if r.fs.version == 1:
+        (cg / "memory.oom_control").write_text("oom_kill_disable 1\nunder_oom 0\noom_kill 0\n")
+    criu.fail_dump = ""
+    r.guard.loop.check_limits(set(), time.monotonic())  # (still backing off: nothing)
+    assert len(r.engine.catalog.checkpoints()) == 1
+    r.guard.parker._backoff["job-a"] = time.monotonic() - 1  # (the 30 s are over)
+    r.guard.loop.check_limits(set(), time.monotonic())
+    r.settle("job-a")
+    g = r.row("job-a")
+    assert g.state == PARKED and "retried" in g.reason, g.reason
+    assert not r.guard.parker.retry_due("job-a")  # (parked: nothing left to retry)
+
+
 # -- observe mode, on-limit kill, a job that ended ------------------------------------------------------------------
 def test_observe_mode_only_records_would_park(tmp_path: Path, criu: FakeCriu, procs: Procs) -> None:
     r = rig(tmp_path, criu, procs, mode="observe")
