@@ -202,16 +202,21 @@ def test_a_resume_below_the_image_size_is_refused_and_the_job_stays_parked(tmp_p
 
 
 # -- a park that fails -------------------------------------------------------------------------------------------
+def failed_park(r: Rig, criu: FakeCriu, error: str) -> tuple[int, Path]:
+    """job-a reaches its limit and the guard's park of it fails with CRIU's error: (its pid, its cgroup)."""
+    pid, cg = r.guarded()
+    criu.fail_dump = error
+    r.fs.reach_limit(cg)
+    r.guard.loop.check_limits(set(), time.monotonic())
+    r.settle("job-a")
+    return pid, cg
+
+
 def test_a_park_whose_dump_fails_leaves_the_job_running_at_its_own_limit_and_backs_off(
         tmp_path: Path, criu: FakeCriu, procs: Procs) -> None:
     r = rig(tmp_path, criu, procs)
-    pid, cg = r.guarded()
-    criu.fail_dump = "Error (criu/cr-dump.c:1): fake dump failure"
-    r.fs.reach_limit(cg)
-
     # 1. the park stops the job, CRIU fails: the job runs on, and its row says so
-    r.guard.loop.check_limits(set(), time.monotonic())
-    r.settle("job-a")
+    pid, cg = failed_park(r, criu, "Error (criu/cr-dump.c:1): fake dump failure")
     runs(pid)  # (SIGCONT after the SIGSTOP the park sent: never left stopped)
     g = r.row("job-a")
     assert g.state == RUNNING and g.checkpoint == "" and r.watched() == {"job-a"}
@@ -239,11 +244,7 @@ def test_a_failed_park_is_retried_after_its_backoff_without_a_new_event(tmp_path
     (Seen in the soak: a PyTorch job's park met an exiting DataLoader worker, "Zombies with threads are not
     supported", and the job was never parked.)"""
     r = rig(tmp_path, criu, procs)
-    pid, cg = r.guarded()
-    criu.fail_dump = "Error (criu/seize.c:882): Zombies with threads are not supported"
-    r.fs.reach_limit(cg)
-    r.guard.loop.check_limits(set(), time.monotonic())
-    r.settle("job-a")
+    _, cg = failed_park(r, criu, "Error (criu/seize.c:882): Zombies with threads are not supported")
     assert r.row("job-a").state == RUNNING and r.guard.parker.backing_off("job-a")
     r.fs.use(cg, LIMIT - (4 << 20))  # (just under the limit: no longer at it, and no event)
     if r.fs.version == 1:
