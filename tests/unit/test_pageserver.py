@@ -1,6 +1,7 @@
 """memsnap.pageserver: pagemap parsing, (pid, vaddr, nr_pages) -> pages image offsets, and the page-server
-protocol as `criu lazy-pages` speaks it (CRIU 4.1 criu/page-xfer.c), against real dumps (by the shipped 4.1.1; by 4.2.1 too with MEMSNAP_TEST_CRIU_421)
-and synthetic images; tests/unit/test_criu_formats.py has both versions' formats byte for byte."""
+protocol as `criu lazy-pages` speaks it (CRIU 4.1 criu/page-xfer.c), against real dumps (by the shipped 4.1.1;
+by 4.2.1 too with MEMSNAP_TEST_CRIU_421) and synthetic images; tests/unit/test_criu_formats.py has both versions'
+formats byte for byte."""
 
 from __future__ import annotations
 
