@@ -12,10 +12,8 @@ chunk cache, or the store (in parallel); each is verified against its id before 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import mmap
 import os
 import threading
 from collections import deque
@@ -307,12 +305,10 @@ class ChunkedDrain:
                 progress(n)  # (called between chunks: where drains are throttled and paused)
 
             try:
-                with contextlib.ExitStack() as stack:
-                    mm = stack.enter_context(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)) if st.st_size else b""
-                    for off, n in self.chunking.iter_boundaries(mm):
-                        pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
-                        while len(pending) >= depth:
-                            collect()
+                for off, n in self.chunking.iter_file_boundaries(fd, st.st_size):
+                    pending.append((off, n, pool.submit(self._chunk, fd, off, n)))
+                    while len(pending) >= depth:
+                        collect()
                 while pending:
                     collect()
             except BaseException:

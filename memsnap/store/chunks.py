@@ -20,14 +20,16 @@ from __future__ import annotations
 import builtins
 import logging
 import mmap
+import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
 import blake3
+import numpy as np
 import zstandard
 
 from memsnap.store.bad_objects import BAD
@@ -49,6 +51,7 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CKPT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # = memsnap.validate.ID_RE
 _M64 = (1 << 64) - 1
 _K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93
+_U1, _U2, _U3, _U4 = (np.uint64(k) for k in (_K1, _K2, _K3, _K4))
 
 
 class ChunkError(BadObject):
@@ -118,14 +121,32 @@ class Chunking:
 
     def iter_boundaries(self, buf: Bytes | mmap.mmap, window: int = 16 << 20) -> Iterator[tuple[int, int]]:
         """boundaries(), found window bytes at a time (a drain starts uploading before the scan ends)."""
-        size = len(buf)
+        return self._iter(len(buf), lambda first, last, avgp: _cut_candidates(buf, first, last, avgp), window)
+
+    def iter_file_boundaries(self, fd: int, size: int, window: int = 16 << 20) -> Iterator[tuple[int, int]]:
+        """iter_boundaries() of the first size bytes of an open file, read a window at a time into one buffer
+        (a mapping of the whole file would count every page of it in the reader's RSS). A file that is shorter
+        than size is cut as if it ended in zero pages: whoever reads the chunks finds it short."""
+        buf = bytearray(max(PAGE, window - window % PAGE))
+
+        def candidates(first: int, last: int, avgp: int) -> list[int]:
+            n = (last - first) * PAGE
+            with memoryview(buf) as mv, mv[:n] as dst:
+                got = os.preadv(fd, [dst], first * PAGE)
+                dst[max(0, got):] = bytes(n - max(0, got))
+            return [first + i for i in _cut_candidates(buf, 0, last - first, avgp)]
+
+        return self._iter(size, candidates, len(buf))
+
+    def _iter(self, size: int, candidates: Callable[[int, int, int], list[int]],
+              window: int) -> Iterator[tuple[int, int]]:
         avgp = max(1, self.avg // PAGE)
         npages = size // PAGE
         start = 0
         lo, hi = self.min, self.max
         step = max(1, window // PAGE)
         for first in range(0, npages, step):
-            for i in _cut_candidates(buf, first, min(npages, first + step), avgp):
+            for i in candidates(first, min(npages, first + step), avgp):
                 end = (i + 1) * PAGE
                 if end - start < lo:
                     continue
@@ -143,19 +164,25 @@ class Chunking:
 
 def _cut_candidates(buf: Bytes | mmap.mmap, first: int, last: int, avgp: int) -> list[int]:
     """Pages i in [first, last) after which a chunk may end: a mix of 4 of the page's 64-bit words is 0 modulo
-    avgp."""
+    avgp. Vectorized (numpy wraps uint64 arithmetic modulo 2**64, as the & _M64 of the definition does, and
+    releases the GIL): a drain's cut runs beside its hashing and compression threads."""
     if last <= first:
         return []
-    with memoryview(buf) as mv, mv[first * PAGE : last * PAGE] as win, win.cast("B") as bw, bw.cast("Q") as w:
-        a, b, c, d = (w[k::PAGE // 8].tolist() for k in (0, 129, 258, 511))
-    out = []
-    for i, (x, y, z, q) in enumerate(zip(a, b, c, d, strict=True), first):
-        h = ((x * _K1 ^ y * _K2 ^ z * _K3 ^ q * _K4) + _K1) & _M64
-        h ^= h >> 29
-        h = (h * _K2) & _M64
-        if (h >> 32) % avgp == 0:
-            out.append(i)
-    return out
+    words = np.frombuffer(buf, dtype="<u8", count=(last - first) * (PAGE // 8), offset=first * PAGE)
+    try:
+        pages = words.reshape(last - first, PAGE // 8)
+        h = pages[:, 0] * _U1
+        h ^= pages[:, 129] * _U2
+        h ^= pages[:, 258] * _U3
+        h ^= pages[:, 511] * _U4
+        h += _U1
+        h ^= h >> np.uint64(29)
+        h *= _U2
+        h >>= np.uint64(32)
+        hits = np.flatnonzero(h % np.uint64(avgp) == 0)
+        return (hits + first).tolist()
+    finally:
+        del words  # (no view of an mmap may outlive the call: closing it would fail)
 
 
 def is_bundled(name: str, size: int) -> bool:
@@ -165,10 +192,40 @@ def is_bundled(name: str, size: int) -> bool:
 
 # -- chunk objects -----------------------------------------------------------------------------------------
 def encode_chunk(raw: Bytes, level: int) -> bytes:
-    """The stored object of a chunk: a zstd frame (level > 0), else the raw bytes (see the module doc)."""
-    if level > 0 or bytes(raw[:4]) == ZSTD_MAGIC:
-        return zstandard.ZstdCompressor(level=max(1, level), write_checksum=False).compress(raw)
+    """The stored object of a chunk: a zstd frame (level > 0), else the raw bytes (see the module doc). A chunk
+    whose sampled pages do not compress (random or already compressed memory) is stored raw: its frame would
+    be no smaller, and compressing it costs more CPU than hashing and writing it together."""
+    if (level > 0 and compressible(raw)) or bytes(raw[:4]) == ZSTD_MAGIC:
+        return _compressor(max(1, level)).compress(raw)
     return bytes(raw)
+
+
+SAMPLES, SAMPLE = 8, 8 << 10  # compressible(): 8 samples of 8 KiB spread over the chunk
+INCOMPRESSIBLE = 0.95  # ...none of which shrinks below this fraction in all: store the chunk raw
+_tls = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for level (a ZstdCompressor is not thread-safe; one per chunk costs its setup)."""
+    cs: dict[int, zstandard.ZstdCompressor] | None = getattr(_tls, "zstd", None)
+    if cs is None:
+        cs = _tls.zstd = {}
+    c = cs.get(level)
+    if c is None:
+        c = cs[level] = zstandard.ZstdCompressor(level=level, write_checksum=False)
+    return c
+
+
+def compressible(raw: Bytes) -> bool:
+    """Whether zstd (level 1) shrinks samples of raw to under INCOMPRESSIBLE of their size; small chunks are
+    assumed compressible (the test would cost as much as compressing them)."""
+    n = len(raw)
+    if n < 8 * SAMPLES * SAMPLE:
+        return True
+    step = n // SAMPLES
+    with memoryview(raw) as mv:
+        sample = b"".join(mv[i * step : i * step + SAMPLE] for i in range(SAMPLES))
+    return len(_compressor(1).compress(sample)) < INCOMPRESSIBLE * len(sample)
 
 
 def decode_chunk(stored: bytes, cid: str, raw_len: int) -> bytes:
