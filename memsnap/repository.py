@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from memsnap import failpoints, manifest, safefs
+from memsnap import background, failpoints, manifest, safefs
 from memsnap.catalog import DURABLE, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
 from memsnap.malloc import release_memory
@@ -264,7 +264,7 @@ class Repository:
         try:
             reader = chunks.ChunkReader(self.store, storage)  # type: ignore[arg-type]
             local = self.node_chunks.tier_chunks(self._local_copies(rec.id))
-            got = chunked.fetch_chunked(reader, dfd, local, self.node_chunks.cache())
+            got = chunked.fetch_chunked(reader, dfd, local, self.node_chunks.cache(), fill_later=_fill_cache_later)
         except StoreUnavailable as exc:
             self.storage_error("get")
             raise Unavailable(f"cannot fetch {rec.id}: {exc}") from exc
@@ -475,3 +475,28 @@ class _ReadAhead:
 
 
 __all__ = ["INDEX", "STORE_ID", "Put", "Repository", "adopted_record"]
+
+
+CACHE_FILL_WAIT_S = 120.0  # a cache fill held back by foreground work longer than this is dropped
+
+
+def _fill_cache_later(fill: chunked.CacheFill) -> None:
+    """Adds a fetch's chunks to the node's chunk cache in a thread of its own, once no foreground work runs (the
+    restore that fetched them first): background work, like a drain. One held back for CACHE_FILL_WAIT_S is
+    dropped (its descriptors keep the fetched files' memory)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + CACHE_FILL_WAIT_S
+        try:
+            background.gate().wait_idle("cache-fill", stop=lambda: time.monotonic() > deadline)
+            if time.monotonic() > deadline:
+                log.info("chunk cache not filled: foreground work ran for %.0f s", CACHE_FILL_WAIT_S)
+                return
+            n = fill.run()
+            log.debug("chunk cache: %d chunks added", n)
+        except Exception as exc:  # (best effort: the cache is a hint, every read of it is verified)
+            log.warning("chunk cache not filled: %s", exc)
+        finally:
+            fill.close()
+
+    threading.Thread(target=run, name="cache-fill", daemon=True).start()

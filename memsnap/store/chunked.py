@@ -434,11 +434,12 @@ class TierChunks:
 
 
 def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: ChunkCache | None = None,
-                  threads: int = 8) -> dict[str, int]:
+                  threads: int = 8, fill_later: Callable[[CacheFill], None] | None = None) -> dict[str, int]:
     """Writes every file of a chunked image into dfd, each chunk verified, taking chunks from tier copies (local),
     then the cache, then the store (reader). The chunks that came from the store join the cache only once every
-    file was written and verified (staged under temp names until then): a refused restore leaves nothing
-    behind. Returns counts.
+    file was written and verified, read back from the files written: a refused restore adds nothing. That fill
+    runs here, or, given fill_later, is handed to it (a restore waits for its image, not for the node's cache:
+    writing each chunk into the cache as it came cost a third of the fetch's time). Returns counts.
 
     Node-local chunks are copied by as many threads as there are CPUs (bounded by memory bandwidth: each reads
     into a reused buffer, hashes it, and writes it; more threads only contend for the destination file's lock),
@@ -446,16 +447,13 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
     near: list[tuple[int, ChunkRef]] = []  # in a tier copy or the cache (per the maps and the cache's index)
     far: list[tuple[int, ChunkRef]] = []
     fds: list[int] = []
-    staged: list[tuple[str, Path, int]] = []
+    fetched: list[tuple[int, ChunkRef]] = []  # (list.append is atomic: the pool's threads share it)
     bufs = threading.local()
-    ok = False
 
     def from_store(fd: int, ref: ChunkRef) -> str:
         raw = reader.chunk(ref)
-        got = cache.stage(ref.id, encode_chunk(raw, 0)) if cache is not None else None
-        if got is not None:
-            staged.append(got)
         _pwrite_all(fd, raw, ref.offset)
+        fetched.append((fd, ref))
         return "store"
 
     def from_near(fd: int, ref: ChunkRef) -> str:
@@ -484,14 +482,55 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
             for ref in lay.chunks:
                 (near if local.has(ref) or (cache is not None and ref.id in cache) else far).append((fd, ref))
         got = _run_both([(from_store, far, threads), (from_near, near, max(1, min(threads, os.cpu_count() or 1)))])
-        ok = True
+        if cache is not None and fetched:
+            fill = CacheFill(cache, fetched)  # (it holds fds of its own)
+            (fill_later or CacheFill.run)(fill)
     finally:
         for fd in fds:
             os.close(fd)
-        if cache is not None:
-            cache.commit(staged) if ok else cache.discard(staged)
     return {"chunks": len(near) + len(far), "from_tier": got.count("tier"), "from_cache": got.count("cache"),
             "from_store": reader.fetched_chunks, "fetched_bytes": reader.fetched_bytes}
+
+
+class CacheFill:
+    """Chunks a fetch took from the store, to be added to the node's chunk cache: read back from the files the
+    fetch wrote (descriptors of its own, so that a later rename or unlink of the image changes nothing) and
+    verified against their ids again before each joins the cache (the files live in a tier that other work
+    may touch meanwhile). Runs once; close() gives up what is left."""
+
+    def __init__(self, cache: ChunkCache, fetched: list[tuple[int, ChunkRef]]) -> None:
+        self.cache = cache
+        self._fds: dict[int, int] = {}
+        try:
+            for fd, _ref in fetched:
+                if fd not in self._fds:  # (reopened for reading: the fetch wrote through write-only fds)
+                    self._fds[fd] = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.close()
+            raise
+        self._todo = [(self._fds[fd], ref) for fd, ref in fetched]
+        self.added = 0
+
+    def run(self, stop: Callable[[], bool] | None = None) -> int:
+        """Adds the chunks (stops early when stop() turns true); returns how many joined the cache."""
+        try:
+            for fd, ref in self._todo:
+                if stop is not None and stop():
+                    break
+                raw = os.pread(fd, ref.length, ref.offset)
+                if len(raw) != ref.length or chunk_id(raw) != ref.id:
+                    log.warning("chunk %s changed in the fetched image before it was cached; not cached", ref.id)
+                    continue
+                self.cache.put(ref.id, encode_chunk(raw, 0))
+                self.added += 1
+        finally:
+            self.close()
+        return self.added
+
+    def close(self) -> None:
+        fds, self._fds, self._todo = self._fds, {}, []
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:

@@ -329,6 +329,20 @@ class PosixStore:
         return None
 
 
+_bufs = threading.local()
+
+
+def _aligned_buffer(n: int) -> mmap.mmap:
+    """This thread's page-aligned read buffer of at least n bytes (kept: a new mapping per read costs a page
+    fault and a zeroed page for every 4 KiB read)."""
+    buf: mmap.mmap | None = getattr(_bufs, "buf", None)
+    if buf is None or len(buf) < n:
+        if buf is not None:
+            buf.close()
+        buf = _bufs.buf = mmap.mmap(-1, max(n, 4 << 20))
+    return buf
+
+
 def _pread_uncached(fd: int, offset: int, length: int) -> bytes:
     """pread through O_DIRECT where the filesystem takes it (aligned to pages), else with readahead off."""
     if length <= 0:
@@ -336,9 +350,10 @@ def _pread_uncached(fd: int, offset: int, length: int) -> bytes:
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         start, end = offset & ~(PAGE - 1), (offset + length + PAGE - 1) & ~(PAGE - 1)
-        with mmap.mmap(-1, end - start) as buf:  # (page-aligned memory, as O_DIRECT wants)
-            got = os.preadv(fd, [buf], start)
-            return bytes(buf[offset - start : max(offset - start, min(got, offset - start + length))])
+        buf = _aligned_buffer(end - start)  # (page-aligned memory, as O_DIRECT wants)
+        with memoryview(buf) as mv, mv[: end - start] as dst:
+            got = os.preadv(fd, [dst], start)
+            return bytes(mv[offset - start : max(offset - start, min(got, offset - start + length))])
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
             raise

@@ -16,7 +16,7 @@ import pytest
 
 from memsnap import safefs
 from memsnap.store.cache import ChunkCache
-from memsnap.store.chunked import ChunkedDrain, TierChunks, fetch_chunked
+from memsnap.store.chunked import CacheFill, ChunkedDrain, TierChunks, fetch_chunked
 from memsnap.store.chunkgc import ChunkIndex, sweep
 from memsnap.store.chunks import (
     PAGE,
@@ -402,3 +402,35 @@ def test_a_drain_stopped_between_chunks_reads_no_chunk_after_it_closed_the_file(
     reads = len(job.reads)
     time.sleep(0.3)  # (a task the drain did not wait for would read now)
     assert len(job.reads) == reads and job.reads and all(job.reads), job.reads
+
+
+def test_a_fetch_handed_a_later_fill_caches_nothing_until_the_fill_runs(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(600, 24)
+    d, files = _tier(tmp_path, pages)
+    m, _ = _drain(store, d, files, "ck-1")
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    fills: list[CacheFill] = []
+    (tmp_path / "out").mkdir()
+    with safefs.opened(os.open(tmp_path / "out", os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache, fill_later=fills.append)
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == pages and len(fills) == 1
+    assert cache.size_bytes == 0  # the restore did not wait for the cache
+    os.unlink(tmp_path / "out" / "pages-1.img")  # (the image may go meanwhile: the fill holds it open)
+    assert fills[0].run() == got["from_store"] == got["chunks"]
+    assert _fetch(store, m, tmp_path / "out2", cache)["from_cache"] == got["chunks"]
+
+
+def test_a_later_fill_does_not_cache_a_chunk_changed_in_the_fetched_image(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(600, 25)
+    d, files = _tier(tmp_path, pages)
+    m, _ = _drain(store, d, files, "ck-1")
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    fills: list[CacheFill] = []
+    (tmp_path / "out").mkdir()
+    with safefs.opened(os.open(tmp_path / "out", os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache, fill_later=fills.append)
+    first = m["storage"]["files"]["pages-1.img"]["chunks"][0][0]
+    with open(tmp_path / "out" / "pages-1.img", "r+b") as f:
+        f.write(b"\xff")
+    assert fills[0].run() == got["chunks"] - 1
+    assert first not in cache and not (tmp_path / "cache" / first).exists()
