@@ -24,6 +24,7 @@ from memsnap.caller import Caller
 from memsnap.catalog import DUMPING, FAILED, Catalog, CheckpointRecord, JobRecord, now_ms
 from memsnap.collaborators import EngineConfig, GpuAdapter, JobGuard, Uploads
 from memsnap.criu import CriuApi, CriuError, DumpOptions, NotifyCallback, own_mount_ns
+from memsnap.dumphash import DumpHasher
 from memsnap.errors import FailedPrecondition, NotFound
 from memsnap.manifest import Manifest
 from memsnap.phases import PhaseClock
@@ -148,6 +149,7 @@ class Checkpointer:
                            own_mntns=own_mnt, **{**self.host.cfg.extra_dump_opts, **extras.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = quiet = None
+        hasher: DumpHasher | None = None
         clock = PhaseClock()
 
         def tell() -> None:  # the job's quiesce hooks: resume (the same processes run on)
@@ -165,7 +167,12 @@ class Checkpointer:
                     clock.gpu(suspension.seconds)
             if extras.before_dump is not None:
                 extras.before_dump(staging)
-            stats = self.host.criu.dump(pid, staging, work, opts, notify=extras.notify)
+            hasher = _start_hasher(staging) if extras.file_table is None else None
+            try:
+                stats = self.host.criu.dump(pid, staging, work, opts, notify=extras.notify)
+            except BaseException:
+                hasher.close() if hasher is not None else None
+                raise
         except Exception as exc:
             if suspension is not None:
                 try:
@@ -185,9 +192,10 @@ class Checkpointer:
         clock.add("dump", stats.wall_ms / 1000)
         t_publish = time.monotonic()
         try:
+            known = hasher.finish() if hasher is not None else None
             man = self.new_manifest(rec, argv, own_ns, job,
                                     (extras.file_table() if extras.file_table else None)
-                                    or manifest.describe_files(staging),
+                                    or manifest.describe_files(staging, known),
                                     frozen_ms=stats.frozen_ms, freezing_ms=stats.freezing_ms,
                                     dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt,
                                     tcp_close=not opts.tcp_established, phases=clock.rounded())
@@ -196,6 +204,7 @@ class Checkpointer:
                                  failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
                                  dump_ms=int(stats.wall_ms))
         except Exception as exc:
+            hasher.close() if hasher is not None else None
             # The dump worked but the image is not safely staged: the job must go on.
             if frozen_after:
                 proc.resume_stopped(pid)
@@ -253,3 +262,12 @@ class Checkpointer:
                         argv=argv, host=self.host.hostname, kernel=platform.release(),
                         criu_version=self.host.criu.version(), memsnap_version=__version__, created_ms=rec.created_ms,
                         own_pidns=own_ns, log_path=job.log_path if job else "", **fields)
+
+
+def _start_hasher(staging: Path) -> DumpHasher | None:
+    """A DumpHasher on staging, or None where inotify is refused (describe_files then hashes it all)."""
+    try:
+        return DumpHasher(staging)
+    except OSError as exc:
+        log.info("not hashing while dumping: %s", exc)
+        return None

@@ -22,6 +22,7 @@ from typing import Any
 import blake3
 
 from memsnap import safefs
+from memsnap.dumphash import Hashed, stat_key
 from memsnap.store.chunks import ChunkedStorage, chunked_storage, is_image_file_name
 from memsnap.store.errors import BadObject, StoreError
 from memsnap.store.parse import MANIFEST_MAX, NOT_AN_OBJECT, clip, is_count, load_json
@@ -276,14 +277,20 @@ def _image_files(dfd: int, where: Path) -> dict[str, os.stat_result]:
     return {n: s for n, s in found if n != MANIFEST}
 
 
-def describe_files(images_dir: Path) -> dict[str, dict[str, Any]]:
+def describe_files(images_dir: Path, known: Mapping[str, Hashed] | None = None) -> dict[str, dict[str, Any]]:
     """Name -> {size, blake3} for every image file (the manifest itself excluded), each opened with
-    O_NOFOLLOW from the dir's fd; a symlink, fifo or device in the dir is refused (IntegrityError)."""
+    O_NOFOLLOW from the dir's fd; a symlink, fifo or device in the dir is refused (IntegrityError).
+
+    known: digests taken while CRIU wrote the files (memsnap.dumphash); one is used only when the file's inode,
+    size, mtime and ctime are still those it was taken at, else the file is hashed here."""
     out: dict[str, dict[str, Any]] = {}
     with safefs.opened(_open_images(images_dir)) as dfd:
         for name in sorted(_image_files(dfd, images_dir)):
             with safefs.opened(_open_member(dfd, name, images_dir)) as fd:
-                out[name] = {"size": os.fstat(fd).st_size, "blake3": fd_blake3(fd)}
+                st = os.fstat(fd)
+                h = (known or {}).get(name)
+                digest = h.blake3 if h is not None and h.key == stat_key(st) else fd_blake3(fd)
+                out[name] = {"size": st.st_size, "blake3": digest}
     return out
 
 

@@ -14,13 +14,10 @@ ImageReceiver (target) writes it into the tier's incoming area, checking every c
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
 import re
-import select
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +30,7 @@ import grpc
 
 from memsnap import lifecycle, manifest
 from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
+from memsnap.dumphash import Inotify, stat_key
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument
 from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost, chain, move_error
@@ -59,47 +57,7 @@ class StreamBroken(Exception):
         self.code = code
 
 
-# -- watching the staging dir -----------------------------------------------------------------------
-_IN_MODIFY, _IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x2, 0x8, 0x80, 0x100
-_EVENT = struct.Struct("iIII")
-
-
-class _Inotify:
-    """The few inotify calls needed to learn when CRIU has closed an image file."""
-
-    def __init__(self, path: Path) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = int(self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
-        mask = _IN_CREATE | _IN_CLOSE_WRITE | _IN_MOVED_TO
-        if self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask) < 0:
-            err = ctypes.get_errno()
-            os.close(self.fd)
-            raise OSError(err, f"cannot watch {path}")
-
-    def events(self, timeout: float) -> list[tuple[int, str]]:
-        """(mask, file name) events, waiting up to timeout seconds for the first."""
-        p = select.poll()  # (not select(): fd numbers above 1023 are fine)
-        p.register(self.fd, select.POLLIN)
-        if not p.poll(timeout * 1000):
-            return []
-        out: list[tuple[int, str]] = []
-        while True:
-            try:
-                buf = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                return out
-            off = 0
-            while off + _EVENT.size <= len(buf):
-                _wd, mask, _cookie, length = _EVENT.unpack_from(buf, off)
-                name = buf[off + _EVENT.size: off + _EVENT.size + length].rstrip(b"\0")
-                out.append((mask, os.fsdecode(name)))
-                off += _EVENT.size + length
-
-    def close(self) -> None:
-        """Stops watching."""
-        os.close(self.fd)
+_IN_CLOSE_WRITE, _IN_MOVED_TO = 0x8, 0x80  # (memsnap.dumphash.Inotify's events)
 
 
 @dataclass
@@ -118,10 +76,6 @@ class _FileState:
     def restart(self) -> None:
         """The file changed after we sent it: send it again from the start."""
         self.offset, self.done, self.hasher = 0, False, blake3.blake3()
-
-
-def _stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class ImageStreamer:
@@ -149,14 +103,14 @@ class ImageStreamer:
         self._dump_done = threading.Event()
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
-        self._watch: _Inotify | None = None
+        self._watch: Inotify | None = None
 
     # DumpExtras.before_dump: the watch must exist before CRIU creates the first file.
     def start(self, staging: Path) -> None:
         """Starts watching staging and opens the stream to the peer."""
         self._dir = staging
         self.ckpt_id = staging.name
-        self._watch = _Inotify(staging)
+        self._watch = Inotify(staging)
         self.future = self.client.receive_image(self._requests())
         self._thread = threading.Thread(target=self._run, name=f"stream-{self.ckpt_id}", daemon=True)
         self._thread.start()
@@ -287,7 +241,7 @@ class ImageStreamer:
                 st.fd = os.open(self._dir / st.name, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 return
-        if st.done and (st.closes != st.closes_at_done or (final and _stat_key(os.fstat(st.fd)) != st.stat)):
+        if st.done and (st.closes != st.closes_at_done or (final and stat_key(os.fstat(st.fd)) != st.stat)):
             log.info("image file %s changed after it was sent; sending it again", st.name)
             st.restart()
         size = os.fstat(st.fd).st_size
@@ -302,7 +256,7 @@ class ImageStreamer:
             self.bytes_sent += len(data)
         if (closed or final) and not st.done and st.offset == size:
             self._put(pb.ImageChunk(file=st.name, offset=st.offset, file_done=True))
-            st.done, st.closes_at_done, st.stat = True, st.closes, _stat_key(os.fstat(st.fd))
+            st.done, st.closes_at_done, st.stat = True, st.closes, stat_key(os.fstat(st.fd))
 
 
 # -- the target side ----------------------------------------------------------------------------------

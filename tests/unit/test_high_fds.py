@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memsnap import jobs
-from memsnap.move.stream import _Inotify
+from memsnap.dumphash import Inotify
 
 HIGH = 1500
 
@@ -45,7 +45,7 @@ def test_the_launch_status_line_is_read_from_a_pipe_numbered_above_1023(high_fd_
 
 def test_image_file_events_are_read_from_an_inotify_fd_numbered_above_1023(high_fd_room: None,
                                                                            tmp_path: Path) -> None:
-    ino = _Inotify(tmp_path)
+    ino = Inotify(tmp_path)
     ino.fd = _high(ino.fd)
     try:
         (tmp_path / "pages-1.img").write_bytes(b"x")
