@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where memsnapd spends the checkpoint, drain and restore time: one job, py-spy on the daemon throughout.
 
-    scripts/bench/profile_daemon.py [--mib 1024] [--rate 1000] [--out bench/results/tmp/profile]
+    scripts/bench/profile_daemon.py [--mib 1024] [--rate 1000 | --local] [--out bench/results/tmp/profile]
 
 Runs the network store (scripts/bench/netstore.py) and a daemon as bench.py does, records memsnapd with
 `py-spy record --idle --threads --format raw` while it checkpoints a job, drains it, and restores it from
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=1000, help="link Mbit/s")
     ap.add_argument("--out", default=str(bench.REPO / "bench" / "results" / "tmp" / "profile"))
     ap.add_argument("--rate-hz", type=int, default=200)
+    ap.add_argument("--local", action="store_true", help="the store is a directory on this machine's disk")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,8 +71,14 @@ def main() -> int:
     d = None
     spy = None
     try:
-        ns.setup()
-        d = bench.Daemon(ns.mount / "store").start()
+        if args.local:
+            store = bench.BASE / "local-store"
+            shutil.rmtree(store, ignore_errors=True)
+            store.mkdir(parents=True)
+        else:
+            ns.setup()
+            store = ns.mount / "store"
+        d = bench.Daemon(store).start()
         assert d.proc is not None
         job, log = bench.start_job(d, bench.counter_argv(args.mib))
         raw = out / "memsnapd.pyspy.txt"
@@ -124,7 +132,8 @@ def main() -> int:
             bench.kill(pid)
         if d is not None:
             d.stop()
-        ns.teardown()
+        if not args.local:
+            ns.teardown()
     return 0
 
 
