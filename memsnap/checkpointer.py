@@ -235,8 +235,8 @@ class Checkpointer:
                     tell()
         self.host.note_phases(ckpt_id, "phases", clock)
         shutil.rmtree(work, ignore_errors=True) if not knobs.keep_logs() else None
-        clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms", size, stats.frozen_ms,
-                  stats.wall_ms)
+        clog.info("checkpoint staged: %d bytes, frozen %.0f ms, dump %.0f ms, %d bytes hashed while CRIU dumped",
+                  size, stats.frozen_ms, stats.wall_ms, hasher.hashed_while_dumping if hasher is not None else 0)
         out = self.host.catalog.get_checkpoint(ckpt_id)
         assert out is not None
         return out

@@ -493,7 +493,7 @@ def _fill_cache_later(fill: chunked.CacheFill) -> None:
                 log.info("chunk cache not filled: foreground work ran for %.0f s", CACHE_FILL_WAIT_S)
                 return
             n = fill.run()
-            log.debug("chunk cache: %d chunks added", n)
+            log.info("chunk cache: %d chunks added after a fetch", n)
         except Exception as exc:  # (best effort: the cache is a hint, every read of it is verified)
             log.warning("chunk cache not filled: %s", exc)
         finally:

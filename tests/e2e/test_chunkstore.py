@@ -4,6 +4,8 @@ restore from the store, the old whole-file format, a tampered chunk, kill -9 at 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import sys
 from typing import Any
@@ -89,6 +91,36 @@ def test_second_checkpoint_uploads_only_changed_chunks_and_restores_from_store(m
     assert r["from_store"] is True
     fetched = [line for line in d.log.read_text().splitlines() if f"fetched {ck2['id']}" in line]
     assert fetched and " 0 from tier copies" not in fetched[-1]
+
+
+def _log_lines(d: DaemonProc, text: str) -> list[str]:
+    return [line for line in d.log.read_text().splitlines() if text in line]
+
+
+def test_a_dump_hashed_while_criu_wrote_it_restores_from_the_store_then_from_the_cache_filled_after(
+        make_daemon, jobs_to_kill):
+    d = make_daemon("hash-fill").start()
+    jid, pid, log = _infer(d, jobs_to_kill, seed="w-hash", mib=64)
+    digest = start_digest(log)
+    ck = _ckpt(d, jid, "--stop", "--wait", "durable")
+    last = ticks(log, pid)[-1].n
+    staged = _log_lines(d, "checkpoint staged")
+    hashed = int(staged[-1].rsplit(" bytes hashed while CRIU dumped", 1)[0].rsplit(" ", 1)[1])
+    assert hashed > 0  # (the pages file followed as it grew: the rest was hashed after CRIU returned)
+    # The tier copy goes; the restore fetches every chunk from the store, verified against the hashes.
+    d.ctl("evict", ck["id"], check=True)
+    r = _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
+    assert r["from_store"] is True and " 0 from the store" not in _log_lines(d, f"fetched {ck['id']}")[-1]
+    # After the restore, in the background: the fetched chunks join the node's chunk cache.
+    wait_for(lambda: _log_lines(d, "chunks added after a fetch"), 60, what="the chunk cache to be filled")
+    os.kill(r["pid"], signal.SIGKILL)
+    wait_for(lambda: r["pid"] not in running_job_pids(d), 30, what="the restored job to end")
+    d.ctl("evict", ck["id"], check=True)
+    _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
+    fetched = _log_lines(d, f"fetched {ck['id']}")[-1]
+    n, tier, cached = (int(x) for x in re.findall(
+        r"(\d+) chunks, (\d+) from tier copies, (\d+) from the chunk cache", fetched)[0])
+    assert n > 0 and tier == 0 and cached == n  # (only the small files' bundle comes from the store again)
 
 
 def test_a_second_job_with_the_same_weights_stores_few_new_bytes_on_s3(make_daemon, jobs_to_kill, s3_server):
