@@ -1,9 +1,11 @@
 """glibc heap tuning for the daemon's bulk byte traffic (drains, fetches and moves).
 
 At rest, big buffers go back to the OS as soon as they are freed (a small idle RSS); while a move streams
-an image, buffers up to 2 MiB (its 1 MiB chunks, gRPC's) are kept and reused instead of being a fresh
-mmap each. After a drain or fetch, release_memory() trims what the worker threads' arenas keep. The
-measurements behind these settings are in docs/benchmarks.md ("Heap tuning").
+an image, or a drain or fetch moves one, buffers up to 8 MiB (its chunks, gRPC's) are kept and reused
+instead of being a fresh mmap each (a page fault and a zeroed page per 4 KiB: a drain of 2 GiB in memsnapd
+took 1.5x its time in a process without the setting). After a drain or fetch, release_memory() trims what
+the worker threads' arenas keep. The measurements behind these settings are in docs/benchmarks.md ("Heap
+tuning") and bench/results/dataplane.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _M_TRIM_THRESHOLD = -1
 
 # (mmap threshold, trim threshold). An explicit mmap threshold also pins the trim threshold, so both are set.
 _IDLE_MALLOC = (1 << 20, 128 << 10)
-_BULK_MALLOC = (2 << 20, 64 << 20)
+_BULK_MALLOC = (8 << 20, 64 << 20)  # (above the largest chunk, 4x the 1 MiB average)
 _bulk_lock = threading.Lock()
 _bulk_users = 0
 
@@ -50,7 +52,8 @@ def idle_heap() -> None:
 
 @contextmanager
 def bulk_transfer() -> Iterator[None]:
-    """While a move streams an image: keep freed buffers for reuse; afterwards hand them back."""
+    """While a move streams an image, or a drain or fetch runs: keep freed buffers for reuse; afterwards hand
+    them back."""
     global _bulk_users
     with _bulk_lock:
         _bulk_users += 1

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from memsnap import background, failpoints, manifest, safefs
 from memsnap.catalog import DURABLE, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
-from memsnap.malloc import release_memory
+from memsnap.malloc import bulk_transfer, release_memory
 from memsnap.store import (
     MANIFEST_NAME,
     Codec,
@@ -148,10 +148,11 @@ class Repository:
         the manifest is written (it may raise: nothing is published then). fingerprint: the tier files' (inode,
         size, mtime, ctime) recorded when the checkpoint hashed them (a file that still has them is not hashed
         again)."""
-        if self.chunk_opts.format == "chunked":
-            done = self._put_chunked(rec, sfd, tier_manifest, progress, fingerprint, before_publish)
-        else:
-            done = self._put_files(rec, sfd, tier_manifest, progress, before_publish)
+        with bulk_transfer():  # (chunk buffers reused, not a fresh mmap each: memsnap.malloc)
+            if self.chunk_opts.format == "chunked":
+                done = self._put_chunked(rec, sfd, tier_manifest, progress, fingerprint, before_publish)
+            else:
+                done = self._put_files(rec, sfd, tier_manifest, progress, before_publish)
         self._index_name(rec)
         return done
 
@@ -250,7 +251,8 @@ class Repository:
         """Copies a durable checkpoint into dest, verifying the signature and every hash on the way."""
         t0 = time.monotonic()
         stored = self.stored_manifest(rec)
-        with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd:
+        with safefs.opened(os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)) as dfd, \
+                bulk_transfer():
             if isinstance(stored.storage, chunks.ChunkedStorage):
                 self._fetch_chunked(rec, stored.storage, dfd)
             else:
