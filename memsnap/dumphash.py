@@ -24,6 +24,7 @@ import os
 import select
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,13 +119,19 @@ class DumpHasher:
         self.hashed_while_dumping = 0  # bytes hashed before finish() was called
         self.hashed_after = 0
         self._buf = mmap.mmap(-1, READ_BYTES)
+        self._tid = 0  # the thread's, while it runs at SCHED_IDLE
+        self._tid_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"dumphash-{staging.name}", daemon=True)
         self._thread.start()
 
+    @property
+    def hashed(self) -> int:
+        """Bytes hashed so far (the thread's progress)."""
+        return sum(t.offset for t in list(self._tails.values()))
+
     def finish(self) -> dict[str, Hashed]:
         """After CRIU returned: hashes the tails; {name: Hashed} for every pages file read to its end."""
-        self._done.set()
-        self._thread.join()
+        self._stop_thread()
         out: dict[str, Hashed] = {}
         try:
             if self._error:
@@ -145,9 +152,7 @@ class DumpHasher:
 
     def close(self) -> None:
         """Stops the thread and closes everything (idempotent)."""
-        self._done.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._stop_thread()
         for t in self._tails.values():
             os.close(t.fd)
         self._tails = {}
@@ -157,19 +162,37 @@ class DumpHasher:
             self._watch.close()
             self._buf.close()
 
+    def _stop_thread(self) -> None:
+        """Ends the thread, first at normal priority again: at SCHED_IDLE on a busy node it may wait seconds
+        for the CPU it needs to see the stop (a park retried under load waited minutes for it)."""
+        self._done.set()
+        if self._thread is threading.current_thread():
+            return
+        with self._tid_lock:
+            tid, self._tid = self._tid, 0
+        if tid:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass  # (it ended already)
+        self._thread.join()
+
     def _run(self) -> None:
-        try:
-            # Only on a core nothing else wants: the job is frozen while CRIU and its parasite copy its pages,
-            # and on a small node hashing beside them stretched the freeze (a 2 GiB job: 985 -> 1097 ms).
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (this thread only, on Linux)
-        except OSError as exc:
-            log.debug("hashing while dumping at normal priority: %s", exc)
+        with self._tid_lock:
+            if not self._done.is_set():
+                try:
+                    # Only on a core nothing else wants: the job is frozen while CRIU and its parasite copy its
+                    # pages, and on a small node hashing beside them stretched the freeze (2 GiB: 985 -> 1097 ms).
+                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (this thread only, on Linux)
+                    self._tid = threading.get_native_id()
+                except OSError as exc:
+                    log.debug("hashing while dumping at normal priority: %s", exc)
         try:
             while not self._done.is_set():
                 if self._watch.events(POLL_S):
                     self._discover()
                 for t in list(self._tails.values()):
-                    self.hashed_while_dumping += self._pump(t)
+                    self.hashed_while_dumping += self._pump(t, self._done.is_set)
         except (OSError, safefs.UnsafePath) as exc:
             self._error = str(exc)
             log.info("hashing while dumping stopped: %s", exc)
@@ -180,12 +203,12 @@ class DumpHasher:
             if name.startswith("pages-") and name not in self._tails:
                 self._tails[name] = _Tail(safefs.open_file(self._dfd, name))
 
-    def _pump(self, t: _Tail) -> int:
-        """Hashes what was appended since the last call; returns how many bytes."""
+    def _pump(self, t: _Tail, stop: Callable[[], bool] | None = None) -> int:
+        """Hashes what was appended since the last call (until stop() turns true); returns how many bytes."""
         n = 0
         size = os.fstat(t.fd).st_size
         with memoryview(self._buf) as mv:
-            while t.offset < size:
+            while t.offset < size and not (stop is not None and stop()):
                 got = os.preadv(t.fd, [mv[: min(READ_BYTES, size - t.offset)]], t.offset)
                 if got <= 0:
                     break

@@ -74,3 +74,18 @@ def test_a_hasher_closed_after_a_failed_dump_leaves_no_descriptor_open(tmp_path:
     hasher.close()
     hasher.close()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_close_stops_the_thread_between_reads_not_at_the_end_of_the_file(tmp_path: Path, monkeypatch) -> None:
+    # A park retried on a busy node waited minutes for a starved SCHED_IDLE thread to hash a whole pages file
+    # before it saw the stop. It now stops between reads (here of 4 KiB, so that the file takes long).
+    monkeypatch.setattr("memsnap.dumphash.READ_BYTES", 4096)
+    whole = tmp_path.parent / f"{tmp_path.name}-whole"
+    whole.write_bytes(random.Random(2).randbytes(64 << 20))
+    hasher = DumpHasher(tmp_path)
+    os.rename(whole, tmp_path / "pages-1.img")  # (all of it there when the thread first reads it)
+    deadline = time.monotonic() + 30
+    while hasher.hashed == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    hasher.close()
+    assert 0 < hasher.hashed_while_dumping < 64 << 20
