@@ -94,6 +94,8 @@ class Loop(Part):
             if job is None or job.ended or not jobs.alive(job.pid, job.pid_start):
                 # (a park ends its job's process: one that finished since jobs() was read has its row parked)
                 if self.table.update_if_running(g.job_id, state=ENDED):
+                    log.info("no longer guarding %s: %s", g.job_id, "its job row says it ended" if job and job.ended
+                             else f"its process {job.pid if job else '?'} is gone", extra={"job": g.job_id})
                     self.watchers.unwatch(g.job_id)
                     self._forget_cgroup(g.cgroup)
                 continue

@@ -404,15 +404,21 @@ def test_a_drain_stopped_between_chunks_reads_no_chunk_after_it_closed_the_file(
     assert len(job.reads) == reads and job.reads and all(job.reads), job.reads
 
 
+def _fetch_fill_later(tmp: Path, store: PosixStore, pages: bytes) -> tuple[dict, ChunkCache, list[CacheFill], dict]:
+    """A drained checkpoint of pages fetched into tmp/out, its cache fill handed back instead of run."""
+    d, files = _tier(tmp, pages)
+    m, _ = _drain(store, d, files, "ck-1")
+    cache = ChunkCache(tmp / "cache", 1 << 30)
+    fills: list[CacheFill] = []
+    (tmp / "out").mkdir()
+    with safefs.opened(os.open(tmp / "out", os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache, fill_later=fills.append)
+    return m, cache, fills, got
+
+
 def test_a_fetch_handed_a_later_fill_caches_nothing_until_the_fill_runs(tmp_path: Path, store: PosixStore) -> None:
     pages = _pages(600, 24)
-    d, files = _tier(tmp_path, pages)
-    m, _ = _drain(store, d, files, "ck-1")
-    cache = ChunkCache(tmp_path / "cache", 1 << 30)
-    fills: list[CacheFill] = []
-    (tmp_path / "out").mkdir()
-    with safefs.opened(os.open(tmp_path / "out", os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache, fill_later=fills.append)
+    m, cache, fills, got = _fetch_fill_later(tmp_path, store, pages)
     assert (tmp_path / "out" / "pages-1.img").read_bytes() == pages and len(fills) == 1
     assert cache.size_bytes == 0  # the restore did not wait for the cache
     os.unlink(tmp_path / "out" / "pages-1.img")  # (the image may go meanwhile: the fill holds it open)
@@ -421,14 +427,7 @@ def test_a_fetch_handed_a_later_fill_caches_nothing_until_the_fill_runs(tmp_path
 
 
 def test_a_later_fill_does_not_cache_a_chunk_changed_in_the_fetched_image(tmp_path: Path, store: PosixStore) -> None:
-    pages = _pages(600, 25)
-    d, files = _tier(tmp_path, pages)
-    m, _ = _drain(store, d, files, "ck-1")
-    cache = ChunkCache(tmp_path / "cache", 1 << 30)
-    fills: list[CacheFill] = []
-    (tmp_path / "out").mkdir()
-    with safefs.opened(os.open(tmp_path / "out", os.O_RDONLY | os.O_DIRECTORY)) as dfd:
-        got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache, fill_later=fills.append)
+    m, cache, fills, got = _fetch_fill_later(tmp_path, store, _pages(600, 25))
     first = m["storage"]["files"]["pages-1.img"]["chunks"][0][0]
     with open(tmp_path / "out" / "pages-1.img", "r+b") as f:
         f.write(b"\xff")
