@@ -404,7 +404,8 @@ def test_a_drain_stopped_between_chunks_reads_no_chunk_after_it_closed_the_file(
     assert len(job.reads) == reads and job.reads and all(job.reads), job.reads
 
 
-def _fetch_fill_later(tmp: Path, store: PosixStore, pages: bytes) -> tuple[dict, ChunkCache, list[CacheFill], dict]:
+def _fetch_fill_later(tmp: Path, store: PosixStore,
+                      pages: bytes) -> tuple[dict[str, Any], ChunkCache, list[CacheFill], dict[str, int]]:
     """A drained checkpoint of pages fetched into tmp/out, its cache fill handed back instead of run."""
     d, files = _tier(tmp, pages)
     m, _ = _drain(store, d, files, "ck-1")
