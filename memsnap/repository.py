@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from memsnap import background, failpoints, manifest, safefs
 from memsnap.catalog import DURABLE, CheckpointRecord, now_ms
 from memsnap.errors import IntegrityFailure, Unavailable
-from memsnap.malloc import bulk_transfer, release_memory
+from memsnap.malloc import bulk_transfer
 from memsnap.store import (
     MANIFEST_NAME,
     Codec,
@@ -260,7 +260,6 @@ class Repository:
         manifest.write(dest, manifest.sign(stored.tier_body(), self.key))
         if self.metrics is not None:
             self.metrics.observe_phase("fetch", time.monotonic() - t0)
-        release_memory()
 
     def _fetch_chunked(self, rec: CheckpointRecord, storage: chunks.ChunkedStorage, dfd: int) -> None:
         try:
@@ -476,9 +475,6 @@ class _ReadAhead:
         self._t.join()
 
 
-__all__ = ["INDEX", "STORE_ID", "Put", "Repository", "adopted_record"]
-
-
 CACHE_FILL_WAIT_S = 120.0  # a cache fill held back by foreground work longer than this is dropped
 
 
@@ -502,3 +498,7 @@ def _fill_cache_later(fill: chunked.CacheFill) -> None:
             fill.close()
 
     threading.Thread(target=run, name="cache-fill", daemon=True).start()
+
+
+__all__ = ["INDEX", "STORE_ID", "Put", "Repository", "adopted_record"]
+

@@ -49,7 +49,6 @@ LAYOUT = "chunked"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CKPT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # = memsnap.validate.ID_RE
-_M64 = (1 << 64) - 1
 _K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93
 _U1, _U2, _U3, _U4 = (np.uint64(k) for k in (_K1, _K2, _K3, _K4))
 
@@ -164,25 +163,21 @@ class Chunking:
 
 def _cut_candidates(buf: Bytes | mmap.mmap, first: int, last: int, avgp: int) -> list[int]:
     """Pages i in [first, last) after which a chunk may end: a mix of 4 of the page's 64-bit words is 0 modulo
-    avgp. Vectorized (numpy wraps uint64 arithmetic modulo 2**64, as the & _M64 of the definition does, and
+    avgp. Vectorized (numpy wraps uint64 arithmetic modulo 2**64, as the definition's & (2**64 - 1) does, and
     releases the GIL): a drain's cut runs beside its hashing and compression threads."""
     if last <= first:
         return []
-    words = np.frombuffer(buf, dtype="<u8", count=(last - first) * (PAGE // 8), offset=first * PAGE)
-    try:
-        pages = words.reshape(last - first, PAGE // 8)
-        h = pages[:, 0] * _U1
-        h ^= pages[:, 129] * _U2
-        h ^= pages[:, 258] * _U3
-        h ^= pages[:, 511] * _U4
-        h += _U1
-        h ^= h >> np.uint64(29)
-        h *= _U2
-        h >>= np.uint64(32)
-        hits = np.flatnonzero(h % np.uint64(avgp) == 0)
-        return (hits + first).tolist()
-    finally:
-        del words  # (no view of an mmap may outlive the call: closing it would fail)
+    pages = np.frombuffer(buf, dtype="<u8", count=(last - first) * (PAGE // 8),
+                          offset=first * PAGE).reshape(last - first, PAGE // 8)
+    h = pages[:, 0] * _U1
+    h ^= pages[:, 129] * _U2
+    h ^= pages[:, 258] * _U3
+    h ^= pages[:, 511] * _U4
+    h += _U1
+    h ^= h >> np.uint64(29)
+    h *= _U2
+    h >>= np.uint64(32)
+    return (np.flatnonzero(h % np.uint64(avgp) == 0) + first).tolist()
 
 
 def is_bundled(name: str, size: int) -> bool:
