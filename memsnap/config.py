@@ -39,6 +39,10 @@ class DaemonConfig:
     socket_mode: int = _opt(0o660, val.mode, "permissions of the unix socket")
     socket_group: str = _opt("", val.string, "group allowed to use the socket; empty = root's group")
     listen: str = _opt("", val.listen, "HOST:PORT (IP address or host name) for gRPC over TCP; empty = off")
+    image_port: int = _opt(
+        0, val.int_range(-1, 65535),
+        "TCP port, on daemon.listen's address, of the image channel that incoming moves send their bytes over "
+        "(sendfile, outside gRPC; not opened with TLS); 0 = any free port, -1 = none (images go inside gRPC)")
     node_name: str = _opt("", val.name_or_empty,
                           "this node's name in its peers' [[peers]] lists; empty = the host name")
     auth_token_file: str = _opt(

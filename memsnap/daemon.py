@@ -32,6 +32,7 @@ from memsnap.guard.service import Guard
 from memsnap.logs import setup_logging
 from memsnap.metrics import Metrics, serve
 from memsnap.move import Mover
+from memsnap.move.channel import ImageChannel
 from memsnap.peercred import PeerCredRelay, SocketInUse, remove_stale_socket
 from memsnap.quota import Quotas
 from memsnap.retention import Policy
@@ -50,7 +51,8 @@ log = logging.getLogger("memsnap.daemon")
 STOP_PAGING_S = 45.0
 
 FLAGS = {
-    "socket": "daemon.socket", "listen": "daemon.listen", "auth_token_file": "daemon.auth_token_file",
+    "socket": "daemon.socket", "listen": "daemon.listen", "image_port": "daemon.image_port",
+    "auth_token_file": "daemon.auth_token_file",
     "tls_cert": "daemon.tls_cert", "tls_key": "daemon.tls_key", "tls_ca": "daemon.tls_ca",
     "metrics_listen": "daemon.metrics_listen", "log_format": "daemon.log_format",
     "log_level": "daemon.log_level", "tier_dir": "tier.dir", "tier_capacity": "tier.capacity",
@@ -114,6 +116,7 @@ class Daemon:
         self._servers: list[Any] = []
         self._threads: list[Any] = []
         self.migrator: Mover | None = None
+        self.image_channel: ImageChannel | None = None
 
     def _spill_tier(self) -> MemoryTier | None:
         """The guard's spill tier (guard.spill_dir): where park images go instead of the memory tier."""
@@ -150,6 +153,8 @@ class Daemon:
             extra["store_bad_objects"], extra["store_bad_object_count"] = BAD.listed(), len(BAD)
         if self.migrator is not None:
             extra["moves_in_doubt"] = self.migrator.moves_in_doubt()
+        if self.image_channel is not None:
+            extra["image_port"] = self.image_channel.port
         return extra
 
     def start(self) -> None:
@@ -239,12 +244,26 @@ class Daemon:
     def _add_tcp(self, server: grpc.Server) -> None:
         if not self.cfg.daemon.listen:
             return
-        from memsnap.auth import RemoteConfigError, add_tcp_port
+        from memsnap.auth import RemoteConfigError, add_tcp_port, bind_addresses
 
         try:
             add_tcp_port(server, self.cfg)
         except RemoteConfigError as exc:
             raise SystemExit(f"memsnapd: {exc}") from exc
+        d = self.cfg.daemon
+        if d.image_port < 0 or d.tls_cert or self.migrator is None:
+            return  # (with TLS the image stays inside gRPC: the channel has no encryption of its own)
+        hosts = [a.rpartition(":")[0].strip("[]") for a in bind_addresses(d.listen)]
+        try:
+            self.image_channel = ImageChannel([(h, d.image_port) for h in hosts])
+        except OSError as exc:
+            raise SystemExit(f"memsnapd: cannot open the image channel on port {d.image_port} of {d.listen}: "
+                             f"{exc.strerror or exc}; choose another daemon.image_port (0: any free port, "
+                             "-1: none)") from None
+        self.image_channel.start()
+        self.migrator.target.channel = self.image_channel
+        self._servers.append(self.image_channel)
+        log.info("image channel for incoming moves on port %d", self.image_channel.port)
 
     def _start_background(self) -> None:
         def healthy() -> bool:
@@ -279,6 +298,8 @@ class Daemon:
         for s in self._servers:
             if isinstance(s, grpc.Server):
                 s.stop(grace=5).wait(6)
+            elif isinstance(s, ImageChannel):
+                s.stop()
             else:
                 s.shutdown()
         self.guard.stop()

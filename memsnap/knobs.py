@@ -27,6 +27,12 @@ def migrate_serial() -> bool:
     return bool(os.environ.get("MEMSNAP_MIGRATE_SERIAL"))
 
 
+def migrate_grpc() -> bool:
+    """MEMSNAP_MIGRATE_GRPC: moves send the image inside the gRPC call even to a target with an image channel
+    (the benchmark's comparison)."""
+    return bool(os.environ.get("MEMSNAP_MIGRATE_GRPC"))
+
+
 def tunnel_stall_s(default: float = 30.0) -> float:
     """MEMSNAP_TUNNEL_STALL_S: seconds of page-tunnel silence before a lazy move gives up."""
     try:

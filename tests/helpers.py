@@ -263,6 +263,7 @@ _DROP = """
 import importlib, os, pkgutil, sys
 import grpc, google.protobuf, click, json, memsnap  # noqa: F401  (imported while still root)
 import google.protobuf.json_format  # noqa: F401  (memsnapctl status, show, -o json: loaded lazily)
+import encodings.idna  # noqa: F401  (a socket address given as text: loaded lazily)
 for _pkg in (grpc, memsnap):  # lazy imports would fail once the interpreter is out of reach
     for _m in pkgutil.walk_packages(_pkg.__path__, _pkg.__name__ + "."):
         try:

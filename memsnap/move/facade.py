@@ -223,7 +223,7 @@ class Mover:
             if req.via_store:
                 return self._via_store(caller, req, client, move, phases)
             with background.gate().foreground("move"):  # the job waits stopped until the verdict
-                return self._streamed(caller, req, client, token, move, estimate, phases)
+                return self._streamed(caller, req, client, token, move, estimate, phases, st.image_port)
 
     def _dump_held(self, caller: Caller, req: MoveRequest, move: Move,
                    extras: DumpExtras) -> CheckpointRecord:
@@ -255,9 +255,10 @@ class Mover:
             raise
 
     def _streamed(self, caller: Caller, req: MoveRequest, client: PeerClient, token: str,
-                  move: Move, estimate: int, phases: Phases) -> MoveResult:
+                  move: Move, estimate: int, phases: Phases, st_image_port: int) -> MoveResult:
         # MEMSNAP_MIGRATE_SERIAL=1 on the source turns pipelining off: the benchmark's baseline.
-        streamer = ImageStreamer(client, estimate, pipelined=not knobs.migrate_serial())
+        streamer = ImageStreamer(client, estimate, pipelined=not knobs.migrate_serial(),
+                                 channel=self._image_channel(client, st_image_port))
         extras = DumpExtras(before_dump=streamer.start, file_table=streamer.file_table)
         progress.phase("dump+transfer", estimate, lambda: streamer.bytes_sent)  # (memsnapctl's bar)
         t_dump = time.monotonic()
@@ -284,9 +285,20 @@ class Mover:
             streamer.abort()
             rollback(self.engine, move, "transfer", str(exc), "DATA_LOSS")
         phases.mark("transfer")
-        log.info("streamed %d of %d bytes while CRIU was still dumping", streamer.bytes_at_criu_done,
-                 received.bytes, extra={"checkpoint_id": rec.id})
+        log.info("streamed %d of %d bytes while CRIU was still dumping (%s)", streamer.bytes_at_criu_done,
+                 received.bytes, "over the image channel" if streamer.sender else "inside the gRPC call",
+                 extra={"checkpoint_id": rec.id})
         return self._restore_on_target(req, client, move, rec, phases, freeze_start, received.bytes)
+
+    @staticmethod
+    def _image_channel(client: PeerClient, port: int) -> tuple[str, int] | None:
+        """Where the target's image channel listens (its gRPC host, the port its status names), or None:
+        the image then goes inside the gRPC call (no channel there, TLS to it, or MEMSNAP_MIGRATE_GRPC)."""
+        target = client.client.target
+        if not port or target.tls_ca or knobs.migrate_grpc():
+            return None
+        host, _, _ = target.address.rpartition(":")
+        return (host.strip("[]"), port) if host else None
 
     def _same_store(self, req: MoveRequest, target_store_id: str) -> None:
         """--via-store only works when the target reads the store this node drains to: refuse before the job

@@ -18,9 +18,11 @@ import logging
 import os
 import queue
 import re
+import socket
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from memsnap import lifecycle, manifest
 from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
 from memsnap.dumphash import Inotify, stat_key
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument
+from memsnap.move.channel import DONE, MANIFEST, TICKET_BYTES, ChannelError, ChannelReader, ChannelSender, ImageChannel
 from memsnap.move.peer import PeerClient
 from memsnap.move.plan import MoveHost, chain, move_error
 from memsnap.store.errors import BadObject
@@ -43,6 +46,7 @@ from memsnap.v1 import memsnap_pb2 as pb
 log = logging.getLogger("memsnap.move")
 
 CHUNK_BYTES = 1 << 20
+CHANNEL_PIECE = 4 << 20  # bytes read (and hashed) at a time before they go by sendfile
 # At most this many chunks wait for the network: bounds the memory a slow peer can make us hold.
 _QUEUE_CHUNKS = 64
 RESERVE_SLACK = 16 << 20
@@ -86,10 +90,13 @@ class ImageStreamer:
     and a file that changed after it was sent (its inode, size, mtime or ctime moved) is sent again.
     """
 
-    def __init__(self, client: PeerClient, expected_bytes: int, pipelined: bool = True) -> None:
+    def __init__(self, client: PeerClient, expected_bytes: int, pipelined: bool = True,
+                 channel: tuple[str, int] | None = None) -> None:
         self.client = client
         self.expected_bytes = expected_bytes
         self.pipelined = pipelined
+        self.channel = channel  # the target's image channel (host, port), if it has one
+        self.sender: ChannelSender | None = None
         self.ckpt_id = ""
         self.bytes_sent = 0
         self.bytes_at_criu_done = 0
@@ -104,6 +111,7 @@ class ImageStreamer:
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: Inotify | None = None
+        self._piece: memoryview | None = None
 
     # DumpExtras.before_dump: the watch must exist before CRIU creates the first file.
     def start(self, staging: Path) -> None:
@@ -111,6 +119,13 @@ class ImageStreamer:
         self._dir = staging
         self.ckpt_id = staging.name
         self._watch = Inotify(staging)
+        if self.channel is not None:
+            host, port = self.channel
+            try:  # (connected first: the target holds the connection until the call names its ticket)
+                self.sender = ChannelSender(host, port)
+            except OSError as exc:
+                log.warning("the target's image channel %s:%d is unreachable (%s): the image goes inside the "
+                            "gRPC call", host, port, exc.strerror or exc, extra={"checkpoint_id": self.ckpt_id})
         self.future = self.client.receive_image(self._requests())
         self._thread = threading.Thread(target=self._run, name=f"stream-{self.ckpt_id}", daemon=True)
         self._thread.start()
@@ -134,14 +149,35 @@ class ImageStreamer:
             raise StreamBroken(self.error, self.error_code)
         assert self.future is not None
         try:
-            self._put(pb.ImageChunk(manifest=signed_manifest))
-            self._put(None)
+            if self.sender is not None:
+                try:
+                    self.sender.manifest(signed_manifest)
+                except ChannelError as exc:
+                    raise StreamBroken(*self._channel_error(exc)) from None
+            else:
+                self._put(pb.ImageChunk(manifest=signed_manifest))
+                self._put(None)
             return self.future.result(timeout=timeout)  # type: ignore[no-any-return]
         except grpc.RpcError as exc:
             raise StreamBroken(*self._peer_error(exc)) from None
         except grpc.FutureTimeoutError:
             raise StreamBroken(f"the target did not confirm the image within {timeout:.0f} s",
                                 "DEADLINE_EXCEEDED") from None
+        finally:
+            if self.sender is not None:
+                self.sender.close()
+
+    def _channel_error(self, exc: ChannelError) -> tuple[str, str]:
+        """Why the image channel broke: the target's own answer when it ended the call (a full tier, a bad
+        file), else the channel's error."""
+        assert self.future is not None
+        try:
+            err = self.future.exception(timeout=5)
+        except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+            err = None
+        if isinstance(err, grpc.RpcError):
+            return self._peer_error(err)
+        return f"UNAVAILABLE: {exc}", "UNAVAILABLE"
 
     def abort(self) -> None:
         """Stops reading and cancels the call (idempotent)."""
@@ -149,8 +185,12 @@ class ImageStreamer:
         self._dump_done.set()
         if self.future is not None:
             self.future.cancel()
+        if self.sender is not None:
+            self.sender.shutdown()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(10)
+        if self.sender is not None:
+            self.sender.close()
 
     @staticmethod
     def _peer_error(exc: grpc.RpcError) -> tuple[str, str]:
@@ -164,7 +204,10 @@ class ImageStreamer:
     def _requests(self) -> Iterator[pb.ImageChunk]:
         """The call's request stream (gRPC's sender thread iterates it): ends at the closing None, or once the move
         aborted or the call ended (a failed move puts nothing more; waiting on would hold that thread forever)."""
-        yield pb.ImageChunk(checkpoint_id=self.ckpt_id, expected_bytes=self.expected_bytes)
+        yield pb.ImageChunk(checkpoint_id=self.ckpt_id, expected_bytes=self.expected_bytes,
+                            channel_ticket=self.sender.ticket if self.sender is not None else b"")
+        if self.sender is not None:
+            return  # (the rest goes over the image channel)
         while True:
             try:
                 item = self._q.get(timeout=0.2)
@@ -218,6 +261,8 @@ class ImageStreamer:
                     break
         except StreamBroken as exc:
             self.error, self.error_code = str(exc), exc.code
+        except ChannelError as exc:
+            self.error, self.error_code = self._channel_error(exc)
         except Exception as exc:  # a vanished staging dir (failed dump) or an I/O error
             self.error = f"reading the image failed: {exc}"
         finally:
@@ -245,6 +290,9 @@ class ImageStreamer:
             log.info("image file %s changed after it was sent; sending it again", st.name)
             st.restart()
         size = os.fstat(st.fd).st_size
+        if self.sender is not None:
+            self._send(st, size, closed or final)
+            return
         while st.offset < size:
             data = os.pread(st.fd, min(CHUNK_BYTES, size - st.offset), st.offset)
             if not data:
@@ -257,6 +305,31 @@ class ImageStreamer:
         if (closed or final) and not st.done and st.offset == size:
             self._put(pb.ImageChunk(file=st.name, offset=st.offset, file_done=True))
             st.done, st.closes_at_done, st.stat = True, st.closes, stat_key(os.fstat(st.fd))
+
+
+    def _send(self, st: _FileState, size: int, closed: bool) -> None:
+        """_pump over the image channel: each piece read once (to hash it), then sent by sendfile."""
+        if self._abort.is_set():
+            raise StreamBroken("aborted")
+        assert self.sender is not None
+        name = st.name.encode()
+        buf = self._buf()
+        while st.offset < size:
+            n = os.preadv(st.fd, [buf[:min(len(buf), size - st.offset)]], st.offset)
+            if not n:
+                break
+            st.hasher.update(buf[:n])
+            self.sender.data(name, st.offset, st.fd, n)
+            st.offset += n
+            self.bytes_sent += n
+        if closed and not st.done and st.offset == size:
+            self.sender.done(name, st.offset)
+            st.done, st.closes_at_done, st.stat = True, st.closes, stat_key(os.fstat(st.fd))
+
+    def _buf(self) -> memoryview:
+        if self._piece is None:
+            self._piece = memoryview(bytearray(CHANNEL_PIECE))
+        return self._piece
 
 
 # -- the target side ----------------------------------------------------------------------------------
@@ -273,9 +346,14 @@ class _Incoming:
 class ImageReceiver:
     """Writes a streamed image into the tier's incoming area, checking every chunk, then every file."""
 
-    def __init__(self, host: MoveHost, verify_key: bytes | None) -> None:
+    def __init__(self, host: MoveHost, verify_key: bytes | None, channel: ImageChannel | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> None:
         self.host = host
         self.verify_key = verify_key
+        self.channel = channel
+        self.cancelled = cancelled
+        self._cancelled = False
+        self.reader: ChannelReader | None = None
         self._reserved = 0
         self._received = 0
         self._reservations: list[TierReservation] = []
@@ -303,13 +381,10 @@ class ImageReceiver:
                                                             meta={"move_incoming": "streamed"}))
         incoming = tier.new_staging(ckpt_id, area=INCOMING)
         try:
-            signed: bytes = b""
-            for chunk in chain(first, it):
-                if chunk.manifest:
-                    signed = chunk.manifest
-                    break
-                if chunk.file:
-                    self._write(incoming, files, chunk)
+            if first.channel_ticket:
+                signed = self._from_channel(first.channel_ticket, incoming, files)
+            else:
+                signed = self._from_stream(chain(first, it), incoming, files)
             if not signed:
                 raise move_error("ABORTED", "the image stream ended before its manifest; the source gave up")
             body = self._verify(signed, files, incoming)
@@ -321,43 +396,95 @@ class ImageReceiver:
             for f in files.values():
                 if f.fd >= 0:
                     os.close(f.fd)
+            if isinstance(exc, ChannelError):
+                exc = move_error("ABORTED", f"the image channel broke: {exc}; the source gave up")
             tier.discard_staging(ckpt_id)
             log.warning("receiving %s failed: %s", ckpt_id, exc)
             lifecycle.forget(self.host.catalog, ckpt_id)
+            if exc is not sys.exc_info()[1]:
+                raise exc from None
             raise
         finally:
+            if self.reader is not None:
+                self.reader.close()
             for r in self._reservations:
                 r.release()
         # Not drained yet: the image is the job's only once the source commits the move (MoveTarget.commit
         # queues its drain); a move that fails takes it away again (move.target.drop_incoming).
         return ckpt_id, total
 
-    def _write(self, d: Path, files: dict[str, _Incoming], chunk: pb.ImageChunk) -> None:
-        name = chunk.file
-        if "/" in name or name.startswith(".") or name == manifest.MANIFEST or len(name) > 255:
-            raise InvalidArgument(f"bad image file name {name!r}")
+    def cancel(self) -> None:
+        """The call ended (the source cancelled it): a read on the image channel returns at once."""
+        self._cancelled = True
+        if self.reader is not None:
+            try:
+                self.reader.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _from_stream(self, chunks: Iterator[pb.ImageChunk], d: Path, files: dict[str, _Incoming]) -> bytes:
+        """The image inside the gRPC call (ImageChunk messages); returns the signed manifest (b"" if none came)."""
+        for chunk in chunks:
+            if chunk.manifest:
+                return bytes(chunk.manifest)
+            if not chunk.file:
+                continue
+            f = self._file(d, files, chunk.file, chunk.offset, bool(chunk.data or chunk.file_done))
+            if chunk.data:
+                if blake3.blake3(chunk.data).digest() != chunk.blake3:
+                    raise IntegrityFailure(f"integrity check failed: checksum mismatch in {chunk.file} at offset "
+                                           f"{chunk.offset}")
+                self._append(f, chunk.data)
+            if chunk.file_done:
+                f.done = True
+        return b""
+
+    def _from_channel(self, ticket: bytes, d: Path, files: dict[str, _Incoming]) -> bytes:
+        """The image over the image channel (memsnap.move.channel): frames, then the signed manifest. Each file
+        is checked once, whole, against that manifest (no per-chunk digests: the signed one covers them)."""
+        if self.channel is None:
+            raise FailedPrecondition("this node has no image channel (daemon.image_port = -1, TLS, or no "
+                                     "daemon.listen); the source must send the image inside the call")
+        if len(ticket) != TICKET_BYTES:
+            raise InvalidArgument(f"channel_ticket must be {TICKET_BYTES} bytes")
+        reader = self.reader = self.channel.claim(ticket, lambda: self._cancelled or self.cancelled())
+        if self._cancelled:
+            raise move_error("ABORTED", "the source cancelled the move")
+        while True:
+            fr = reader.frame(255, MANIFEST_MAX)
+            if fr.kind == MANIFEST:
+                return reader.read_all(fr.length)
+            f = self._file(d, files, fr.name, fr.offset, True)
+            if fr.kind == DONE:
+                f.done = True
+                continue
+            for piece in reader.pieces(fr.length):
+                self._append(f, piece)
+
+    def _file(self, d: Path, files: dict[str, _Incoming], name: str, offset: int, restarts: bool) -> _Incoming:
+        """The file a chunk at offset belongs to, opened on its first chunk; a chunk at 0 of a file that has
+        bytes already starts it again (the source sends a file again when it changed after being sent)."""
+        if not name or "/" in name or name.startswith(".") or name == manifest.MANIFEST or len(name) > 255:
+            raise InvalidArgument(f"bad image file name {name[:300]!r}")
         f = files.get(name)
         if f is None:
             f = files[name] = _Incoming(os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                                                 0o600))
-        if chunk.offset == 0 and f.size and (chunk.data or chunk.file_done):
-            os.ftruncate(f.fd, 0)  # the source sends a file again when it changed after being sent
+        if offset == 0 and f.size and restarts:
+            os.ftruncate(f.fd, 0)
+            os.lseek(f.fd, 0, os.SEEK_SET)
             f.size, f.done, f.hasher = 0, False, blake3.blake3()
-        if chunk.offset != f.size:
-            raise IntegrityFailure(f"integrity check failed: {name} chunk at offset {chunk.offset}, "
-                                   f"expected {f.size}")
-        if chunk.data:
-            self._charge(len(chunk.data))
-            if blake3.blake3(chunk.data).digest() != chunk.blake3:
-                raise IntegrityFailure(f"integrity check failed: checksum mismatch in {name} at offset "
-                                       f"{chunk.offset}")
-            view = memoryview(chunk.data)
-            while view:
-                view = view[os.write(f.fd, view):]
-            f.hasher.update(chunk.data)
-            f.size += len(chunk.data)
-        if chunk.file_done:
-            f.done = True
+        if offset != f.size:
+            raise IntegrityFailure(f"integrity check failed: {name} chunk at offset {offset}, expected {f.size}")
+        return f
+
+    def _append(self, f: _Incoming, data: bytes | memoryview) -> None:
+        self._charge(len(data))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(f.fd, view):]
+        f.hasher.update(data)
+        f.size += len(data)
 
     def _charge(self, n: int) -> None:
         """Counts received bytes against the tier reservation, growing it (or refusing) past the estimate."""

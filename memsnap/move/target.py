@@ -25,6 +25,7 @@ from memsnap.convert import job_pb
 from memsnap.engine import ROOT, Caller, RestoreResult
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument, MemsnapError, PermissionDenied
 from memsnap.malloc import bulk_transfer
+from memsnap.move.channel import ImageChannel
 from memsnap.move.network import IncomingAddress
 from memsnap.move.plan import MoveHost, set_mark
 from memsnap.move.stream import CKPT_ID, ImageReceiver
@@ -59,6 +60,7 @@ class MoveTarget:
         self.commit_timeout_s = commit_timeout_s
         self._timer = timer
         self.tunnels = TunnelHost(host)
+        self.channel: ImageChannel | None = None  # the image channel, when the daemon opened one (daemon.image_port)
         self._commit_lock = threading.Lock()
         self._committed: dict[str, str] = {}
 
@@ -74,8 +76,10 @@ class MoveTarget:
                 "must be signed with a key from a secret shared with the source (daemon.auth_token_file or "
                 "peers.token_file on both nodes)")
         key = transfer_key(token)
+        receiver = ImageReceiver(self.engine, key, self.channel, cancelled=lambda: not context.is_active())
+        context.add_callback(receiver.cancel)
         with bulk_transfer():
-            ckpt_id, total = ImageReceiver(self.engine, key).receive(chunks)
+            ckpt_id, total = receiver.receive(chunks)
         log.info("received image %s: %d bytes", ckpt_id, total, extra={"checkpoint_id": ckpt_id})
         self._timer(self.commit_timeout_s, lambda: self._expire_incoming(ckpt_id))
         return pb.ReceiveImageResponse(checkpoint_id=ckpt_id, bytes=total)

@@ -38,7 +38,7 @@ class StatusRequest(_message.Message):
     def __init__(self, op_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard", "store_id", "progress", "drains_paused", "drains_paused_since_unix_ms", "drains_paused_reason", "drains_held", "drain_pauses", "drain_waits", "drain_pause_overrides", "drains_paused_seconds", "tier_fs", "usage", "net_ns", "store_bad_objects", "store_bad_object_count")
+    __slots__ = ("version", "criu_version", "hostname", "tier_dir", "tier_used_bytes", "tier_free_bytes", "tier_capacity_bytes", "store", "jobs_running", "checkpoints", "checkpoints_by_state", "drain_queue_depth", "drain_queue_bytes", "kernel", "moves_in_doubt", "guard", "store_id", "progress", "drains_paused", "drains_paused_since_unix_ms", "drains_paused_reason", "drains_held", "drain_pauses", "drain_waits", "drain_pause_overrides", "drains_paused_seconds", "tier_fs", "usage", "net_ns", "store_bad_objects", "store_bad_object_count", "image_port")
     class CheckpointsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class StatusResponse(_message.Message):
     NET_NS_FIELD_NUMBER: _ClassVar[int]
     STORE_BAD_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     STORE_BAD_OBJECT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_PORT_FIELD_NUMBER: _ClassVar[int]
     version: str
     criu_version: str
     hostname: str
@@ -108,7 +109,8 @@ class StatusResponse(_message.Message):
     net_ns: str
     store_bad_objects: _containers.RepeatedScalarFieldContainer[str]
     store_bad_object_count: int
-    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ..., store_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., drains_paused: _Optional[bool] = ..., drains_paused_since_unix_ms: _Optional[int] = ..., drains_paused_reason: _Optional[str] = ..., drains_held: _Optional[_Iterable[str]] = ..., drain_pauses: _Optional[int] = ..., drain_waits: _Optional[int] = ..., drain_pause_overrides: _Optional[int] = ..., drains_paused_seconds: _Optional[float] = ..., tier_fs: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[QuotaUsage, _Mapping]]] = ..., net_ns: _Optional[str] = ..., store_bad_objects: _Optional[_Iterable[str]] = ..., store_bad_object_count: _Optional[int] = ...) -> None: ...
+    image_port: int
+    def __init__(self, version: _Optional[str] = ..., criu_version: _Optional[str] = ..., hostname: _Optional[str] = ..., tier_dir: _Optional[str] = ..., tier_used_bytes: _Optional[int] = ..., tier_free_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[int] = ..., store: _Optional[str] = ..., jobs_running: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoints_by_state: _Optional[_Mapping[str, int]] = ..., drain_queue_depth: _Optional[int] = ..., drain_queue_bytes: _Optional[int] = ..., kernel: _Optional[str] = ..., moves_in_doubt: _Optional[_Iterable[str]] = ..., guard: _Optional[str] = ..., store_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., drains_paused: _Optional[bool] = ..., drains_paused_since_unix_ms: _Optional[int] = ..., drains_paused_reason: _Optional[str] = ..., drains_held: _Optional[_Iterable[str]] = ..., drain_pauses: _Optional[int] = ..., drain_waits: _Optional[int] = ..., drain_pause_overrides: _Optional[int] = ..., drains_paused_seconds: _Optional[float] = ..., tier_fs: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[QuotaUsage, _Mapping]]] = ..., net_ns: _Optional[str] = ..., store_bad_objects: _Optional[_Iterable[str]] = ..., store_bad_object_count: _Optional[int] = ..., image_port: _Optional[int] = ...) -> None: ...
 
 class QuotaUsage(_message.Message):
     __slots__ = ("uid", "tier_bytes", "store_bytes", "jobs", "checkpoints", "tier_bytes_limit", "store_bytes_limit", "jobs_limit", "checkpoints_limit")
@@ -489,7 +491,7 @@ class MigrateResponse(_message.Message):
     def __init__(self, target_pid: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., downtime_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_job: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ImageChunk(_message.Message):
-    __slots__ = ("checkpoint_id", "file", "offset", "data", "blake3", "file_done", "manifest", "expected_bytes")
+    __slots__ = ("checkpoint_id", "file", "offset", "data", "blake3", "file_done", "manifest", "expected_bytes", "channel_ticket")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -498,6 +500,7 @@ class ImageChunk(_message.Message):
     FILE_DONE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_TICKET_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     file: str
     offset: int
@@ -506,7 +509,8 @@ class ImageChunk(_message.Message):
     file_done: bool
     manifest: bytes
     expected_bytes: int
-    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., blake3: _Optional[bytes] = ..., file_done: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., expected_bytes: _Optional[int] = ...) -> None: ...
+    channel_ticket: bytes
+    def __init__(self, checkpoint_id: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., blake3: _Optional[bytes] = ..., file_done: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., expected_bytes: _Optional[int] = ..., channel_ticket: _Optional[bytes] = ...) -> None: ...
 
 class ReceiveImageResponse(_message.Message):
     __slots__ = ("checkpoint_id", "bytes")

@@ -18,6 +18,7 @@ import pytest
 
 from memsnap import manifest
 from tests.helpers import (
+    NOBODY,
     RESTORABLE_STATES,
     DaemonProc,
     Pair,
@@ -26,6 +27,7 @@ from tests.helpers import (
     kill_target_then_expect_rollback,
     metrics_port,
     migrate_in_background,
+    run_as,
     sample,
     scrape_metrics,
     ticks,
@@ -84,6 +86,64 @@ def test_migrate_moves_the_job_and_the_source_lets_go(pair, jobs_to_kill):
     assert (a.state / "hmac.key").read_bytes() != (b.state / "hmac.key").read_bytes()
     # The source dropped its copy: the target drains the same image (docs/background.md).
     assert not (a.tier / out["checkpoint"]).exists()
+    # The bytes went over the target's image channel (sendfile), outside the gRPC call.
+    assert "while CRIU was still dumping (over the image channel)" in a.log.read_text()
+
+
+def test_a_target_without_an_image_channel_receives_the_image_inside_the_grpc_call(pair, jobs_to_kill, tmp_path):
+    plain = token_daemon(tmp_path / "no-channel", pair.token_file, extra=("--image-port", "-1")).start()
+    try:
+        with plain.client() as c:
+            assert c.status().image_port == 0
+        with pair.b.client() as c:
+            assert c.status().image_port > 0
+        job = _counter(pair.a, jobs_to_kill, 64, "grpc-move")
+        r = _migrate(pair.a, job["id"], "--to", plain.address)
+        assert r.returncode == 0, r.stderr + pair.a.log.read_text()[-2000:] + plain.log.read_text()[-2000:]
+        out = json.loads(r.stdout)
+        jobs_to_kill.append(out["target_pid"])
+        _keeps_ticking_with(job, out["target_pid"], job["digest"])
+        assert "while CRIU was still dumping (inside the gRPC call)" in pair.a.log.read_text()
+        assert_node_healthy(plain)
+    finally:
+        plain.cleanup()
+
+
+_STRANGER = """
+import os, socket, struct, sys
+port = int(sys.argv[1])
+def conn():
+    return socket.create_connection(("127.0.0.1", port), timeout=30)
+silent = [conn() for _ in range(4)]  # (never say hello)
+bad_hello = conn()
+bad_hello.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n" + b"x" * 40)
+forged = conn()  # a well-formed hello with a guessed ticket, then a frame of image bytes
+forged.sendall(b"MSIMG/1\\n" + os.urandom(32) + struct.pack("!BHQQ", 1, 11, 0, 5) + b"pages-1.img" + b"hello")
+for c in (*silent, bad_hello, forged):
+    try:
+        assert c.recv(1) == b""
+    except ConnectionResetError:
+        pass
+print("all closed")
+"""
+
+
+def test_a_stranger_on_the_image_channel_gets_every_connection_closed_and_nothing_written(pair, jobs_to_kill):
+    a, b = pair.a, pair.b
+    with b.client() as c:
+        port = c.status().image_port
+    r = run_as(NOBODY, _STRANGER, str(port), timeout=60)
+    assert r.returncode == 0 and "all closed" in r.stdout, r.stderr
+    assert _incoming_bytes(b) == 0
+    assert "no move call named the ticket" in b.log.read_text() and "bad hello" in b.log.read_text()
+    # A move right after goes through the same channel.
+    job = _counter(a, jobs_to_kill, 16, "after-stranger")
+    r = _migrate(a, job["id"], "--to", b.address)
+    assert r.returncode == 0, r.stderr + b.log.read_text()[-2000:]
+    out = json.loads(r.stdout)
+    jobs_to_kill.append(out["target_pid"])
+    _keeps_ticking_with(job, out["target_pid"], job["digest"])
+    assert_node_healthy(b)
 
 
 def test_wrong_token_is_refused_before_the_job_is_touched(pair, jobs_to_kill, tmp_path):
