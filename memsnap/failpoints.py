@@ -17,6 +17,8 @@ TEST_KNOBS = {
                             "(default 30)",
     "MEMSNAP_MIGRATE_SERIAL": "any value: a move dumps, then sends, then restores, with no pipelining "
                               "(the benchmark's baseline)",
+    "MEMSNAP_MIGRATE_GRPC": "any value: a move sends the image inside the gRPC call, not over the target's image "
+                            "channel (the benchmark's comparison)",
     "MEMSNAP_KEEP_LOGS": "any value: keep CRIU's work dirs and logs instead of removing them (debugging)",
 }
 

@@ -30,7 +30,7 @@ from typing import Any
 import blake3
 import grpc
 
-from memsnap import lifecycle, manifest
+from memsnap import failpoints, lifecycle, manifest
 from memsnap.catalog import DUMPING, CheckpointRecord, now_ms
 from memsnap.dumphash import Inotify, stat_key
 from memsnap.errors import FailedPrecondition, IntegrityFailure, InvalidArgument
@@ -322,6 +322,7 @@ class ImageStreamer:
             self.sender.data(name, st.offset, st.fd, n)
             st.offset += n
             self.bytes_sent += n
+            failpoints.hit("image-channel-sent")  # (tests: the source dies with the image half sent)
         if closed and not st.done and st.offset == size:
             self.sender.done(name, st.offset)
             st.done, st.closes_at_done, st.stat = True, st.closes, stat_key(os.fstat(st.fd))

@@ -338,6 +338,28 @@ def test_source_daemon_crash_mid_move_never_leaves_the_job_frozen(pair, jobs_to_
         src.cleanup()
 
 
+def test_a_source_that_dies_with_the_image_half_sent_leaves_nothing_on_the_target_and_its_job_runs_on(
+        pair, jobs_to_kill, tmp_path):
+    src = token_daemon(tmp_path / "dies-sending", pair.token_file, env={"MEMSNAP_FAILPOINTS": "image-channel-sent"})
+    src.start()
+    try:
+        job = _counter(src, jobs_to_kill, 64, "half-sent")
+        r = _migrate(src, job["id"], "--to", pair.b.address)
+        assert r.returncode != 0
+        assert src.proc is not None and src.proc.wait(10) == 137
+        # The target saw the channel end before the manifest: the partial image goes, nothing is restorable.
+        wait_for(lambda: "the image channel broke" in pair.b.log.read_text(), 30, what="the target to give up")
+        wait_for(lambda: _incoming_bytes(pair.b) == 0, 30, what="the partial image to go")
+        assert_node_healthy(pair.b)
+        with pair.b.client() as c:
+            assert not [ck for ck in c.list() if ck.job == job["id"]]
+        src.env = {}
+        src.start()
+        _keeps_ticking_with(job, job["pid"], job["digest"], fresh=5)
+    finally:
+        src.cleanup()
+
+
 def test_plain_restore_resumes_only_with_all_memory_in_place(pair, jobs_to_kill):
     job = _counter(pair.a, jobs_to_kill, 32, "plain")
     r = _migrate(pair.a, job["id"], "--to", pair.b.address, "--plain-restore")
