@@ -127,6 +127,8 @@ class ImageStreamer:
                 log.warning("the target's image channel %s:%d is unreachable (%s): the image goes inside the "
                             "gRPC call", host, port, exc.strerror or exc, extra={"checkpoint_id": self.ckpt_id})
         self.future = self.client.receive_image(self._requests())
+        if self.sender is not None:
+            self.future.add_done_callback(self._call_ended)
         self._thread = threading.Thread(target=self._run, name=f"stream-{self.ckpt_id}", daemon=True)
         self._thread.start()
 
@@ -166,6 +168,13 @@ class ImageStreamer:
         finally:
             if self.sender is not None:
                 self.sender.close()
+
+    def _call_ended(self, future: grpc.Future) -> None:
+        """The call ended: after the manifest (nothing is left to send), or because the target refused the image
+        before it read any of it; then a send blocked on the channel ends now, not when the target closes a
+        connection it never read."""
+        if self.sender is not None:
+            self.sender.shutdown()
 
     def _channel_error(self, exc: ChannelError) -> tuple[str, str]:
         """Why the image channel broke: the target's own answer when it ended the call (a full tier, a bad

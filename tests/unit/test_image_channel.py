@@ -9,16 +9,19 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import blake3
+import grpc
 import pytest
 
 from memsnap.errors import FailedPrecondition
 from memsnap.move import channel as ch
 from memsnap.move.channel import ChannelError, ChannelSender, ImageChannel
-from memsnap.move.stream import ImageReceiver
+from memsnap.move.stream import ImageReceiver, ImageStreamer
 from memsnap.v1 import memsnap_pb2 as pb
 
 
@@ -162,3 +165,50 @@ def test_a_file_sent_again_over_the_channel_is_written_again_from_its_first_byte
     r.reader.close()
     sender.close()
     assert (dst / "core-1.img").read_bytes() == b"yz"
+
+
+# -- the source side ---------------------------------------------------------------------------------------
+class _Refused(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    def details(self) -> str:
+        return "checkpoint ck-x already exists on this node"
+
+
+class _RefusedCall:
+    """A ReceiveImage call the target answered with an error at once, before reading the image."""
+
+    def __init__(self, requests: Iterator[pb.ImageChunk]) -> None:
+        self.first = next(requests)
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self, timeout: float | None = None) -> BaseException:
+        return _Refused()
+
+    def cancel(self) -> bool:
+        return False
+
+
+def test_a_target_that_refuses_the_image_before_reading_it_ends_the_stream_at_once(tmp_path: Path) -> None:
+    deaf = socket.socket()  # accepts the channel and never reads it (as a target that refused the call)
+    deaf.bind(("127.0.0.1", 0))
+    deaf.listen(1)
+    client = SimpleNamespace(receive_image=lambda reqs: _RefusedCall(reqs))
+    staging = tmp_path / "ck-1"
+    staging.mkdir()
+    streamer = ImageStreamer(client, 0, channel=("127.0.0.1", deaf.getsockname()[1]))  # type: ignore[arg-type]
+    streamer.start(staging)
+    (staging / "pages-1.img").write_bytes(os.urandom(64 << 20))  # more than the socket buffers hold
+    done = threading.Thread(target=streamer.file_table)
+    done.start()
+    done.join(10)
+    assert not done.is_alive(), "the stream waited on a channel nobody reads"
+    assert "FAILED_PRECONDITION" in streamer.error and "already exists" in streamer.error
+    assert streamer.future.first.channel_ticket == streamer.sender.ticket
+    deaf.close()
