@@ -39,6 +39,7 @@ from memsnap.store.chunks import (
     ChunkReader,
     ChunkRef,
     ChunkStore,
+    PackFiles,
     chunk_id,
     chunk_key,
     encode_chunk,
@@ -468,6 +469,7 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
         _pwrite_all(fd, mv, ref.offset)
         return where
 
+    reader.packs = PackFiles(reader.store)  # (each pack opened once, not once per chunk)
     try:
         for name, lay in reader.layouts.items():
             fd = safefs.create_file(dfd, name, 0o600)
@@ -486,6 +488,8 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
             fill = CacheFill(cache, fetched)  # (it holds fds of its own)
             (fill_later or CacheFill.run)(fill)
     finally:
+        reader.packs.close()
+        reader.packs = None
         for fd in fds:
             os.close(fd)
     return {"chunks": len(near) + len(far), "from_tier": got.count("tier"), "from_cache": got.count("cache"),

@@ -246,11 +246,38 @@ def put_chunk(store: ChunkStore, cid: str, stored: bytes) -> int:
     return len(stored)
 
 
-def get_chunk(store: ChunkStore, cid: str, raw_len: int,
-              loc: tuple[str, int, int] | None = None) -> tuple[bytes, bytes]:
+class PackFiles:
+    """The packs one fetch reads, each opened once (store.open_ranges, where the store has it) for all of its
+    chunks, at most `cap` at a time (the rest are read by read_range as before); close() when the fetch ends."""
+
+    def __init__(self, store: ChunkStore, cap: int = 64) -> None:
+        self._open = getattr(store, "open_ranges", None)
+        self._store, self._cap = store, cap
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def read(self, key: str, offset: int, length: int) -> bytes:
+        f = None
+        if self._open is not None:
+            with self._lock:
+                f = self._files.get(key)
+                if f is None and len(self._files) < self._cap:
+                    f = self._files[key] = self._open(key)
+        return f.read(offset, length) if f is not None else self._store.read_range(key, offset, length)
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files, self._cap = self._files, {}, 0
+        for f in files.values():
+            f.close()
+
+
+def get_chunk(store: ChunkStore, cid: str, raw_len: int, loc: tuple[str, int, int] | None = None,
+              packs: PackFiles | None = None) -> tuple[bytes, bytes]:
     """(raw, stored) of a chunk fetched from the store (its loose object, or its slice of pack loc) and verified."""
     if loc is not None:
-        stored = store.read_range(pack_key(loc[0]), loc[1], loc[2])
+        key = pack_key(loc[0])
+        stored = packs.read(key, loc[1], loc[2]) if packs is not None else store.read_range(key, loc[1], loc[2])
     else:
         most = raw_len + (raw_len >> 7) + 4096  # (zstd's worst case; a planted 100 GB file is never read whole)
         with store.open_reader(chunk_key(cid)) as f:
@@ -434,6 +461,7 @@ class ChunkReader:
         self._bundle: bytes | None = None
         self.fetched_chunks = 0
         self.fetched_bytes = 0  # stored bytes read from the store
+        self.packs: PackFiles | None = None  # while a fetch reads every chunk (memsnap.store.chunked.fetch_chunked)
 
     def files(self) -> dict[str, int]:
         """name -> size of every file of the image."""
@@ -497,7 +525,7 @@ class ChunkReader:
             got = self.cache.get(ref.id, ref.length)
             if got is not None:
                 return got
-        raw, stored = get_chunk(self.store, ref.id, ref.length, ref.loc)
+        raw, stored = get_chunk(self.store, ref.id, ref.length, ref.loc, self.packs)
         with self._lock:
             self.fetched_chunks += 1
             self.fetched_bytes += len(stored)

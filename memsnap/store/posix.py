@@ -147,6 +147,12 @@ class PosixStore:
             with safefs.opened(fd):
                 return _pread_uncached(fd, offset, length)
 
+    def open_ranges(self, key: str) -> PosixRanges:
+        """key opened once for many read_range()s (a fetch reads every chunk of a pack): each open walks the
+        store's directories by dirfd, which cost a fetch a fifth of its time when done for every chunk."""
+        with self._translate(f"open {key}"):
+            return PosixRanges(self, key, self._open_object(key))
+
     def read_tail(self, key: str, length: int) -> tuple[bytes, int]:
         """(the last `length` bytes of key or all of it, its size)."""
         with self._translate(f"read {key}"):
@@ -348,7 +354,9 @@ def _pread_uncached(fd: int, offset: int, length: int) -> bytes:
     if length <= 0:
         return b""
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if not flags & os.O_DIRECT:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
         start, end = offset & ~(PAGE - 1), (offset + length + PAGE - 1) & ~(PAGE - 1)
         buf = _aligned_buffer(end - start)  # (page-aligned memory, as O_DIRECT wants)
         with memoryview(buf) as mv, mv[: end - start] as dst:
@@ -360,6 +368,22 @@ def _pread_uncached(fd: int, offset: int, length: int) -> bytes:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return os.pread(fd, length, offset)
+
+
+class PosixRanges:
+    """An open object read by ranges, as read_range() reads it (O_DIRECT where the filesystem takes it)."""
+
+    def __init__(self, store: PosixStore, key: str, fd: int) -> None:
+        self._store, self._key, self.fd = store, key, fd
+
+    def read(self, offset: int, length: int) -> bytes:
+        with self._store._translate(f"read {self._key}"):
+            return _pread_uncached(self.fd, offset, length)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class _MappedFile(io.FileIO):

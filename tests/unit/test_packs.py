@@ -15,7 +15,7 @@ import blake3
 import pytest
 
 from memsnap import safefs
-from memsnap.store.chunked import ChunkedDrain
+from memsnap.store.chunked import ChunkedDrain, TierChunks, fetch_chunked
 from memsnap.store.chunkgc import ChunkIndex, StoreGc, sweep
 from memsnap.store.chunks import (
     PAGE,
@@ -23,6 +23,7 @@ from memsnap.store.chunks import (
     ChunkError,
     Chunking,
     ChunkReader,
+    PackFiles,
     chunked_storage,
     pack_key,
 )
@@ -267,3 +268,39 @@ def test_a_packed_bundle_passes_through_the_drains_bandwidth_cap(tmp_path: Path,
     with safefs.opened(os.open(d2, os.O_RDONLY | os.O_DIRECTORY)) as sfd:
         job.run("ck-2", sfd, f2, None, lambda n: None)
     assert job.stats.new_chunks == 0 and Counted.consumed == 400
+
+
+def test_a_fetch_opens_each_pack_once_for_all_its_chunks_and_closes_it(tmp_path: Path, store: PosixStore,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    pages = _pages(600, 13)
+    d, files = _tier(tmp_path, "t", pages)
+    m, _ = _drain(store, d, files, "ck-1", ChunkIndex(None))
+    packs = _st(m).referenced_packs()
+    chunks_in_packs = [r for r in _st(m).refs() if r.loc is not None]
+    assert len(chunks_in_packs) > 2 * len(packs) >= 4  # (several chunks in each pack)
+    opened: list[str] = []
+    real = PosixStore._open_object
+
+    def counting(self: PosixStore, key: str) -> int:
+        opened.append(key)
+        return real(self, key)
+
+    monkeypatch.setattr(PosixStore, "_open_object", counting)
+    out = tmp_path / "out"
+    out.mkdir()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with safefs.opened(os.open(out, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks())
+    assert (out / "pages-1.img").read_bytes() == pages and (out / "core-1.img").read_bytes() == b"core" * 100
+    assert sorted(opened) == sorted(pack_key(p) for p in packs)
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_a_fetch_reads_packs_past_its_open_file_cap_by_range_as_before(tmp_path: Path, store: PosixStore) -> None:
+    pages = _pages(600, 14)
+    d, files = _tier(tmp_path, "t", pages)
+    m, _ = _drain(store, d, files, "ck-1", ChunkIndex(None))
+    reader = ChunkReader(store, _st(m))
+    reader.packs = PackFiles(store, cap=1)
+    assert reader.read_at("pages-1.img", 0, len(pages)) == pages
+    reader.packs.close()
