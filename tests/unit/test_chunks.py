@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -434,3 +435,37 @@ def test_a_later_fill_does_not_cache_a_chunk_changed_in_the_fetched_image(tmp_pa
         f.write(b"\xff")
     assert fills[0].run() == got["chunks"] - 1
     assert first not in cache and not (tmp_path / "cache" / first).exists()
+
+
+def test_a_warm_cache_is_read_by_as_many_threads_as_the_store(tmp_path: Path, store: PosixStore,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    pages = _pages(600, 21)
+    d, files = _tier(tmp_path, pages)
+    m, _ = _drain(store, d, files, "ck-1")
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    with safefs.opened(os.open(warm, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache)  # (fills the cache)
+    busy, most = [0], [0]
+    lock = threading.Lock()
+    real = ChunkCache.read_into
+
+    def slow(self: ChunkCache, cid: str, buf: memoryview) -> bool:  # (a disk that answers in 20 ms)
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(0.02)
+        try:
+            return real(self, cid, buf)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(ChunkCache, "read_into", slow)
+    out = tmp_path / "out"
+    out.mkdir()
+    with safefs.opened(os.open(out, os.O_RDONLY | os.O_DIRECTORY)) as dfd:
+        got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache, threads=8)
+    assert (out / "pages-1.img").read_bytes() == pages and got["from_cache"] == got["chunks"] > 16
+    assert most[0] >= 6  # (8 readers, not one per CPU)
