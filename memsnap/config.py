@@ -105,7 +105,8 @@ class StoreConfig:
     format: str = _opt("chunked", val.choice("chunked", "whole"),
                        "chunked (content-addressed chunks, stored once) or whole (one object per image file)")
     chunk_size: int = _opt(1 << 20, val.chunk_size, "average chunk size (K/M suffix; a multiple of 4K, 16K-16M)")
-    chunk_cache_dir: str = _opt("", val.string, "node-local chunk cache; empty = <state dir>/chunk-cache")
+    chunk_cache_dir: str = _opt("", val.string, "node-local chunk cache; empty = <state dir>/chunk-cache "
+                                "(none on the filesystem of store.dir: it would save no trip)")
     chunk_cache_size: int | None = _opt(2 << 30, val.size, "chunk cache cap (K/M/G suffix); empty = no cache")
     pack_size: int | None = _opt(32 << 20, val.size, "a drain's new chunks go into packs of about this size (K/M "
                                  "suffix); empty = an object per chunk")

@@ -62,6 +62,7 @@ FLAGS = {
     "hmac_key_file": "security.hmac_key_file", "move_in_doubt_s": "daemon.move_in_doubt_s",
     "node_name": "daemon.node_name", "admin_token_file": "daemon.admin_token_file",
     "store_format": "store.format", "chunk_size": "store.chunk_size", "pack_size": "store.pack_size",
+    "chunk_cache_dir": "store.chunk_cache_dir",
 }
 
 

@@ -200,6 +200,21 @@ class DrainService:
         return put.stored_bytes
 
 
+def same_filesystem(a: str, b: str) -> bool:
+    """Whether paths a and b (or, where one does not exist yet, its nearest existing parent) are on one
+    filesystem."""
+    def dev(path: str) -> int:
+        p = Path(path).absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        return os.stat(p).st_dev
+
+    try:
+        return dev(a) == dev(b)
+    except OSError:
+        return False
+
+
 def build_repository(cfg: Any, catalog: Catalog, tier: Tiers | MemoryTier, key: bytes,
                      metrics: Any) -> Repository | None:
     """The store repository for a daemon config: S3 when store.url is set, else the POSIX store dir; None
@@ -219,8 +234,16 @@ def build_repository(cfg: Any, catalog: Catalog, tier: Tiers | MemoryTier, key: 
     codec = Codec(level=cfg.drain.compression_level or None, threads=threads)
     background.configure(cfg.drain.max_pause_s)
     throttle = Throttle(cfg.drain.bandwidth) if cfg.drain.bandwidth else None
+    cache_size = cfg.store.chunk_cache_size or 0
+    cache_dir = cfg.store.chunk_cache_dir or str(Path(cfg.state.dir) / "chunk-cache")
+    if cache_size and not cfg.store.url and same_filesystem(cfg.store.dir, cache_dir):
+        # A copy of the store's chunks on the store's own filesystem saves no trip: its many small files read
+        # slower than the store's packs, and filling it after each restore writes the image a second time.
+        log.info("chunk cache off: %s is on the same filesystem as the store %s (set store.chunk_cache_dir "
+                 "to a faster disk to have one)", cache_dir, cfg.store.dir)
+        cache_size = 0
     opts = ChunkOpts(format=cfg.store.format, avg=cfg.store.chunk_size, state_dir=cfg.state.dir,
-                     cache_dir=cfg.store.chunk_cache_dir, cache_size=cfg.store.chunk_cache_size or 0,
+                     cache_dir=cfg.store.chunk_cache_dir, cache_size=cache_size,
                      pack_size=cfg.store.pack_size or 0)
 
     def local_copies(exclude: str) -> dict[str, Path]:  # (chunks a fetch finds here instead of in the store)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,8 +101,10 @@ def _log_lines(d: DaemonProc, text: str) -> list[str]:
 
 
 def test_a_dump_hashed_while_criu_wrote_it_restores_from_the_store_then_from_the_cache_filled_after(
-        make_daemon, jobs_to_kill):
-    d = make_daemon("hash-fill").start()
+        make_daemon, jobs_to_kill, tmp_path):
+    # (the cache on a filesystem of its own: on the store's, memsnapd keeps none)
+    cache = Path(f"/dev/shm/memsnap-test-cache-{tmp_path.name}")
+    d = make_daemon("hash-fill", extra=["--chunk-cache-dir", str(cache)]).start()
     jid, pid, log = _infer(d, jobs_to_kill, seed="w-hash", mib=64)
     digest = start_digest(log)
     ck = _ckpt(d, jid, "--stop", "--wait", "durable")
@@ -121,6 +126,22 @@ def test_a_dump_hashed_while_criu_wrote_it_restores_from_the_store_then_from_the
     n, tier, cached = (int(x) for x in re.findall(
         r"(\d+) chunks, (\d+) from tier copies, (\d+) from the chunk cache", fetched)[0])
     assert n > 0 and tier == 0 and cached == n  # (only the small files' bundle comes from the store again)
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_a_node_keeps_no_chunk_cache_on_its_stores_own_filesystem(make_daemon, jobs_to_kill):
+    d = make_daemon("no-cache").start()  # (state dir and store dir side by side: one filesystem)
+    assert _log_lines(d, "chunk cache off:") and "same filesystem as the store" in _log_lines(d, "chunk cache off:")[0]
+    jid, pid, log = _infer(d, jobs_to_kill, seed="w-nocache", mib=32)
+    digest = start_digest(log)
+    ck = _ckpt(d, jid, "--stop", "--wait", "durable")
+    last = ticks(log, pid)[-1].n
+    d.ctl("evict", ck["id"], check=True)
+    r = _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
+    assert r["from_store"] is True
+    time.sleep(1)
+    assert not _log_lines(d, "chunks added after a fetch")  # (nothing written a second time)
+    assert not (d.state / "chunk-cache").exists() or not any((d.state / "chunk-cache").iterdir())
 
 
 def test_a_second_job_with_the_same_weights_stores_few_new_bytes_on_s3(make_daemon, jobs_to_kill, s3_server):

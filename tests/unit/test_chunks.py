@@ -469,3 +469,10 @@ def test_a_warm_cache_is_read_by_as_many_threads_as_the_store(tmp_path: Path, st
         got = fetch_chunked(ChunkReader(store, _st(m)), dfd, TierChunks(), cache, threads=8)
     assert (out / "pages-1.img").read_bytes() == pages and got["from_cache"] == got["chunks"] > 16
     assert most[0] >= 6  # (8 readers, not one per CPU)
+
+
+def test_same_filesystem_follows_a_missing_path_to_its_parent_and_tells_filesystems_apart(tmp_path: Path) -> None:
+    from memsnap.drain import same_filesystem
+
+    assert same_filesystem(str(tmp_path), str(tmp_path / "not" / "yet" / "made"))
+    assert not same_filesystem(str(tmp_path), "/proc/self")
