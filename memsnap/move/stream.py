@@ -19,7 +19,6 @@ import os
 import queue
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -315,7 +314,6 @@ class ImageStreamer:
             self._put(pb.ImageChunk(file=st.name, offset=st.offset, file_done=True))
             st.done, st.closes_at_done, st.stat = True, st.closes, stat_key(os.fstat(st.fd))
 
-
     def _send(self, st: _FileState, size: int, closed: bool) -> None:
         """_pump over the image channel: each piece read once (to hash it), then sent by sendfile."""
         if self._abort.is_set():
@@ -406,13 +404,13 @@ class ImageReceiver:
             for f in files.values():
                 if f.fd >= 0:
                     os.close(f.fd)
-            if isinstance(exc, ChannelError):
-                exc = move_error("ABORTED", f"the image channel broke: {exc}; the source gave up")
+            broke = move_error("ABORTED", f"the image channel broke: {exc}; the source gave up") \
+                if isinstance(exc, ChannelError) else None
             tier.discard_staging(ckpt_id)
-            log.warning("receiving %s failed: %s", ckpt_id, exc)
+            log.warning("receiving %s failed: %s", ckpt_id, broke or exc)
             lifecycle.forget(self.host.catalog, ckpt_id)
-            if exc is not sys.exc_info()[1]:
-                raise exc from None
+            if broke is not None:
+                raise broke from None
             raise
         finally:
             if self.reader is not None:
