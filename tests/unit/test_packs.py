@@ -29,7 +29,7 @@ from memsnap.store.chunks import (
 )
 from memsnap.store.errors import StoreError
 from memsnap.store.packs import FOOTER, PACK_MAGIC, Packer, parse_tail, read_pack_index
-from memsnap.store.posix import PosixStore
+from memsnap.store.posix import PosixStore, on_local_fs
 from memsnap.store.throttle import Throttle
 
 AVG = 64 << 10
@@ -304,3 +304,32 @@ def test_a_fetch_reads_packs_past_its_open_file_cap_by_range_as_before(tmp_path:
     reader.packs = PackFiles(store, cap=1)
     assert reader.read_at("pages-1.img", 0, len(pages)) == pages
     reader.packs.close()
+
+
+_MOUNTS = """\
+21 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+30 21 0:26 / /dev/shm rw,nosuid shared:5 - tmpfs tmpfs rw
+40 21 0:50 / /mnt/store rw,relatime shared:9 - fuse.sshfs bench@10.0.0.2:/srv rw,user_id=0
+41 40 0:51 / /mnt/store/local rw shared:10 - xfs /dev/vdb rw
+42 21 0:52 / /nfs rw - nfs4 server:/export rw
+"""
+
+
+@pytest.mark.parametrize("path,local", [("/var/lib/memsnap/store", True), ("/dev/shm/store", True),
+                                        ("/mnt/store/chunks", False), ("/mnt/store/local/x", True),
+                                        ("/nfs/store", False), ("/mnt/storex", True)])
+def test_packs_are_read_through_the_page_cache_only_on_a_local_filesystem(path: str, local: bool) -> None:
+    assert on_local_fs(Path(path), _MOUNTS) is local
+
+
+def test_a_store_on_this_machines_disk_reads_packs_through_the_page_cache(store: PosixStore) -> None:
+    assert store.local is on_local_fs(store.root)
+    data = _pages(40, 15)
+    with store.open_writer("packs/cd/" + "cd" * 32) as w:
+        w.write(data)
+        w.commit()
+    r = store.open_ranges("packs/cd/" + "cd" * 32)
+    assert r.read(4097, 9000) == data[4097:13097] == store.read_range("packs/cd/" + "cd" * 32, 4097, 9000)
+    store.local = not store.local  # (the other way reads the same bytes)
+    assert r.read(4097, 9000) == data[4097:13097]
+    r.close()
