@@ -39,7 +39,6 @@ from memsnap.store.chunks import (
     ChunkReader,
     ChunkRef,
     ChunkStore,
-    PackFiles,
     chunk_id,
     chunk_key,
     encode_chunk,
@@ -49,7 +48,7 @@ from memsnap.store.chunks import (
     put_chunk,
 )
 from memsnap.store.errors import BadObject, StoreError
-from memsnap.store.packs import DEFAULT_PACK, Entry, Loc, Packer, pack_id_of
+from memsnap.store.packs import DEFAULT_PACK, Entry, Loc, Packer, PackFiles, pack_id_of
 from memsnap.store.parse import MANIFEST_MAX, is_count, load_json
 from memsnap.store.throttle import Throttle
 
@@ -472,7 +471,7 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
         _pwrite_all(fd, mv, ref.offset)
         return where
 
-    reader.packs = PackFiles(reader.store)  # (each pack opened once, not once per chunk)
+    packs = reader.packs = PackFiles(reader.store)  # (each pack opened once, not once per chunk)
     try:
         for name, lay in reader.layouts.items():
             fd = safefs.create_file(dfd, name, 0o600)
@@ -493,7 +492,7 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
             fill = CacheFill(cache, fetched)  # (it holds fds of its own)
             (fill_later or CacheFill.run)(fill)
     finally:
-        reader.packs.close()
+        packs.close()
         reader.packs = None
         for fd in fds:
             os.close(fd)

@@ -246,34 +246,14 @@ def put_chunk(store: ChunkStore, cid: str, stored: bytes) -> int:
     return len(stored)
 
 
-class PackFiles:
-    """The packs one fetch reads, each opened once (store.open_ranges, where the store has it) for all of its
-    chunks, at most `cap` at a time (the rest are read by read_range as before); close() when the fetch ends."""
+class RangeReads(Protocol):
+    """Ranged reads of pack objects for one fetch (memsnap.store.packs.PackFiles)."""
 
-    def __init__(self, store: ChunkStore, cap: int = 64) -> None:
-        self._open = getattr(store, "open_ranges", None)
-        self._store, self._cap = store, cap
-        self._files: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def read(self, key: str, offset: int, length: int) -> bytes:
-        f = None
-        if self._open is not None:
-            with self._lock:
-                f = self._files.get(key)
-                if f is None and len(self._files) < self._cap:
-                    f = self._files[key] = self._open(key)
-        return f.read(offset, length) if f is not None else self._store.read_range(key, offset, length)
-
-    def close(self) -> None:
-        with self._lock:
-            files, self._files, self._cap = self._files, {}, 0
-        for f in files.values():
-            f.close()
+    def read(self, key: str, offset: int, length: int) -> bytes: ...
 
 
 def get_chunk(store: ChunkStore, cid: str, raw_len: int, loc: tuple[str, int, int] | None = None,
-              packs: PackFiles | None = None) -> tuple[bytes, bytes]:
+              packs: RangeReads | None = None) -> tuple[bytes, bytes]:
     """(raw, stored) of a chunk fetched from the store (its loose object, or its slice of pack loc) and verified."""
     if loc is not None:
         key = pack_key(loc[0])
@@ -461,7 +441,7 @@ class ChunkReader:
         self._bundle: bytes | None = None
         self.fetched_chunks = 0
         self.fetched_bytes = 0  # stored bytes read from the store
-        self.packs: PackFiles | None = None  # while a fetch reads every chunk (memsnap.store.chunked.fetch_chunked)
+        self.packs: RangeReads | None = None  # while a fetch reads every chunk (memsnap.store.chunked.fetch_chunked)
 
     def files(self) -> dict[str, int]:
         """name -> size of every file of the image."""

@@ -25,6 +25,7 @@ import secrets
 import struct
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from memsnap.store.base import StoreWriter
 from memsnap.store.chunks import ChunkError, ChunkStore, is_chunk_id, pack_key
@@ -198,3 +199,29 @@ class Packer:
         self._aborted = True
         self._q.put(_END)
         self._thread.join()
+
+
+class PackFiles:
+    """The packs one fetch reads, each opened once (store.open_ranges, where the store has it) for all of its
+    chunks, at most `cap` at a time (the rest are read by read_range as before); close() when the fetch ends."""
+
+    def __init__(self, store: ChunkStore, cap: int = 64) -> None:
+        self._open = getattr(store, "open_ranges", None)
+        self._store, self._cap = store, cap
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def read(self, key: str, offset: int, length: int) -> bytes:
+        f = None
+        if self._open is not None:
+            with self._lock:
+                f = self._files.get(key)
+                if f is None and len(self._files) < self._cap:
+                    f = self._files[key] = self._open(key)
+        return f.read(offset, length) if f is not None else self._store.read_range(key, offset, length)
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files, self._cap = self._files, {}, 0
+        for f in files.values():
+            f.close()

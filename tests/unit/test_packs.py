@@ -23,12 +23,11 @@ from memsnap.store.chunks import (
     ChunkError,
     Chunking,
     ChunkReader,
-    PackFiles,
     chunked_storage,
     pack_key,
 )
 from memsnap.store.errors import StoreError
-from memsnap.store.packs import FOOTER, PACK_MAGIC, Packer, parse_tail, read_pack_index
+from memsnap.store.packs import FOOTER, PACK_MAGIC, Packer, PackFiles, parse_tail, read_pack_index
 from memsnap.store.posix import PosixStore, on_local_fs
 from memsnap.store.throttle import Throttle
 
