@@ -177,6 +177,13 @@ class ChannelReader:
         _recv_exact(self.sock, memoryview(out))
         return bytes(out)
 
+    def shutdown(self) -> None:
+        """Ends a read blocked in another thread (the call was cancelled)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self) -> None:
         self.sock.close()
 

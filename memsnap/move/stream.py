@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -425,10 +424,7 @@ class ImageReceiver:
         """The call ended (the source cancelled it): a read on the image channel returns at once."""
         self._cancelled = True
         if self.reader is not None:
-            try:
-                self.reader.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self.reader.shutdown()
 
     def _from_stream(self, chunks: Iterator[pb.ImageChunk], d: Path, files: dict[str, _Incoming]) -> bytes:
         """The image inside the gRPC call (ImageChunk messages); returns the signed manifest (b"" if none came)."""
