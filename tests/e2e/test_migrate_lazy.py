@@ -16,8 +16,8 @@ import pytest
 
 from memsnap.proc import tree_rss
 from tests.helpers import (
-    DaemonProc,
     REPO,
+    DaemonProc,
     Pair,
     job_output,
     kill_target_then_expect_rollback,
@@ -321,14 +321,16 @@ def test_a_job_that_frees_pages_while_they_arrive_moves_lazily_with_its_memory(p
             job = c.run([sys.executable, str(HOLES), "--mib", "128", "--punch", "256", "--interval", "0.01",
                          "--digest-every", "100"], name=f"holes-{attempt}")
         jobs_to_kill.append(int(job.pid))
-        wait_for(lambda: len(ticks(job.log_path)) >= 3, 60, what="the job to tick")
-        digest = start_digest(job.log_path)
+        log = job.log_path
+        wait_for(lambda log=log: len(ticks(log)) >= 3, 60, what="the job to tick")
+        digest = start_digest(log)
         r = _migrate(pair.a, job.id, "--to", pair.b.address, "--lazy")
         assert r.returncode == 0, r.stderr + pair.b.log.read_text()[-3000:]
         out = json.loads(r.stdout)
         jobs_to_kill.append(out["target_pid"])
-        wait_for(lambda: any(t.fresh for t in ticks(job.log_path, out["target_pid"])), 30,
+        moved = int(out["target_pid"])
+        wait_for(lambda log=log, moved=moved: any(t.fresh for t in ticks(log, moved)), 30,
                  what="the moved job to hash its memory")
-        assert {t.digest for t in ticks(job.log_path)} == {digest}
-        assert "stale page" not in job_output(job.log_path)
+        assert {t.digest for t in ticks(log)} == {digest}
+        assert "stale page" not in job_output(log)
         wait_for(lambda: not lazy_pages_of(pair.b), 20, what="lazy-pages to exit on the target")

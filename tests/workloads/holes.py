@@ -4,9 +4,9 @@ PyTorch's caching allocator), and takes them again.
 
 --mib MiB of anonymous memory in which page p always holds the same bytes; every tick it drops --punch random
 pages (MADV_DONTNEED: a lazily restored job's lazy-pages gets a REMOVE event for each), checks that each reads
-back as zeros, writes it again, and every --digest-every ticks hashes all of its memory. Prints 'start HOSTPID DIGEST' and
-'tick N HOSTPID DIGEST [fresh]' like counter.py (tests.helpers.ticks reads both); a dropped page that did not
-read zeros ends it with 'stale page P'.
+back as zeros, writes it again, and every --digest-every ticks hashes all of its memory. Prints
+'start HOSTPID DIGEST' and 'tick N HOSTPID DIGEST [fresh]' like counter.py (tests.helpers.ticks reads both); a
+dropped page that did not read zeros ends it with 'stale page P'.
 """
 import argparse
 import hashlib
