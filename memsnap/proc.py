@@ -52,15 +52,27 @@ def tree(pid: int) -> list[psutil.Process]:
 
 
 def private_tmp_bytes(pid: int) -> int:
-    """Bytes in the /tmp of pid's mount namespace when that is not ours (a job's private /tmp, whose files go
-    into its image), else 0."""
+    """Bytes in the /tmp of pid's mount namespace when that is a tmpfs that is not ours (a job's private /tmp,
+    whose files go into its image), else 0 (a container's /tmp on its rootfs stays out of the image)."""
     try:
         theirs = os.statvfs(f"/proc/{pid}/root/tmp")
-        if os.stat(f"/proc/{pid}/root/tmp").st_dev == os.stat("/tmp").st_dev:
+        if os.stat(f"/proc/{pid}/root/tmp").st_dev == os.stat("/tmp").st_dev or not _tmpfs_at(pid, "/tmp"):
             return 0
     except OSError:
         return 0
     return (theirs.f_blocks - theirs.f_bfree) * theirs.f_frsize
+
+
+def _tmpfs_at(pid: int, point: str) -> bool:
+    """Whether the top mount at point in pid's mount namespace is a tmpfs."""
+    fstype = ""
+    with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            a = left.split()
+            if len(a) > 4 and a[4] == point:
+                fstype = right.split()[0] if right else ""
+    return fstype == "tmpfs"
 
 
 def tree_rss(pid: int) -> int:
