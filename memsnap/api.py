@@ -178,7 +178,8 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
                 self._admit(lambda q: q.admit_restore(caller, request.checkpoint_id, request.lazy)):
             res = self.engine.restore_own_log(caller, request.checkpoint_id, lazy=request.lazy,
                                               gpu_map=v.gpu_map(request.gpu_map) or None,
-                                              tcp_established=request.tcp_established)
+                                              tcp_established=request.tcp_established,
+                                              into=v.container("into", request.into, allow_empty=True))
         return pb.RestoreResponse(pid=res.pid, job=job_pb(res.job, True), restore_ms=int(res.restore_ms),
                                   verify_ms=int(res.verify_ms), fetch_ms=int(res.fetch_ms),
                                   from_store=res.from_store, phases=phases_pb(res.phases, RESTORE))

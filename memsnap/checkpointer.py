@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import __version__, background, failpoints, knobs, lifecycle, manifest, mounts, proc
+from memsnap import __version__, background, containers, failpoints, knobs, lifecycle, manifest, mounts, proc
 from memsnap.caller import Caller
 from memsnap.catalog import DUMPING, FAILED, Catalog, CheckpointRecord, JobRecord, now_ms
 from memsnap.collaborators import EngineConfig, GpuAdapter, JobGuard, Uploads
@@ -48,6 +48,7 @@ class DumpExtras:
     dump_opts: dict[str, Any] = field(default_factory=dict)  # extra DumpOptions fields
     manifest: dict[str, Any] = field(default_factory=dict)  # extra signed manifest fields (memsnap.guard: parked)
     into: str = MEMORY  # the tier it goes to: SPILL for the guard's park images when guard.spill_dir is set
+    container: containers.ContainerFacts | None = None  # a container's workload (memsnap.containers)
 
 
 class CheckpointHost(Protocol):
@@ -93,12 +94,20 @@ class Checkpointer:
         extras (memsnap.move) can hold the tree stopped instead, watch the staging dir while CRIU
         writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
         """
-        pid, job = self.host.resolve_pid(target, caller)
+        in_container = containers.parse_target(target)
+        if in_container is not None:  # "podman:NAME": the container's workload, dumped from the host
+            plan = containers.plan_dump(*in_container)
+            pid, job = plan.pid, None
+            extras = extras or DumpExtras()
+            extras.container, extras.dump_opts = plan.facts, {**plan.dump_opts, **extras.dump_opts}
+            name = name or plan.facts.name
+        else:
+            pid, job = self.host.resolve_pid(target, caller)
         try:
             owner = proc.owner_uid(pid)
         except proc.ProcessNotFound as exc:
             raise NotFound(str(exc)) from exc
-        self.host.authorize_uid(caller, owner, f"pid {pid}")
+        self.host.authorize_uid(caller, owner, f"pid {pid}" if in_container is None else f"container {target}")
         t_start = time.monotonic()
         with self.host.exclusive(pid), background.gate().foreground("dump"):
             reservation = self.host.reserve(self.dump_estimate(pid), extras.into if extras else MEMORY)
@@ -130,8 +139,9 @@ class Checkpointer:
         extras = extras or DumpExtras()
         ckpt_id = lifecycle.new_id()
         argv = proc.cmdline(pid)
-        own_ns = proc.in_own_pidns(pid)
-        own_mnt = own_mount_ns(pid)
+        own_ns = proc.in_own_pidns(pid) or extras.container is not None  # (its pids are the container's)
+        # (a container's mount namespace is rebuilt on its placeholder's root, never as a job's own: containers)
+        own_mnt = own_mount_ns(pid) if extras.container is None else False
         # The intent (stop or not) and the process identity are journaled too, so that recovery after a
         # crash can finish or roll back a --stop whose job CRIU left stopped.
         rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
@@ -144,9 +154,9 @@ class Checkpointer:
         work = self.host.work_root / ckpt_id
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         frozen_after = stop or extras.hold
-        opts = DumpOptions(leave_running=not frozen_after, leave_stopped=frozen_after,
-                           tcp_established=tcp_established, shell_job=not proc.is_session_leader(pid),
-                           own_mntns=own_mnt, **{**self.host.cfg.extra_dump_opts, **extras.dump_opts})
+        opts = DumpOptions(**{"leave_running": not frozen_after, "leave_stopped": frozen_after,
+                              "tcp_established": tcp_established, "shell_job": not proc.is_session_leader(pid),
+                              "own_mntns": own_mnt, **self.host.cfg.extra_dump_opts, **extras.dump_opts})
         gpu_info: list[dict[str, Any]] = []
         suspension = quiet = None
         hasher: DumpHasher | None = None
@@ -200,6 +210,8 @@ class Checkpointer:
                                     dump_ms=stats.wall_ms, gpus=gpu_info, own_mntns=own_mnt,
                                     tcp_close=not opts.tcp_established, phases=clock.rounded())
             man.extra.update(extras.manifest)  # signed too (memsnap.guard: parked)
+            if extras.container is not None:
+                man.extra["container"] = extras.container.to_dict()
             size = publish_image(self.host.tier, self.host.catalog, self.host.key, staging, man, keep_meta=rec.meta,
                                  failpoint="before-publish", frozen_ms=int(stats.frozen_ms),
                                  dump_ms=int(stats.wall_ms))

@@ -118,10 +118,12 @@ class MemsnapClient:
         return self._call("Checkpoint", req, timeout).checkpoint  # type: ignore[attr-defined,no-any-return]
 
     def restore(self, checkpoint_id: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
-                tcp_established: bool = False, timeout: float = LONG_S, op_id: str = "") -> pb.RestoreResponse:
-        """Restores a checkpoint (or a job's latest one); op_id names it for Status(op_id)."""
+                tcp_established: bool = False, timeout: float = LONG_S, op_id: str = "",
+                into: str = "") -> pb.RestoreResponse:
+        """Restores a checkpoint (or a job's latest one); op_id names it for Status(op_id); into: a container's
+        checkpoint goes into a new placeholder container ("podman:NAME")."""
         req = pb.RestoreRequest(checkpoint_id=checkpoint_id, lazy=lazy, gpu_map=gpu_map or {},
-                                tcp_established=tcp_established, op_id=op_id)
+                                tcp_established=tcp_established, op_id=op_id, into=into)
         return self._call("Restore", req, timeout)  # type: ignore[return-value]
 
     def list(self, job: str = "", timeout: float = QUICK_S) -> list[pb.CheckpointInfo]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import select
 import shutil
 import socket
@@ -16,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from memsnap import criuwatch, knobs, mounts, proc
+from memsnap import criu_in_ns, criuwatch, knobs, mounts, proc
+from memsnap.criulog import HARMLESS as _HARMLESS
+from memsnap.criulog import error_lines, hint_for
 from memsnap.criurpc import criu_rpc_pb2 as rpc
 from memsnap.criurpc import criu_stats_pb2 as stats_pb
 
@@ -26,8 +27,6 @@ log = logging.getLogger(__name__)
 NotifyCallback = Callable[[str, int], bool]
 
 _MAX_MSG = 1 << 20
-# CRIU prints this on every run on this kernel family; it is not a failure.
-_HARMLESS = re.compile(r"RLIMIT_NOFILE")
 
 
 class CriuError(Exception):
@@ -81,6 +80,10 @@ class CriuOptions:
     # the restored copy (its peers see them reset, as after a restart). A restore of an image dumped so
     # must say it too (CRIU refuses it otherwise).
     tcp_close: bool = False
+    # A container's tree (memsnap.containers): the root of its mount namespace (dump: the container's rootfs,
+    # restore: the placeholder's); its cgroups are the runtime's, never CRIU's to dump or recreate.
+    root: str = ""
+    cgroups_ignore: bool = False
     log_level: int = 2
 
 
@@ -107,6 +110,13 @@ class RestoreOptions(CriuOptions):
     stall_s: float = field(default_factory=knobs.criu_stall_s)
     # Told criu swrk's pid once it runs, and 0 once it is gone (memsnap.lazyguard kills its tasks first).
     on_criu: Callable[[int], None] | None = None
+    # A placeholder container's namespaces the tree joins (ns name -> an open fd on it), and the cgroup.procs
+    # files criu swrk enters before it starts, so that the tree it forks is born in the placeholder's cgroups.
+    join_ns: dict[str, int] = field(default_factory=dict)
+    cgroup_procs: list[str] = field(default_factory=list)
+    # An fd on a placeholder's PID namespace: CRIU runs inside it (with a /proc of its own), so that the tree it
+    # restores becomes the placeholder init's child once CRIU exits, as a container's workload is; -1: not.
+    pidns_fd: int = -1
 
 
 @dataclass
@@ -173,51 +183,6 @@ def find_binary() -> str:
     return found
 
 
-def error_lines(log_path: str | Path, limit: int = 3) -> list[str]:
-    """The useful 'Error (' lines of a CRIU log, without the harmless RLIMIT_NOFILE noise."""
-    try:
-        text = Path(log_path).read_text(errors="replace")
-    except OSError:
-        return []
-    lines = [re.sub(r"^\(\d+\.\d+\)\s*", "", ln.strip()) for ln in text.splitlines()
-             if "Error (" in ln and not _HARMLESS.search(ln)]
-    if not lines:
-        return []
-    # CRIU logs a cascade: the first line that is not a mere consequence says why; keep it first, then
-    # the last lines (where it gave up).
-    cause = next((ln for ln in lines if not _CONSEQUENCE.search(ln)), lines[-1])
-    return [cause, *[ln for ln in lines if ln != cause][-(limit - 1):]] if limit > 1 else [cause]
-
-
-# Error lines that only report that something earlier failed.
-_CONSEQUENCE = re.compile(r"Restoring FAILED|Dumping FAILED|exited, status=|Unable to open fd=|"
-                          r"Pre-dumping FAILED|Failed to restore|"
-                          r"Unable to (?:restore|dump)|Collect.*failed|Failed to dump")
-# What to do about a decisive line, in words a user can act on.
-_HINTS = (
-    (re.compile(r"has bad size|bad size"), "a file the job has open (its log?) changed since the checkpoint "
-                                           "was taken; CRIU restores open files only as they were"),
-    (re.compile(r"on restore: No such file"), "a file the job had open is gone"),
-    (re.compile(r"Address already in use"), "a port the job had open is taken on this node"),
-    (re.compile(r"Connected TCP socket"), "the job has established TCP connections: pass --tcp-established to "
-                                          "keep them (a restore then needs --tcp-established too)"),
-    (re.compile(r"conflicting lock"), "another process holds a lock the job held on one of its files (on a move "
-                                      "between nodes that share the file: the job's own stopped original)"),
-    (re.compile(r"nested user namespace"), "the job runs in a user namespace of its own (nested): CRIU cannot "
-                                           "checkpoint that on this node"),
-    (re.compile(r"In-flight connection"), "a connection was still in a listener's accept queue: leave such "
-                                          "connections out with --skip-in-flight (the default)"),
-    (re.compile(r"Can't get proc fd|can't open proc"), "CRIU cannot use /proc here (mount namespace?)"),
-    (re.compile(r"ptrace|Operation not permitted"), "CRIU lacks a privilege (CAP_SYS_PTRACE, "
-                                                    "CAP_CHECKPOINT_RESTORE, CAP_SYS_RESOURCE)"),
-)
-
-
-def hint_for(line: str) -> str:
-    """What the decisive error line means for the user ('' when we know no better than CRIU)."""
-    return next((h for pat, h in _HINTS if pat.search(line)), "")
-
-
 class Criu:
     """Runs one `criu swrk` per operation over a SOCK_SEQPACKET pair."""
 
@@ -244,13 +209,22 @@ class Criu:
         umask: int = -1,
         stall_s: float = 0.0,
         on_criu: Callable[[int], None] | None = None,
+        cgroup_procs: tuple[str, ...] = (),
+        pidns_fd: int = -1,
     ) -> rpc.Resp:
         """One request to a fresh `criu swrk`, its notify callbacks answered. stall_s > 0: CRIU that makes no
-        progress for that long is killed with the tasks it holds (CriuStalled); on_criu hears its pid, then 0."""
+        progress for that long is killed with the tasks it holds (CriuStalled); on_criu hears its pid, then 0.
+        cgroup_procs: criu swrk is moved into these cgroups before it gets the request. pidns_fd >= 0: it runs
+        in that PID namespace (see RestoreOptions.pidns_fd), entered before anything forks."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [self.binary, "swrk", str(child.fileno())]
+        if pidns_fd >= 0:
+            argv = criu_in_ns.wrap(argv, pidns_fd, cgroup_procs)
+            cgroup_procs = ()  # (entered by the wrapper itself: nsenter forks at once)
+            stall_s = 0.0  # (CRIU is not the wrapper's child: the watch would see the wrong tree)
         try:
             proc = subprocess.Popen(
-                [self.binary, "swrk", str(child.fileno())],
+                argv,
                 pass_fds=(child.fileno(), *pass_fds),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -267,12 +241,20 @@ class Criu:
         try:
             if on_criu is not None:
                 on_criu(proc.pid)
+            for procs in cgroup_procs:
+                try:
+                    criu_in_ns.enter_cgroup(procs, proc.pid)
+                except OSError as exc:
+                    raise CriuError(op, f"cannot move criu into the cgroup {procs}: {exc.strerror}") from exc
             parent.send(req.SerializeToString())
             watch = criuwatch.ProgressWatch(proc.pid, stall_s) if stall_s > 0 else None
             while True:
                 if watch is not None:
                     self._await(parent, watch, op, log_path)
-                data, _anc, _flags, _addr = parent.recvmsg(_MAX_MSG, socket.CMSG_SPACE(struct.calcsize("i")))
+                try:
+                    data, _anc, _flags, _addr = parent.recvmsg(_MAX_MSG, socket.CMSG_SPACE(struct.calcsize("i")))
+                except ConnectionResetError:  # (CRIU died; in a container's PID namespace, with its init)
+                    data = b""
                 if not data:
                     raise CriuError(op, "criu exited without answering" + self._stderr(proc), log_path)
                 resp = rpc.Resp()
@@ -418,14 +400,30 @@ class Criu:
             o = _common_opts(img_fd, wd_fd, "restore.log", opts, notify)
             for key, fd in opts.inherit_fds.items():
                 o.inherit_fd.add(key=key, fd=fd)
-            fds = (img_fd, wd_fd, *opts.inherit_fds.values())
+            for ns, fd in opts.join_ns.items():  # (criu swrk gets the fd under the same number)
+                o.join_ns.add(ns=ns, ns_file=f"/proc/self/fd/{fd}")
+            fds = (img_fd, wd_fd, *opts.inherit_fds.values(), *opts.join_ns.values())
+            if opts.pidns_fd >= 0:
+                fds += (opts.pidns_fd,) if opts.pidns_fd not in fds else ()
+                conf = work_dir / "in-pidns.conf"
+                conf.write_text(criu_in_ns.config(img_fd, wd_fd))
+                o.config_file = str(conf)
             resp = self._call("restore", rpc.Req(type=rpc.RESTORE, opts=o), fds, notify, log_path,
-                              stall_s=opts.stall_s, on_criu=opts.on_criu)
+                              stall_s=opts.stall_s, on_criu=opts.on_criu, cgroup_procs=tuple(opts.cgroup_procs),
+                              pidns_fd=opts.pidns_fd)
         finally:
             os.close(img_fd)
             os.close(wd_fd)
         if not resp.success:
             raise self._fail("restore", resp, log_path)
+        if opts.pidns_fd >= 0:  # (CRIU ran in the placeholder's PID namespace: that is the pid it reports)
+            pid = criu_in_ns.host_pid(int(resp.restore.pid), opts.pidns_fd)
+            if not criu_in_ns.wait_criu_gone(opts.pidns_fd):
+                log.warning("criu is still in the placeholder's PID namespace 10 s after its restore answered")
+            if not pid:
+                raise CriuError("restore", f"the restored tree's root (pid {resp.restore.pid} in its container) is "
+                                           "gone", log_path)
+            return pid
         return int(resp.restore.pid)
 
     def start_lazy_pages(self, images_dir: Path, work_dir: Path, ps_socket: int = -1) -> subprocess.Popen[bytes]:
@@ -512,7 +510,14 @@ def _common_opts(img_fd: int, wd_fd: int, log_file: str, opts: DumpOptions | Res
         o.network_lock = rpc.NFTABLES
     if opts.lazy_pages:
         o.lazy_pages = True
-    if opts.own_mntns:
+    if opts.cgroups_ignore:
+        o.manage_cgroups_mode = rpc.IGNORE
+    if opts.root:
+        # A container (memsnap.containers): its network namespace is external (the placeholder's on restore),
+        # so there is nothing of ours to lock; its mount namespace is rebuilt on this root.
+        o.root = opts.root
+        o.network_lock = rpc.SKIP
+    elif opts.own_mntns:
         # A job's own mount namespace is a copy of ours plus a fresh procfs on /proc. auto_ext_mnt makes
         # every mount that binds one of ours (/, /dev, /dev/shm, /sys, cgroups...) external: never dumped
         # (no tmpfs tarball of /dev/shm in the image), bound back from the same path on restore, which

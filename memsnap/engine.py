@@ -358,12 +358,13 @@ class Engine:
     def restore(self, caller: Caller, key: str, lazy: bool = False, gpu_map: dict[str, str] | None = None,
                 tcp_established: bool = False, notify: NotifyCallback | None = None,
                 restore_opts: dict[str, Any] | None = None, lazy_ps_socket: int = -1,
-                lazy_guard: LazyGuard | None = None) -> RestoreResult:
+                lazy_guard: LazyGuard | None = None, into: str = "") -> RestoreResult:
         """Verifies a checkpoint against its signed manifest, then restores it detached.
 
         notify gets CRIU's callbacks (post-restore, ...); restore_opts adds RestoreOptions fields.
         lazy_ps_socket (a lazy move, memsnap.move.lazy): the pages come from the source over that socket, and
-        lazy_guard (the move's) kills the tasks first when they cannot come.
+        lazy_guard (the move's) kills the tasks first when they cannot come. into: a container's checkpoint goes into
+        a new placeholder container of that name ("podman:NAME", memsnap.containers).
         """
         if not key:
             raise InvalidArgument("no checkpoint id given; usage: memsnapctl restore ID")
@@ -372,7 +373,7 @@ class Engine:
                                      "--feature lazy_pages'); restore without --lazy")
         with background.gate().foreground("restore"):
             return self.restorer.restore(caller, key, RestoreRequest(lazy, gpu_map, tcp_established, notify,
-                                                                     restore_opts, lazy_ps_socket, lazy_guard))
+                                                                     restore_opts, lazy_ps_socket, lazy_guard, into))
 
     def restore_own_log(self, caller: Caller, key: str, moved: bool = False, **kw: Any) -> RestoreResult:
         """restore(), the restored job writing to a log of its own (Restorer.restore_own_log)."""

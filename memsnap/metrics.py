@@ -13,7 +13,8 @@ from prometheus_client.exposition import start_http_server
 # page_in: lazy restore from the store; restore: a whole restore; the others: memsnap.phases (a checkpoint's and a
 # restore's own phases: quiesce hooks, GPU stages, CRIU, publish).
 PHASES = ("freeze", "dump", "drain", "fetch", "restore", "page_in", "quiesce", "gpu_describe", "gpu_lock",
-          "gpu_checkpoint", "publish", "gpu_restore", "gpu_unlock", "quiesce_resume", "verify", "criu_restore")
+          "gpu_checkpoint", "publish", "gpu_restore", "gpu_unlock", "quiesce_resume", "verify", "placeholder",
+          "criu_restore")
 RESULTS = ("ok", "error")
 STORAGE_OPS = ("put", "get", "delete", "list")
 BAD_OBJECT_KINDS = ("pack", "manifest", "sweep-record", "name-index")  # = memsnap.store.bad_objects.KINDS

@@ -4,8 +4,8 @@ dump, signed with it), the catalog (all of them; `memsnapctl show`) and the mems
     checkpoint: quiesce -> gpu_describe (finding the CUDA processes) -> gpu_lock -> gpu_checkpoint (device -> host)
                 -> dump (CRIU; freeze: how long of it the tree was frozen) -> publish
                 -> [leave-running: gpu_restore -> gpu_unlock -> quiesce_resume]
-    restore:    fetch (from the store) -> verify -> criu_restore -> gpu_restore (host -> device) -> gpu_unlock
-                -> quiesce_resume
+    restore:    fetch (from the store) -> verify -> placeholder (a container's: started) -> criu_restore
+                -> gpu_restore (host -> device) -> gpu_unlock -> quiesce_resume
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 CHECKPOINT = ("quiesce", "gpu_describe", "gpu_lock", "gpu_checkpoint", "freeze", "dump", "publish", "gpu_restore",
               "gpu_unlock", "quiesce_resume")
-RESTORE = ("fetch", "verify", "criu_restore", "gpu_restore", "gpu_unlock", "quiesce_resume")
+RESTORE = ("fetch", "verify", "placeholder", "criu_restore", "gpu_restore", "gpu_unlock", "quiesce_resume")
 ALL = tuple(dict.fromkeys(CHECKPOINT + RESTORE))
 # Observed into the histogram by their own code already (memsnap.drain times the fetch).
 OBSERVED_ELSEWHERE = frozenset({"fetch"})

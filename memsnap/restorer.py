@@ -26,12 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from memsnap import background, failpoints, jobinit, jobs, knobs, lifecycle, manifest, mounts, proc, progress
+from memsnap import (
+    background,
+    containers,
+    failpoints,
+    jobinit,
+    jobs,
+    knobs,
+    lifecycle,
+    manifest,
+    mounts,
+    proc,
+    progress,
+)
 from memsnap.caller import Caller
 from memsnap.catalog import RESTORABLE, Catalog, CheckpointRecord, JobRecord, now_ms
 from memsnap.collaborators import GpuAdapter, JobGuard
 from memsnap.criu import CriuApi, CriuError, NotifyCallback, RestoreOptions, guard_lazy_restore
-from memsnap.errors import FailedPrecondition, IntegrityFailure
+from memsnap.errors import FailedPrecondition, IntegrityFailure, PermissionDenied
 from memsnap.lazyguard import LazyGuard
 from memsnap.manifest import Manifest
 from memsnap.phases import PhaseClock
@@ -73,6 +85,7 @@ class RestoreRequest:
     restore_opts: dict[str, Any] | None = None  # more RestoreOptions fields
     lazy_ps_socket: int = -1  # a lazy move's or a store's page stream (else lazy-pages reads the tier copy)
     lazy_guard: LazyGuard | None = None  # kills the tasks first when their pages cannot come (made if None)
+    into: str = ""  # a container's checkpoint: the placeholder to create and restore into ("podman:NAME")
 
 
 @dataclass
@@ -139,6 +152,10 @@ class Restorer:
     def restore(self, caller: Caller, key: str, req: RestoreRequest) -> RestoreResult:
         """Restores the caller's checkpoint (or its job's latest) from the tier, a fetched copy or, lazily, the
         store (engine.restore checked the request and holds the foreground gate)."""
+        if req.into:
+            containers.parse_into(req.into)
+            if caller.uid != 0:  # (a placeholder is a new container: only root starts one)
+                raise PermissionDenied("only root may restore into a new container")
         rec = self.host.latest_restorable(caller, key)
         if rec.state not in RESTORABLE:
             why = f": {rec.last_error}" if rec.last_error else ""
@@ -199,6 +216,15 @@ class Restorer:
         if man.pages_remote and lazy_ps_socket < 0:
             raise FailedPrecondition(f"checkpoint {rec.id} is the first half of a lazy move: its memory stayed "
                                      "on the source node, so it cannot be restored on its own")
+        facts = containers.ContainerFacts.from_manifest(man.extra["container"]) if "container" in man.extra else None
+        if facts is None and req.into:
+            raise FailedPrecondition(f"checkpoint {rec.id} is not of a container: restore it without --into")
+        if facts is not None and lazy:
+            raise FailedPrecondition(f"checkpoint {rec.id} is of a container: restore it without --lazy (lazy "
+                                     "restores into a placeholder are not supported yet)")
+        if facts is not None and not req.into:
+            raise FailedPrecondition(f"checkpoint {rec.id} is of {facts.runtime} container {clip(facts.name, 64)}: "
+                                     f"restore it --into {facts.runtime}:NEWNAME (a placeholder from its image)")
         if not man.own_pidns and proc.alive(rec.pid):
             raise FailedPrecondition(
                 f"pid {rec.pid} is in use, and this checkpoint needs it back: stop that process first, "
@@ -210,13 +236,25 @@ class Restorer:
         restore_opts, new_log = self._log_for_mount(rec, man, dict(restore_opts or {}))
         failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
         failpoints.delay("slow-restore-10s", 10.0)  # (tests: several calls meet a restore in flight)
+        t_place = time.monotonic()
+        placement = containers.place(facts, req.into) if facts is not None else None  # (the placeholder runs)
+        place_ms = (time.monotonic() - t_place) * 1000 if placement is not None else 0.0
         t2 = time.monotonic()
         guard = (guard or LazyGuard(rec.id)) if lazy else None
-        server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket, guard) if guard else None
+        try:
+            failpoints.delay("slow-placeholder", 3.0) if placement else None  # (tests: the placeholder dies now)
+            server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket, guard) if guard else None
+        except BaseException:
+            self._drop_placement(placement, failed=True)
+            raise
         new_pid = 0
         try:
             try:
                 opts = dict(restore_opts or {})
+                if placement is not None:
+                    opts = {**opts, **placement.restore_opts,
+                            "external": [*opts.get("external", []), *placement.restore_opts["external"]],
+                            "inherit_fds": {**opts.get("inherit_fds", {}), **placement.restore_opts["inherit_fds"]}}
                 if guard is not None:
                     opts["on_criu"], notify = guard.on_criu, guard.notify(notify)
                 new_pid = self.host.criu.restore(images, work, RestoreOptions(
@@ -248,20 +286,27 @@ class Restorer:
                 proc.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
             if new_log:
                 Path(new_log).unlink(missing_ok=True)
+            self._drop_placement(placement, failed=True)
             raise
         finally:
             with self._lazy_lock:
                 self._restoring.discard(work)
+        self._drop_placement(placement, failed=False)
         restore_ms = (time.monotonic() - t2) * 1000
         if man.extra.get("parked"):
             proc.resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
         clock = PhaseClock()
-        for name, ms in (("fetch", fetch_ms), ("verify", verify_ms), ("criu_restore", restore_ms)):
+        for name, ms in (("fetch", fetch_ms), ("verify", verify_ms), ("placeholder", place_ms),
+                         ("criu_restore", restore_ms)):
             clock.add(name, ms / 1000) if ms else None
         try:
             job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log, clock)
+            if placement is not None:  # (the job is the placeholder's: named after it)
+                self.host.catalog.update_job(job.id, name=placement.name)
+                job.name = placement.name
         except BaseException:
             proc.kill_tree(new_pid)
+            self._drop_placement(placement, failed=True)
             self.host.observe("restore", "error", time.monotonic() - t0)
             raise
         self.host.note_phases(rec.id, "restore_phases", clock)
@@ -270,6 +315,15 @@ class Restorer:
         return RestoreResult(pid=new_pid, job=job, restore_ms=restore_ms, verify_ms=verify_ms,
                              fetch_ms=fetch_ms, from_store=image.from_store, lazy_server=server, work_dir=work,
                              phases=clock.rounded())
+
+    @staticmethod
+    def _drop_placement(placement: containers.Placement | None, failed: bool) -> None:
+        """Closes a placeholder's fds; removes the placeholder too when the restore into it failed."""
+        if placement is None:
+            return
+        placement.close()
+        if failed:
+            containers.remove(placement.name)
 
     def _keep_failure(self, work: Path) -> Path:
         """A failed restore's work dir (CRIU's logs) moves to <work>/failed, where no cleanup of its checkpoint

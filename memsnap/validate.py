@@ -72,12 +72,29 @@ def key(field: str, value: str, allow_empty: bool = False) -> str:
     if value.isdigit() and not value.isascii():
         raise InvalidArgument(f"{field} {clip(value)} is not a valid PID (ASCII digits only)")
     uid, sep, rest = value.partition(":")
-    if sep:
+    if sep and uid in CONTAINER_RUNTIMES:  # "podman:NAME": a container (memsnap.containers)
+        container(field, value)
+    elif sep:
         if not (uid.isascii() and uid.isdigit() and len(uid) <= 10 and int(uid) <= (1 << 32) - 2):
             raise InvalidArgument(f"{field} {clip(value)} is not UID:NAME")
         name(field, rest)
         if not rest:
             raise InvalidArgument(f"{field} {clip(value)} names no job")
+    return value
+
+
+CONTAINER_RUNTIMES = ("podman",)  # (memsnap.containers.RUNTIMES; not imported: the CLI imports this module)
+
+
+def container(field: str, value: str, allow_empty: bool = False) -> str:
+    """A container, as RUNTIME:NAME (podman:web); "" where allow_empty."""
+    _plain(field, value, MAX_KEY, allow_empty)
+    if not value:
+        return value
+    runtime, sep, rest = value.partition(":")
+    if not sep or runtime not in CONTAINER_RUNTIMES or not NAME_RE.fullmatch(rest):
+        raise InvalidArgument(f"{field} {clip(value)} names no container: use podman:NAME with the container's "
+                              "name or id (letters, digits, '.', '_', '-')")
     return value
 
 

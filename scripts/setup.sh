@@ -54,6 +54,8 @@ if [ $want_test = 1 ]; then
     log "PyTorch CPU (for the real-workload test)"
     $PY -m pip install -q --disable-pip-version-check 'torch==2.13.0' 2>&1 | grep -v "Running pip as" || true
   fi
+  log "podman and the container test image (tests/e2e/test_containers.py)"
+  scripts/containers/setup-podman.sh >/dev/null
   log "one-node Slurm"
   scripts/slurm/setup-test-cluster.sh
 fi

@@ -97,12 +97,16 @@ def _drain_note(k: pb.CheckpointInfo, state: str) -> str:
 @click.option("--lazy", is_flag=True, help="resume at once; memory is paged in on demand")
 @click.option("--gpu-map", default="", help="OLD_UUID=NEW_UUID,... to remap GPUs")
 @click.option("--tcp-established", is_flag=True, help="restore established TCP connections")
+@click.option("--into", default="", metavar="podman:NAME",
+              help="a container's checkpoint: the placeholder container to start from its image and restore into")
 @click.pass_obj
 @handle_errors
-def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_established: bool) -> None:
+def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_established: bool, into: str) -> None:
     """Verify a checkpoint (or a job's newest one) and restore it detached.
 
-    A fetch from the store shows its progress on stderr (rate and ETA; -o json: one object per update)."""
+    A container's checkpoint (memsnapctl checkpoint podman:NAME) goes --into a new placeholder container, started
+    from the same image with the same init; its logs go on there. A fetch from the store shows its progress on
+    stderr (rate and ETA; -o json: one object per update)."""
     mapping: dict[str, str] = {}
     for pair in filter(None, gpu_map.split(",")):
         old, sep, new = pair.partition("=")
@@ -114,15 +118,16 @@ def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_esta
     with obj.client() as c:
         r = follow(c, f"restoring {checkpoint_id}",
                    lambda op: c.restore(checkpoint_id, lazy=lazy, gpu_map=mapping, tcp_established=tcp_established,
-                                        op_id=op), obj.json)
+                                        op_id=op, into=into), obj.json)
     chosen = r.job.restored_from or checkpoint_id
     fetched = f", fetched from the store in {human_ms(r.fetch_ms)}" if r.from_store else ""
     if lazy:  # (from the store: only the small files came first, docs/lazy-store.md)
         fetched += "; its memory pages in lazily"
+    placed = f" into container {into.partition(':')[2]}" if into else ""
     obj.emit({"pid": int(r.pid), "job": r.job.id, "checkpoint": chosen, "requested": checkpoint_id,
               "restore_ms": int(r.restore_ms), "verify_ms": int(r.verify_ms), "fetch_ms": int(r.fetch_ms),
-              "from_store": r.from_store},
-             f"restored {chosen} as {r.job.id} (pid {r.pid}) in {human_ms(r.restore_ms)} "
+              "from_store": r.from_store, **({"into": into} if into else {})},
+             f"restored {chosen}{placed} as {r.job.id} (pid {r.pid}) in {human_ms(r.restore_ms)} "
              f"(verify {human_ms(r.verify_ms)}{fetched})")
 
 

@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CgroupMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IGNORE: _ClassVar[CgroupMode]
+    CG_NONE: _ClassVar[CgroupMode]
+    PROPS: _ClassVar[CgroupMode]
+    SOFT: _ClassVar[CgroupMode]
+    FULL: _ClassVar[CgroupMode]
+    STRICT: _ClassVar[CgroupMode]
+    DEFAULT: _ClassVar[CgroupMode]
+
 class NetworkLockMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NETWORK_LOCK_UNSET: _ClassVar[NetworkLockMethod]
@@ -30,6 +40,13 @@ class ReqType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WAIT_PID: _ClassVar[ReqType]
     PAGE_SERVER_CHLD: _ClassVar[ReqType]
     SINGLE_PRE_DUMP: _ClassVar[ReqType]
+IGNORE: CgroupMode
+CG_NONE: CgroupMode
+PROPS: CgroupMode
+SOFT: CgroupMode
+FULL: CgroupMode
+STRICT: CgroupMode
+DEFAULT: CgroupMode
 NETWORK_LOCK_UNSET: NetworkLockMethod
 IPTABLES: NetworkLockMethod
 NFTABLES: NetworkLockMethod
@@ -69,8 +86,18 @@ class InheritFd(_message.Message):
     fd: int
     def __init__(self, key: _Optional[str] = ..., fd: _Optional[int] = ...) -> None: ...
 
+class JoinNamespace(_message.Message):
+    __slots__ = ("ns", "ns_file", "extra_opt")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    NS_FILE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_OPT_FIELD_NUMBER: _ClassVar[int]
+    ns: str
+    ns_file: str
+    extra_opt: str
+    def __init__(self, ns: _Optional[str] = ..., ns_file: _Optional[str] = ..., extra_opt: _Optional[str] = ...) -> None: ...
+
 class Opts(_message.Message):
-    __slots__ = ("images_dir_fd", "pid", "leave_running", "ext_unix_sk", "tcp_established", "shell_job", "file_locks", "log_level", "log_file", "ps", "notify_scripts", "root", "parent_img", "work_dir_fd", "link_remap", "manage_cgroups", "rst_sibling", "inherit_fd", "auto_ext_mnt", "ext_sharing", "ext_masters", "skip_mnt", "external", "timeout", "tcp_skip_in_flight", "lazy_pages", "config_file", "tcp_close", "network_lock", "leave_stopped")
+    __slots__ = ("images_dir_fd", "pid", "leave_running", "ext_unix_sk", "tcp_established", "shell_job", "file_locks", "log_level", "log_file", "ps", "notify_scripts", "root", "parent_img", "work_dir_fd", "link_remap", "manage_cgroups", "rst_sibling", "inherit_fd", "auto_ext_mnt", "ext_sharing", "ext_masters", "skip_mnt", "manage_cgroups_mode", "external", "join_ns", "timeout", "tcp_skip_in_flight", "lazy_pages", "config_file", "tcp_close", "network_lock", "leave_stopped")
     IMAGES_DIR_FD_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     LEAVE_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -93,7 +120,9 @@ class Opts(_message.Message):
     EXT_SHARING_FIELD_NUMBER: _ClassVar[int]
     EXT_MASTERS_FIELD_NUMBER: _ClassVar[int]
     SKIP_MNT_FIELD_NUMBER: _ClassVar[int]
+    MANAGE_CGROUPS_MODE_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_FIELD_NUMBER: _ClassVar[int]
+    JOIN_NS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     TCP_SKIP_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     LAZY_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -123,7 +152,9 @@ class Opts(_message.Message):
     ext_sharing: bool
     ext_masters: bool
     skip_mnt: _containers.RepeatedScalarFieldContainer[str]
+    manage_cgroups_mode: CgroupMode
     external: _containers.RepeatedScalarFieldContainer[str]
+    join_ns: _containers.RepeatedCompositeFieldContainer[JoinNamespace]
     timeout: int
     tcp_skip_in_flight: bool
     lazy_pages: bool
@@ -131,7 +162,7 @@ class Opts(_message.Message):
     tcp_close: bool
     network_lock: NetworkLockMethod
     leave_stopped: bool
-    def __init__(self, images_dir_fd: _Optional[int] = ..., pid: _Optional[int] = ..., leave_running: _Optional[bool] = ..., ext_unix_sk: _Optional[bool] = ..., tcp_established: _Optional[bool] = ..., shell_job: _Optional[bool] = ..., file_locks: _Optional[bool] = ..., log_level: _Optional[int] = ..., log_file: _Optional[str] = ..., ps: _Optional[_Union[PageServerInfo, _Mapping]] = ..., notify_scripts: _Optional[bool] = ..., root: _Optional[str] = ..., parent_img: _Optional[str] = ..., work_dir_fd: _Optional[int] = ..., link_remap: _Optional[bool] = ..., manage_cgroups: _Optional[bool] = ..., rst_sibling: _Optional[bool] = ..., inherit_fd: _Optional[_Iterable[_Union[InheritFd, _Mapping]]] = ..., auto_ext_mnt: _Optional[bool] = ..., ext_sharing: _Optional[bool] = ..., ext_masters: _Optional[bool] = ..., skip_mnt: _Optional[_Iterable[str]] = ..., external: _Optional[_Iterable[str]] = ..., timeout: _Optional[int] = ..., tcp_skip_in_flight: _Optional[bool] = ..., lazy_pages: _Optional[bool] = ..., config_file: _Optional[str] = ..., tcp_close: _Optional[bool] = ..., network_lock: _Optional[_Union[NetworkLockMethod, str]] = ..., leave_stopped: _Optional[bool] = ...) -> None: ...
+    def __init__(self, images_dir_fd: _Optional[int] = ..., pid: _Optional[int] = ..., leave_running: _Optional[bool] = ..., ext_unix_sk: _Optional[bool] = ..., tcp_established: _Optional[bool] = ..., shell_job: _Optional[bool] = ..., file_locks: _Optional[bool] = ..., log_level: _Optional[int] = ..., log_file: _Optional[str] = ..., ps: _Optional[_Union[PageServerInfo, _Mapping]] = ..., notify_scripts: _Optional[bool] = ..., root: _Optional[str] = ..., parent_img: _Optional[str] = ..., work_dir_fd: _Optional[int] = ..., link_remap: _Optional[bool] = ..., manage_cgroups: _Optional[bool] = ..., rst_sibling: _Optional[bool] = ..., inherit_fd: _Optional[_Iterable[_Union[InheritFd, _Mapping]]] = ..., auto_ext_mnt: _Optional[bool] = ..., ext_sharing: _Optional[bool] = ..., ext_masters: _Optional[bool] = ..., skip_mnt: _Optional[_Iterable[str]] = ..., manage_cgroups_mode: _Optional[_Union[CgroupMode, str]] = ..., external: _Optional[_Iterable[str]] = ..., join_ns: _Optional[_Iterable[_Union[JoinNamespace, _Mapping]]] = ..., timeout: _Optional[int] = ..., tcp_skip_in_flight: _Optional[bool] = ..., lazy_pages: _Optional[bool] = ..., config_file: _Optional[str] = ..., tcp_close: _Optional[bool] = ..., network_lock: _Optional[_Union[NetworkLockMethod, str]] = ..., leave_stopped: _Optional[bool] = ...) -> None: ...
 
 class DumpResp(_message.Message):
     __slots__ = ("restored",)

@@ -342,7 +342,7 @@ class CheckpointResponse(_message.Message):
     def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "lazy", "gpu_map", "tcp_established", "op_id")
+    __slots__ = ("checkpoint_id", "lazy", "gpu_map", "tcp_established", "op_id", "into")
     class GpuMapEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,12 +355,14 @@ class RestoreRequest(_message.Message):
     GPU_MAP_FIELD_NUMBER: _ClassVar[int]
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
+    INTO_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     lazy: bool
     gpu_map: _containers.ScalarMap[str, str]
     tcp_established: bool
     op_id: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., gpu_map: _Optional[_Mapping[str, str]] = ..., tcp_established: _Optional[bool] = ..., op_id: _Optional[str] = ...) -> None: ...
+    into: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., gpu_map: _Optional[_Mapping[str, str]] = ..., tcp_established: _Optional[bool] = ..., op_id: _Optional[str] = ..., into: _Optional[str] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("pid", "job", "restore_ms", "verify_ms", "fetch_ms", "from_store", "paged_in_ms", "phases")

@@ -14,7 +14,7 @@ import pytest
 
 from memsnap import cli, cli_fmt
 from memsnap.client import _socket_error
-from memsnap.criu import error_lines
+from memsnap.criulog import error_lines
 
 REPO = Path(__file__).resolve().parents[2]
 

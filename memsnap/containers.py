@@ -1,0 +1,401 @@
+"""Containers as jobs (issue 33): a container's process tree dumped from the host, restored into a placeholder.
+
+memsnap asks the container runtime only for facts (the init's pid, the rootfs, the image) and for a placeholder
+container; the dump and the restore are memsnap's own CRIU calls, so the tier, the drain, the chunk store and lazy
+restores apply to containers as to any job. This is the pattern of NVIDIA Dynamo Snapshot, and of runc's own
+`checkpoint`/`restore`, without the runtime's image tarball:
+
+- The container runs its workload under an init that reaps (its PID 1: `podman run --init`, tini, or the test
+  image's `memtick reap`). memsnap dumps the init's one child and its tree, never the init: the placeholder's
+  own init takes its place, so the restored tree keeps its pids in the placeholder's PID namespace.
+- Dump: the container's rootfs is CRIU's root; its network and PID namespaces are external (keys extNetNs,
+  extPidNs); every mount that shares its filesystem with the host (a bind mount: /etc/hosts, /dev/shm, the cgroup
+  mounts) is external under its container path, so a restore can bind the placeholder's own there; its
+  cgroups are the runtime's (CRIU ignores them).
+- Restore: memsnap starts the placeholder from the same image with the same init and no workload, then CRIU
+  restores the tree into it: the placeholder's rootfs as root, its PID and network namespaces inherited, its IPC
+  and UTS namespaces joined, CRIU started inside its cgroups, each external mount bound from the placeholder's
+  mount at that path, and the tree's stdout/stderr pipes replaced by the placeholder init's (so `podman logs`
+  of the placeholder shows the restored tree's output).
+
+The container's facts travel in the signed manifest (extra["container"]); a restore trusts them only as far
+as they select among the placeholder's own namespaces, mounts and fds.
+
+Who may act: the tree must be the caller's to checkpoint (Checkpointer's usual check on the workload's uid:
+root for a rootful container), and only root may restore a container, because the placeholder is a new
+container. The placeholder is always one memsnap creates under a name nobody uses yet, never an existing container
+a caller names, so a restore can never enter another tenant's namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound
+
+log = logging.getLogger("memsnap.containers")
+
+RUNTIMES = ("podman",)
+NET_KEY, PID_KEY = "extNetNs", "extPidNs"
+# podman's own rule for names (and a 64-hex id is one too).
+_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")
+_PIPE = re.compile(r"pipe:\[\d{1,20}\]")
+_PODMAN_TIMEOUT_S = 60.0
+
+
+def parse_target(target: str) -> tuple[str, str] | None:
+    """("podman", NAME) for a target "podman:NAME"; None for any other target (a pid, a job)."""
+    runtime, sep, name = target.partition(":")
+    if not sep or runtime not in RUNTIMES:
+        return None
+    if not _NAME.fullmatch(name):
+        raise InvalidArgument(f"{target[:80]!r} names no container: use {runtime}:NAME with the container's "
+                              "name or id (letters, digits, '_', '.', '-')")
+    return runtime, name
+
+
+@dataclass
+class ContainerFacts:
+    """What a restore needs to know of the container a tree was dumped from (signed into its manifest)."""
+
+    runtime: str
+    id: str
+    name: str
+    image: str  # the image's id: the placeholder starts from the very same image
+    init_argv: list[str]  # the container's PID 1 without the workload's own argv: the placeholder's command
+    network: str  # the runtime's network mode ("none", "bridge", ...): the placeholder gets the same kind
+    mounts: list[str] = field(default_factory=list)  # container paths of the mounts made external
+    stdio: dict[str, str] = field(default_factory=dict)  # "1"/"2" -> CRIU's key for that pipe ("pipe:[ino]")
+    pid_in_container: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"runtime": self.runtime, "id": self.id, "name": self.name, "image": self.image,
+                "init_argv": list(self.init_argv), "network": self.network, "mounts": list(self.mounts),
+                "stdio": dict(self.stdio), "pid_in_container": self.pid_in_container}
+
+    @classmethod
+    def from_manifest(cls, d: object) -> ContainerFacts:
+        """The facts of a verified manifest, checked for the shapes memsnap writes (FailedPrecondition if not)."""
+        bad = FailedPrecondition("the checkpoint's container facts are malformed; restore it with the memsnap "
+                                 "version that made it")
+        if not isinstance(d, dict):
+            raise bad
+        try:
+            f = cls(runtime=d["runtime"], id=d["id"], name=d["name"], image=d["image"],
+                    init_argv=list(d["init_argv"]), network=d["network"], mounts=list(d["mounts"]),
+                    stdio=dict(d["stdio"]), pid_in_container=int(d.get("pid_in_container", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad from exc
+        strs = [f.runtime, f.id, f.name, f.image, f.network, *f.init_argv, *f.mounts]
+        if f.runtime not in RUNTIMES or not all(isinstance(s, str) for s in strs) or not f.init_argv \
+                or not all(_container_path(m) for m in f.mounts) \
+                or not all(k in ("0", "1", "2") and isinstance(v, str) and _PIPE.fullmatch(v)
+                           for k, v in f.stdio.items()):
+            raise bad
+        return f
+
+
+@dataclass
+class Running:
+    """A running container as its runtime reports it."""
+
+    id: str
+    name: str
+    image: str
+    init_pid: int
+    rootfs: str
+    network: str
+
+
+# -- the runtime (podman's CLI; containerd's CRI would be a second implementation) -------------------------------
+
+def podman_binary() -> str:
+    path = shutil.which("podman")
+    if not path:
+        raise FailedPrecondition("podman is not installed on this node (scripts/containers/setup-podman.sh)")
+    return path
+
+
+def _podman(*args: str, timeout: float = _PODMAN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([podman_binary(), *args], capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise FailedPrecondition(f"podman {args[0]} did not answer within {timeout:.0f} s") from exc
+
+
+def inspect(runtime: str, name: str) -> Running:
+    """The running container NAME (NotFound if none, FailedPrecondition if it is not running)."""
+    r = _podman("container", "inspect", "--format", "json", name)
+    if r.returncode != 0:
+        raise NotFound(f"no {runtime} container {name!r} on this node ('podman ps -a' lists them)")
+    try:
+        d = json.loads(r.stdout)[0]
+        state = d["State"]
+        if not state.get("Running") or int(state.get("Pid") or 0) <= 0:
+            raise FailedPrecondition(f"{runtime} container {name!r} is not running")
+        return Running(id=d["Id"], name=d["Name"], image=d["Image"], init_pid=int(state["Pid"]),
+                       rootfs=d["GraphDriver"]["Data"]["MergedDir"],
+                       network=str(d.get("HostConfig", {}).get("NetworkMode") or "bridge"))
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise FailedPrecondition(f"podman reported container {name!r} in a shape memsnap does not know") from exc
+
+
+def run_placeholder(facts: ContainerFacts, name: str) -> Running:
+    """Starts the placeholder NAME: the image of facts, its init with no workload, the same kind of network."""
+    network = facts.network if facts.network in ("none", "bridge", "slirp4netns", "host") else "bridge"
+    if network == "host":
+        raise FailedPrecondition("a container on the host's network cannot be restored into a placeholder")
+    r = _podman("run", "-d", "--name", name, "--network", network, "--label", f"memsnap.restored-from={facts.id}",
+                facts.image, *facts.init_argv)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["podman run failed"])[-1]
+        if "already in use" in why:
+            raise FailedPrecondition(f"a container named {name!r} exists already: restore into a new name")
+        raise FailedPrecondition(f"could not start the placeholder {name!r} from image {facts.image[:19]}: "
+                                 f"{why[:200]}")
+    try:
+        return inspect(facts.runtime, name)
+    except Exception:
+        remove(name)
+        raise
+
+
+def remove(name: str) -> None:
+    """Removes a placeholder memsnap made (a restore into it failed); logs, never raises."""
+    try:
+        r = _podman("rm", "-f", "-t", "0", name)
+        if r.returncode != 0:
+            log.warning("could not remove placeholder %s: %s", name, r.stderr.strip()[:200])
+    except Exception as exc:  # (a failed restore's cleanup: its own error is the one to report)
+        log.warning("could not remove placeholder %s: %s", name, exc)
+
+
+# -- facts of the host's processes and mounts --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mount:
+    dev: str  # major:minor
+    root: str  # the mount's root within its filesystem
+    point: str  # where it is mounted (as the namespace sees it)
+    fstype: str
+    super_opts: str
+
+
+def mountinfo(pid: int | str) -> list[Mount]:
+    out = []
+    with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            a, b = left.split(), right.split()
+            if len(a) < 5 or len(b) < 3:
+                continue
+            out.append(Mount(dev=a[2], root=_unescape(a[3]), point=_unescape(a[4]), fstype=b[0], super_opts=b[2]))
+    return out
+
+
+def _unescape(s: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def _container_path(p: object) -> bool:
+    return isinstance(p, str) and p.startswith("/") and p != "/" and len(p) < 4096 \
+        and ".." not in p.split("/") and "\x00" not in p and "[" not in p and "]" not in p
+
+
+def external_mounts(pid: int) -> list[str]:
+    """The container paths of pid's mounts whose filesystem is also mounted on the host (bind mounts of the host's
+    files and of its cgroup and shm mounts): CRIU cannot dump them, a restore binds the placeholder's there. The
+    rootfs itself is CRIU's root, not a mount of its own."""
+    host_devs = {m.dev for m in mountinfo("self")}
+    return [m.point for m in mountinfo(pid) if m.point != "/" and m.dev in host_devs and _container_path(m.point)]
+
+
+def host_path_of(pid: int, point: str) -> str:
+    """Where, in memsnapd's mount namespace, the filesystem pid sees mounted at point can be bound from (the host
+    mount of the same filesystem whose root holds it), or FailedPrecondition."""
+    theirs = [m for m in mountinfo(pid) if m.point == point]
+    if not theirs:
+        raise FailedPrecondition(f"the placeholder has no mount at {point}, which the checkpointed container had")
+    m = theirs[-1]  # (the top one, where several are stacked)
+    best = None
+    for h in mountinfo("self"):
+        if h.dev != m.dev:
+            continue
+        rel = os.path.relpath(m.root, h.root) if h.root != "/" else m.root.lstrip("/")
+        if rel == ".." or rel.startswith("../"):
+            continue
+        if best is None or len(h.root) > len(best[0].root):
+            best = (h, rel)
+    if best is None:
+        raise FailedPrecondition(f"the placeholder's mount at {point} is not reachable from the host")
+    h, rel = best
+    return os.path.normpath(os.path.join(h.point, rel)) if rel not in ("", ".") else h.point
+
+
+def cgroup_procs_files(pid: int) -> list[str]:
+    """The cgroup.procs file of each of pid's cgroups (v1 hierarchies and the v2 one), as mounted on the host."""
+    mounts = [m for m in mountinfo("self") if m.fstype in ("cgroup", "cgroup2")]
+    out = []
+    with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
+        for line in f:
+            _hid, ctrls, path = line.rstrip("\n").split(":", 2)
+            want = set(ctrls.split(",")) if ctrls else set()
+            for m in mounts:
+                if (m.fstype == "cgroup2") == (not want) and (not want or want <= set(m.super_opts.split(","))):
+                    rel = os.path.relpath(path, m.root)
+                    if rel == ".." or rel.startswith("../"):
+                        continue
+                    procs = os.path.normpath(os.path.join(m.point, rel, "cgroup.procs"))
+                    if os.path.exists(procs):
+                        out.append(procs)
+                    break
+    return out
+
+
+def _ns_inode(pid: int, ns: str) -> int:
+    link = os.readlink(f"/proc/{pid}/ns/{ns}")  # "net:[4026532512]"
+    return int(link[link.index("[") + 1:-1])
+
+
+def _children(pid: int) -> list[int]:
+    """pid's children, but for zombies (an init reaps them)."""
+    kids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                kids += [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+    return [k for k in kids if not _zombie(k)]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode(errors="surrogateescape") for a in f.read().split(b"\0")[:-1]]
+
+
+def _nspid(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return 0
+
+
+# -- what the Checkpointer and the Restorer ask ----------------------------------------------------------------
+
+@dataclass
+class DumpPlan:
+    pid: int  # the workload: the root of the dumped tree
+    facts: ContainerFacts
+    dump_opts: dict[str, Any]
+
+
+def plan_dump(runtime: str, name: str) -> DumpPlan:
+    """How to dump container NAME's workload (the init's one child and its tree)."""
+    c = inspect(runtime, name)
+    kids = _children(c.init_pid)
+    if len(kids) != 1:
+        what = "no child: its PID 1 is the workload itself" if not kids else f"{len(kids)} children"
+        raise FailedPrecondition(f"container {name!r} has {what}; memsnap checkpoints a container whose PID 1 is "
+                                 "an init that reaps (podman run --init, tini) with one workload child")
+    pid = kids[0]
+    init_argv, argv = _cmdline(c.init_pid), _cmdline(pid)
+    # The placeholder runs the init alone: its argv without the workload's (an init runs "init [--] cmd args").
+    if len(init_argv) > len(argv) and init_argv[-len(argv):] == argv:
+        init_argv = init_argv[:-len(argv)]
+        if init_argv[-1:] == ["--"]:
+            init_argv = init_argv[:-1]
+    stdio = {}
+    for fd in ("0", "1", "2"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if _PIPE.fullmatch(link):
+            stdio[fd] = link
+    mounts = external_mounts(pid)
+    facts = ContainerFacts(runtime=runtime, id=c.id, name=c.name, image=c.image, init_argv=init_argv,
+                           network=c.network, mounts=mounts, stdio=stdio, pid_in_container=_nspid(pid))
+    external = [f"net[{_ns_inode(pid, 'net')}]:{NET_KEY}", f"pid[{_ns_inode(pid, 'pid')}]:{PID_KEY}",
+                *(f"mnt[{m}]:{m}" for m in mounts)]
+    return DumpPlan(pid=pid, facts=facts, dump_opts={"root": c.rootfs, "cgroups_ignore": True, "external": external,
+                                                     "shell_job": False})
+
+
+@dataclass
+class Placement:
+    """A placeholder made for a restore, and the CRIU options that restore the tree into it."""
+
+    name: str
+    running: Running
+    restore_opts: dict[str, Any]
+    fds: list[int]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+
+def parse_into(into: str) -> tuple[str, str]:
+    """("podman", NAME) for a restore target "podman:NAME", else InvalidArgument."""
+    got = parse_target(into)
+    if got is None:
+        raise InvalidArgument(f"--into {into[:80]!r}: name the placeholder to create as podman:NAME")
+    return got
+
+
+def place(facts: ContainerFacts, into: str) -> Placement:
+    """Starts the placeholder `into` names and prepares CRIU's options for it; the caller closes it (fds) and
+    removes the container if the restore fails."""
+    runtime, name = parse_into(into)
+    if runtime != facts.runtime:
+        raise FailedPrecondition(f"the checkpoint is of a {facts.runtime} container; restore it --into "
+                                 f"{facts.runtime}:NAME")
+    running = run_placeholder(facts, name)
+    fds: list[int] = []
+    try:
+        init = running.init_pid
+        if facts.pid_in_container and os.path.exists(f"/proc/{init}/root/proc/{facts.pid_in_container}"):
+            raise FailedPrecondition(f"pid {facts.pid_in_container} is taken in the placeholder {name!r}")
+
+        def opened(path: str, flags: int) -> int:
+            fd = os.open(path, flags | os.O_CLOEXEC)
+            fds.append(fd)
+            return fd
+        inherit = {PID_KEY: opened(f"/proc/{init}/ns/pid", os.O_RDONLY),
+                   NET_KEY: opened(f"/proc/{init}/ns/net", os.O_RDONLY)}
+        for num, key in facts.stdio.items():
+            if num != "0":  # (the init's stdout and stderr: the placeholder's log)
+                inherit[key] = opened(f"/proc/{init}/fd/{num}", os.O_WRONLY)
+        join = {ns: opened(f"/proc/{init}/ns/{ns}", os.O_RDONLY) for ns in ("ipc", "uts")}
+        external = [f"mnt[{m}]:{host_path_of(init, m)}" for m in facts.mounts]
+        log.info("placeholder %s started from image %s, its init is pid %d", name, facts.image[:12], init)
+        opts = {"root": running.rootfs, "cgroups_ignore": True, "external": external, "inherit_fds": inherit,
+                "join_ns": join, "cgroup_procs": cgroup_procs_files(init), "pidns_fd": inherit[PID_KEY]}
+        return Placement(name=name, running=running, restore_opts=opts, fds=fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        remove(name)
+        raise

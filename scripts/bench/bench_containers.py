@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Containers (issue 33): memsnap's checkpoint and restore of a podman container beside podman's own.
+
+Per size and rep, on fresh containers of the test image (scripts/containers/build-test-image.sh), each holding
+MiB of random memory (tests/workloads/memtick.c):
+  podman:  `podman container checkpoint NAME` (CRIU via runc, the image kept in podman's storage; the container
+           stops), then `podman container restore NAME` (same container, same namespaces).
+  memsnap: Checkpoint("podman:NAME", stop) into the tier, Restore(--into a new placeholder) from the tier; then a
+           checkpoint made durable, its tier copy evicted, caches dropped, and Restore(--into) from the store.
+Every restore is checked: the workload's next digest line equals its first. Medians with (min-max).
+
+    scripts/bench/bench_containers.py [--mib 256,1024] [--reps 3] [--out bench/results/containers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.helpers import DaemonProc, wait_for  # noqa: E402
+
+
+def podman(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=600, check=True)
+
+
+def logs(name: str) -> str:
+    r = subprocess.run(["podman", "logs", name], capture_output=True, text=True, timeout=60)
+    return r.stdout
+
+
+def digests(text: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1)), m.group(2)) for m in re.finditer(r"^tick (\d+) ([0-9a-f]{16}) fresh$", text, re.M)]
+
+
+def start(image: str, name: str, mib: int) -> str:
+    podman("run", "-d", "--name", name, "--network", "none", image, "/memtick", "reap", "/memtick", "--mib", str(mib),
+           "--interval-ms", "100", "--digest-every", "5")
+    wait_for(lambda: digests(logs(name)), 120, what=f"{name} to tick")
+    m = re.search(r"^start ([0-9a-f]{16})$", logs(name), re.M)
+    assert m
+    return m.group(1)
+
+
+def went_on(name: str, digest: str, after: int = 0) -> None:
+    wait_for(lambda: any(t > after for t, _ in digests(logs(name))), 120, what=f"{name} to go on")
+    got = {d for t, d in digests(logs(name)) if t > after}
+    assert got == {digest}, f"{name}: memory changed ({got} != {digest})"
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    t0 = time.monotonic()
+    out = fn()
+    return time.monotonic() - t0, out
+
+
+def one(d: DaemonProc, image: str, mib: int) -> dict[str, float]:
+    tag = secrets.token_hex(3)
+    out: dict[str, float] = {}
+    # podman's own
+    name = f"bp-{tag}"
+    digest = start(image, name, mib)
+    out["podman_checkpoint_s"], _ = timed(lambda: podman("container", "checkpoint", name))
+    last = max(t for t, _ in digests(logs(name)))
+    out["podman_restore_s"], _ = timed(lambda: podman("container", "restore", name))
+    went_on(name, digest, last)
+    podman("rm", "-f", "-t", "0", name)
+    # memsnap's: from the tier, then from the store
+    src, dst, dst2 = f"bm-{tag}", f"bm-{tag}-r", f"bm-{tag}-s"
+    digest = start(image, src, mib)
+    with d.client() as c:
+        t, ck = timed(lambda: c.checkpoint(f"podman:{src}", stop=True))
+        out["memsnap_checkpoint_s"], out["memsnap_frozen_s"] = t, ck.frozen_ms / 1000
+        t, r = timed(lambda: c.restore(ck.id, into=f"podman:{dst}"))
+        out["memsnap_restore_tier_s"], out["memsnap_criu_restore_s"] = t, r.restore_ms / 1000
+        out["memsnap_placeholder_s"] = next((p.ms for p in r.phases if p.name == "placeholder"), 0) / 1000
+        went_on(dst, digest)
+        podman("rm", "-f", "-t", "0", src)
+        ck2 = c.checkpoint(f"podman:{dst}", stop=True, wait_durable=True)
+        c.evict(ck2.id)
+        drop_caches()
+        t, r = timed(lambda: c.restore(ck2.id, into=f"podman:{dst2}"))
+        out["memsnap_restore_store_s"], out["memsnap_fetch_s"] = t, r.fetch_ms / 1000
+        went_on(dst2, digest)
+        for ident in (ck.id, ck2.id):
+            c.delete(ident)
+    for n in (dst, dst2):
+        podman("rm", "-f", "-t", "0", n)
+    return out
+
+
+def med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", default="256,1024")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "containers"))
+    a = ap.parse_args()
+    image = subprocess.run([str(REPO / "scripts" / "containers" / "build-test-image.sh")], capture_output=True,
+                           text=True, check=True).stdout.split()[-1]
+    base = Path("/var/tmp/memsnap-bench-containers")
+    subprocess.run(["rm", "-rf", str(base)], check=True)
+    d = DaemonProc(base).start()
+    load0 = os.getloadavg()
+    t0 = time.time()
+    results: dict[int, list[dict[str, float]]] = {}
+    try:
+        for rep in range(a.reps):
+            for mib in (int(x) for x in a.mib.split(",")):
+                results.setdefault(mib, []).append(one(d, image, mib))
+                print(f"rep {rep} {mib} MiB: {results[mib][-1]}", file=sys.stderr)
+    finally:
+        d.cleanup()
+    load1 = os.getloadavg()
+    podman_v = podman("--version").stdout.strip()
+    rows = [("podman container checkpoint (CLI wall)", "podman_checkpoint_s"),
+            ("memsnap Checkpoint podman:NAME --stop (RPC wall, into the tier)", "memsnap_checkpoint_s"),
+            ("... of which the workload was frozen (CRIU)", "memsnap_frozen_s"),
+            ("podman container restore (CLI wall)", "podman_restore_s"),
+            ("memsnap Restore --into, from the tier (RPC wall, placeholder started)", "memsnap_restore_tier_s"),
+            ("... of which CRIU's restore", "memsnap_criu_restore_s"),
+            ("... and the placeholder's start (podman run)", "memsnap_placeholder_s"),
+            ("memsnap Restore --into, from the store (evicted, caches dropped)", "memsnap_restore_store_s"),
+            ("... of which the fetch", "memsnap_fetch_s")]
+    sizes = sorted(results)
+    lines = [
+        "# Containers: memsnap beside podman's own checkpoint/restore (issue 33)", "",
+        f"Generated by `scripts/bench/bench_containers.py --mib {a.mib} --reps {a.reps}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))} ({(time.time() - t0) / 60:.1f} min). "
+        f"Seconds, median of {a.reps} (min-max). {podman_v} with runc, CRIU "
+        f"4.1.1 (ours, both); kernel {platform.release()}; 2-core VM; load average "
+        f"{load0[0]:.2f} at the start, {load1[0]:.2f} at the end. Raw data: `containers.json`.", "",
+        "Every restore was checked: the workload's digest of its memory after the restore equals its first.", "",
+        "| path | " + " | ".join(f"{m} MiB" for m in sizes) + " |",
+        "|---|" + "---:|" * len(sizes)]
+    for label, key in rows:
+        lines.append(f"| {label} | " + " | ".join(med([r[key] for r in results[m]]) for m in sizes) + " |")
+    lines += ["", "podman keeps the container (its namespaces, its IP) and restores into it; memsnap restores into a "
+              "new placeholder container it starts from the same image (`podman run`), "
+              "with the tier, the drain to the store and the store behind it."]
+    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    Path(a.out + ".json").write_text(json.dumps({"mib": sizes, "reps": a.reps, "results": results,
+                                                 "load": [load0, load1], "podman": podman_v}, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

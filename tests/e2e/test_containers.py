@@ -1,0 +1,206 @@
+"""Containers (issue 33): a real podman container's workload checkpointed from the host and restored into a
+placeholder container that memsnap starts from the same image, with its memory digest and its logs going on.
+
+The image is built locally by scripts/containers/build-test-image.sh (busybox and tests/workloads/memtick.c, no
+registry); scripts/setup.sh --test installs podman (scripts/containers/setup-podman.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.test_security_jobs import call_as
+from tests.helpers import NOBODY, REPO, DaemonProc, assert_node_healthy, wait_for
+
+MIB = 256
+
+
+def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    if shutil.which("podman") is None:
+        pytest.fail("podman is not installed: run scripts/containers/setup-podman.sh (scripts/setup.sh --test does)")
+    r = subprocess.run([str(REPO / "scripts" / "containers" / "build-test-image.sh")], capture_output=True,
+                       text=True, timeout=300, check=True)
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def names() -> Iterator[list[str]]:
+    """Container names for one test, each unique; every container so named is removed at teardown."""
+    made: list[str] = []
+    yield made
+    for n in made:
+        podman("rm", "-f", "-t", "0", n, check=False)
+
+
+def new_name(names: list[str], what: str) -> str:
+    n = f"ms-{what}-{secrets.token_hex(3)}"
+    names.append(n)
+    return n
+
+
+def start(image: str, name: str, mib: int = MIB) -> None:
+    podman("run", "-d", "--name", name, "--network", "none", image,
+           "/memtick", "reap", "/memtick", "--mib", str(mib), "--interval-ms", "100", "--digest-every", "10")
+
+
+def logs(name: str) -> str:
+    r = podman("logs", name, check=False)
+    return r.stdout + r.stderr
+
+
+def ticks(text: str) -> list[tuple[int, str, bool]]:
+    return [(int(m.group(1)), m.group(2), bool(m.group(3)))
+            for m in re.finditer(r"^tick (\d+) ([0-9a-f]{16})( fresh)?$", text, re.M)]
+
+
+def start_digest(text: str) -> str:
+    m = re.search(r"^start ([0-9a-f]{16})$", text, re.M)
+    assert m, text[-500:]
+    return m.group(1)
+
+
+def state(name: str) -> dict:
+    return json.loads(podman("container", "inspect", "--format", "json", name).stdout)[0]["State"]
+
+
+def ns(pid: int, kind: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def in_pidns(pid: int) -> list[int]:
+    """The host pids of every process (zombies too) in pid's PID namespace."""
+    want, out = os.stat(f"/proc/{pid}/ns/pid").st_ino, []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{p}/ns/pid").st_ino == want:
+                out.append(int(p))
+        except OSError:
+            pass
+    return out
+
+
+def cgroups(pid: int) -> str:
+    with open(f"/proc/{pid}/cgroup") as f:
+        return f.read()
+
+
+def test_a_container_checkpointed_to_the_store_comes_back_in_a_placeholder_with_its_memory_and_its_logs(
+        daemon: DaemonProc, image: str, names: list[str]) -> None:
+    src, dst = new_name(names, "src"), new_name(names, "dst")
+    start(image, src)
+    wait_for(lambda: len(ticks(logs(src))) >= 3, 60, what="the container's workload to tick")
+    digest = start_digest(logs(src))
+
+    ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", "--wait", "durable",
+                               check=True).stdout)
+    assert ck["name"] == src
+    wait_for(lambda: not state(src)["Running"], 30, what="the source container to end with its workload")
+    last = max(t for t, _, _ in ticks(logs(src)))
+    daemon.ctl("evict", ck["id"], check=True)  # (the restore comes from the store)
+
+    r = json.loads(daemon.ctl("--json", "restore", ck["id"], "--into", f"podman:{dst}", check=True).stdout)
+    assert r["from_store"] and r["into"] == f"podman:{dst}"
+    wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
+             what="the restored workload to compute its digest again in the placeholder")
+    after = ticks(logs(dst))
+    assert after[0][0] == last + 1, f"the placeholder's log starts at tick {after[0][0]}, the source ended at {last}"
+    assert {d for _, d, _ in after} == {digest}, "the restored workload's memory differs from the dumped one"
+
+    # The tree lives in the placeholder: its PID, network, IPC and UTS namespaces, its cgroups.
+    init = int(state(dst)["Pid"])
+    assert r["pid"] != init and os.path.exists(f"/proc/{init}/task/{init}/children")
+    for kind in ("pid", "net", "ipc", "uts"):
+        assert ns(r["pid"], kind) == ns(init, kind), f"restored into another {kind} namespace"
+    assert cgroups(r["pid"]) == cgroups(init)
+    assert str(r["pid"]) in open(f"/proc/{init}/task/{init}/children").read().split()
+    # Nothing else in there: CRIU and the shell that started it there are gone (and reaped by the init).
+    wait_for(lambda: sorted(in_pidns(init)) == sorted([init, r["pid"]]), 10,
+             what="the placeholder to hold its init and the workload only")
+    assert_node_healthy(daemon)
+
+    podman("stop", "-t", "10", dst)  # (its init passes SIGTERM on and ends with the workload)
+    assert state(dst)["ExitCode"] == 128 + 15
+
+
+def test_a_container_restore_that_cannot_start_its_placeholder_fails_cleanly_and_stays_restorable(
+        daemon: DaemonProc, image: str, names: list[str]) -> None:
+    # An image of its own (the same files, another id), removed after the checkpoint: the placeholder cannot start.
+    doomed = f"localhost/memsnap-doomed:{secrets.token_hex(3)}"
+    podman("commit", "--change", f"LABEL memsnap.test={doomed}", podman("create", image).stdout.strip(), doomed)
+    src, taken, dst = new_name(names, "src"), new_name(names, "taken"), new_name(names, "dst")
+    start(doomed, src, mib=32)
+    start(image, taken, mib=8)
+    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+    ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
+
+    # Without --into, and into a name that is taken (never entered: that container runs on, untouched).
+    r = daemon.ctl("restore", ck["id"])
+    assert r.returncode != 0 and "--into podman:NEWNAME" in r.stderr, r.stderr
+    before = ticks(logs(taken))[-1][0]
+    r = daemon.ctl("restore", ck["id"], "--into", f"podman:{taken}")
+    assert r.returncode != 0 and "exists already" in r.stderr, r.stderr
+    wait_for(lambda: ticks(logs(taken))[-1][0] > before + 2, 30, what="the other container to tick on")
+    assert len(podman("container", "inspect", "--format", "{{.State.Pid}}", taken).stdout.split()) == 1
+
+    podman("rm", "-f", "-t", "0", src)
+    podman("rmi", doomed)
+    r = daemon.ctl("restore", ck["id"], "--into", f"podman:{dst}")
+    assert r.returncode != 0 and "could not start the placeholder" in r.stderr, r.stderr
+    assert podman("container", "exists", dst, check=False).returncode == 1, "a failed restore left its placeholder"
+    assert_node_healthy(daemon)
+    assert json.loads(daemon.ctl("--json", "show", ck["id"], check=True).stdout)["state"] in ("staged", "durable")
+
+
+def test_containers_are_root_s_to_checkpoint_and_restore_not_nobody_s(
+        open_daemon: DaemonProc, image: str, names: list[str]) -> None:
+    src, dst = new_name(names, "src"), new_name(names, "dst")
+    start(image, src, mib=8)
+    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+
+    code, msg = call_as(NOBODY, open_daemon, "checkpoint", f"podman:{src}")
+    assert code == "PERMISSION_DENIED", msg
+    n = ticks(logs(src))[-1][0]
+    wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the container to tick on (never frozen)")
+
+    ck = json.loads(open_daemon.ctl("--json", "checkpoint", f"podman:{src}", check=True).stdout)
+    code, msg = call_as(NOBODY, open_daemon, "restore", ck["id"], into=f"podman:{dst}")
+    assert code == "PERMISSION_DENIED", msg
+    assert podman("container", "exists", dst, check=False).returncode == 1
+    code, msg = call_as(NOBODY, open_daemon, "restore", ck["id"], into="podman:../../etc")
+    assert code == "INVALID_ARGUMENT", msg
+
+
+def test_a_container_restore_whose_placeholder_dies_before_criu_fails_cleanly_and_stays_restorable(
+        make_daemon: object, image: str, names: list[str]) -> None:
+    d = make_daemon("slow", env={"MEMSNAP_FAILPOINTS": "slow-placeholder"}).start()  # type: ignore[operator]
+    src, dst = new_name(names, "src"), new_name(names, "dst")
+    start(image, src, mib=32)
+    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+    ck = json.loads(d.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": d.socket}
+    restoring = subprocess.Popen([sys.executable, "-m", "memsnap.cli", "restore", ck["id"], "--into",
+                                  f"podman:{dst}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: f"placeholder {dst} started" in d.log.read_text(), 30, what="memsnap to start the placeholder")
+    podman("kill", dst)  # (memsnap waits 3 s before CRIU: the placeholder is gone by then)
+    _, err = restoring.communicate(timeout=120)
+    assert restoring.returncode != 0 and f"restore of {ck['id']} failed" in err, err
+    assert podman("container", "exists", dst, check=False).returncode == 1, "a failed restore left its placeholder"
+    assert_node_healthy(d, restorable={ck["id"]})
+

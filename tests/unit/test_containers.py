@@ -1,0 +1,107 @@
+"""memsnap.containers' pure logic: which targets name a container, which container facts a restore accepts from a
+manifest, where a placeholder's mounts are bound from, and who may restore into a new container (fast; no podman;
+tests/e2e/test_containers.py runs the real thing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memsnap import containers, validate
+from memsnap.catalog import Catalog
+from memsnap.containers import ContainerFacts, Mount
+from memsnap.engine import Caller, Engine, EngineConfig
+from memsnap.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from memsnap.tier import MemoryTier
+
+pytestmark = pytest.mark.unit
+
+
+def facts(**kw: Any) -> dict[str, Any]:
+    d = ContainerFacts(runtime="podman", id="a" * 64, name="web", image="b" * 64, init_argv=["/memtick", "reap"],
+                       network="none", mounts=["/etc/hosts", "/dev/shm", "/sys/fs/cgroup/cpu"],
+                       stdio={"1": "pipe:[123]", "2": "pipe:[124]"}, pid_in_container=6).to_dict()
+    d.update(kw)
+    return d
+
+
+def test_a_container_target_is_runtime_colon_name_and_anything_else_is_not_a_container() -> None:
+    assert containers.parse_target("podman:web") == ("podman", "web")
+    assert containers.parse_target("podman:" + "f" * 64) == ("podman", "f" * 64)
+    assert containers.parse_target("1234") is None
+    assert containers.parse_target("job-1") is None
+    assert containers.parse_target("1000:train") is None  # (UID:NAME, a job)
+    for bad in ("podman:", "podman:../x", "podman:a/b", "podman:-x", "podman:a b"):
+        with pytest.raises(InvalidArgument):
+            containers.parse_target(bad)
+
+
+def test_the_api_validates_container_targets_and_placeholders_as_names() -> None:
+    assert validate.key("target", "podman:web") == "podman:web"
+    assert validate.container("into", "podman:web-2") == "podman:web-2"
+    assert validate.container("into", "", allow_empty=True) == ""
+    for bad in ("podman:../../etc", "docker:web", "web", "podman:web/x", "podman:" + "a" * 200):
+        with pytest.raises(InvalidArgument):
+            validate.container("into", bad)
+    with pytest.raises(InvalidArgument):
+        validate.key("target", "podman:../x")
+
+
+def test_container_facts_from_a_manifest_round_trip() -> None:
+    f = ContainerFacts.from_manifest(facts())
+    assert f.to_dict() == facts()
+
+
+@pytest.mark.parametrize("change", [
+    {"runtime": "docker"}, {"mounts": ["/etc/../root"]}, {"mounts": ["relative"]}, {"mounts": ["/"]},
+    {"mounts": ["/x]:/etc/shadow"]}, {"stdio": {"1": "/etc/shadow"}}, {"stdio": {"7": "pipe:[1]"}},
+    {"init_argv": []}, {"init_argv": [1]}, {"image": None}, {"network": 3}])
+def test_malformed_container_facts_are_refused(change: dict[str, Any]) -> None:
+    with pytest.raises(FailedPrecondition):
+        ContainerFacts.from_manifest(facts(**change))
+    with pytest.raises(FailedPrecondition):
+        ContainerFacts.from_manifest("not a dict")
+
+
+def test_a_placeholder_mount_is_bound_from_the_host_mount_of_the_same_filesystem(monkeypatch: Any) -> None:
+    theirs = [Mount("0:41", "/", "/", "overlay", "rw"),
+              Mount("254:0", "/run/containers/x/userdata/hosts", "/etc/hosts", "ext4", "rw"),
+              Mount("0:52", "/", "/dev/shm", "tmpfs", "rw"),
+              Mount("0:29", "/libpod_parent/libpod-x", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu")]
+    ours = [Mount("254:0", "/", "/", "ext4", "rw"),
+            Mount("0:52", "/", "/var/lib/containers/x/userdata/shm", "tmpfs", "rw"),
+            Mount("0:29", "/", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu"),
+            Mount("0:29", "/libpod_parent", "/elsewhere", "cgroup", "rw,cpu")]
+    monkeypatch.setattr(containers, "mountinfo", lambda pid: ours if pid == "self" else theirs)
+    assert containers.host_path_of(42, "/etc/hosts") == "/run/containers/x/userdata/hosts"
+    assert containers.host_path_of(42, "/dev/shm") == "/var/lib/containers/x/userdata/shm"
+    # (the host mount whose root holds it most closely)
+    assert containers.host_path_of(42, "/sys/fs/cgroup/cpu") == "/elsewhere/libpod-x"
+    with pytest.raises(FailedPrecondition, match="no mount at /etc/resolv.conf"):
+        containers.host_path_of(42, "/etc/resolv.conf")
+    assert containers.external_mounts.__doc__  # (reads the same tables)
+    monkeypatch.setattr(containers, "mountinfo", lambda pid: ours if pid == "self" else theirs)
+    assert containers.external_mounts(42) == ["/etc/hosts", "/dev/shm", "/sys/fs/cgroup/cpu"]
+
+
+def test_a_host_mount_outside_the_filesystem_root_is_never_used(monkeypatch: Any) -> None:
+    theirs = [Mount("0:29", "/a/b", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu")]
+    ours = [Mount("0:29", "/c", "/mnt/c", "cgroup", "rw,cpu")]
+    monkeypatch.setattr(containers, "mountinfo", lambda pid: ours if pid == "self" else theirs)
+    with pytest.raises(FailedPrecondition, match="not reachable"):
+        containers.host_path_of(42, "/sys/fs/cgroup/cpu")
+
+
+def test_only_root_may_restore_into_a_new_container(tmp_path: Path) -> None:
+    cat = Catalog(tmp_path / "state")
+    e = Engine(EngineConfig(state_dir=tmp_path / "state"), cat, MemoryTier(tmp_path / "tier"), None,  # type: ignore[arg-type]
+               b"k" * 32)
+    try:
+        with pytest.raises(PermissionDenied, match="only root"):
+            e.restore(Caller(1000, 1000), "ck-x", into="podman:web2")
+        with pytest.raises(InvalidArgument):
+            e.restore(Caller(0), "ck-x", into="docker:web2")
+    finally:
+        cat.close()
