@@ -233,6 +233,7 @@ class MemsnapServicer(pb_grpc.MemsnapServicer):
         v.ifname("move_ip_dev_source", request.move_ip_dev_source)
         v.ifname("move_ip_dev_target", request.move_ip_dev_target)
         v.token("to_token", request.to_token)
+        v.container("into", request.into, allow_empty=True)
         req = MoveRequest(**{f.name: getattr(request, f.name) for f in dataclasses.fields(MoveRequest)})
         note = note_for_target(self.engine.catalog.jobs(), request.target,  # (said only once the move is done)
                                lambda j: caller.is_root or j.owner_uid == caller.uid, "moved")
@@ -404,6 +405,7 @@ def _check_restore_received(request: pb.RestoreReceivedRequest) -> None:
     v.key("lazy_tunnel", request.lazy_tunnel, allow_empty=True)
     v.addr("add_ip", request.add_ip)
     v.ifname("add_ip_dev", request.add_ip_dev)
+    v.container("into", request.into, allow_empty=True)
     if request.HasField("from_store"):
         v.ckpt_id("from_store.id", request.from_store.id)
 

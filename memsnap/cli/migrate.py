@@ -28,12 +28,14 @@ from memsnap.cli_fmt import human_bytes, human_ms
 @click.option("--move-ip-dev-source", default="", metavar="DEV", help="device holding --move-ip here")
 @click.option("--move-ip-dev-target", default="", metavar="DEV",
               help="device for --move-ip on the target (default: the one in its subnet)")
+@click.option("--into", default="", metavar="podman:NAME",
+              help="a container (TARGET podman:NAME): the placeholder container to start on the target")
 @click.pass_obj
 @handle_errors
 def migrate_cmd(obj: Ctx, target: str, to: str, to_token_file: str, via_store: bool, lazy: bool,
                 plain_restore: bool, tcp_established: bool, skip_in_flight: bool, move_ip: str,
-                move_ip_dev_source: str, move_ip_dev_target: str) -> None:
-    """Move a PID or job to another node; on failure it runs on here.
+                move_ip_dev_source: str, move_ip_dev_target: str, into: str) -> None:
+    """Move a PID, job or container (podman:NAME, with --into) to another node; on failure it runs on here.
 
     Progress on stderr: bytes sent with rate and ETA, then the restore on the target (-o json: one object
     per update). The job is the target's own afterwards: its name stays, its log is the target's."""
@@ -51,7 +53,7 @@ def migrate_cmd(obj: Ctx, target: str, to: str, to_token_file: str, via_store: b
                             move_ip=move_ip,
                             tcp_established=tcp_established, move_ip_dev_source=move_ip_dev_source,
                             move_ip_dev_target=move_ip_dev_target, to_token=token,
-                            fail_on_in_flight=not skip_in_flight)
+                            fail_on_in_flight=not skip_in_flight, into=into)
     from memsnap.cli_follow import follow
 
     def call(op_id: str) -> pb.MigrateResponse:

@@ -27,7 +27,7 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from memsnap import failpoints, lifecycle, net
+from memsnap import containers, failpoints, lifecycle, net
 from memsnap.backoff import Backoff, retrying
 from memsnap.catalog import FAILED, Catalog, CheckpointRecord, JobRecord
 from memsnap.client import ClientError
@@ -137,6 +137,7 @@ class MoveRequest:
     to_token: str = ""  # root only: a credential for a target that is not a peer
     plain_restore: bool = False  # streamed moves: no early resume
     fail_on_in_flight: bool = False  # fail on a connection in a listener's accept queue (else left out)
+    into: str = ""  # a container's move (target podman:NAME): the placeholder to start on the target
 
 
 @dataclass
@@ -179,6 +180,7 @@ class Move:
     lock: net.ConnectionLock | None = None
     moved_ip: net.IfAddr | None = None
     ip_removed_from: str = ""
+    container: containers.DumpPlan | None = None  # a container's workload (memsnap.containers)
 
     @property
     def label(self) -> str:

@@ -90,7 +90,7 @@ class MoveTarget:
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may restore moves")
         tunnel = None
-        early = req.early_resume and not req.lazy and not req.tcp_established and \
+        early = req.early_resume and not req.lazy and not req.tcp_established and not req.into and \
             self.engine.criu.lazy_pages_supported()  # (else a plain restore: the reply comes later)
         if req.lazy:
             if req.tcp_established or req.HasField("from_store"):
@@ -108,7 +108,7 @@ class MoveTarget:
                                           notify=address.notify(), restore_opts=opts,
                                           lazy=tunnel is not None or early,
                                           lazy_ps_socket=tunnel.criu_end.fileno() if tunnel else -1,
-                                          lazy_guard=tunnel.guard if tunnel else None)
+                                          lazy_guard=tunnel.guard if tunnel else None, into=req.into)
             finally:
                 if tunnel is not None:
                     tunnel.criu_end.close()  # lazy-pages holds its own copy now

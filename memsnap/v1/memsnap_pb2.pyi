@@ -439,7 +439,7 @@ class WatchCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token", "plain_restore", "op_id", "fail_on_in_flight")
+    __slots__ = ("target", "to", "via_store", "lazy", "move_ip", "tcp_established", "move_ip_dev_source", "move_ip_dev_target", "to_token", "plain_restore", "op_id", "fail_on_in_flight", "into")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
     VIA_STORE_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +452,7 @@ class MigrateRequest(_message.Message):
     PLAIN_RESTORE_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     FAIL_ON_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    INTO_FIELD_NUMBER: _ClassVar[int]
     target: str
     to: str
     via_store: bool
@@ -464,7 +465,8 @@ class MigrateRequest(_message.Message):
     plain_restore: bool
     op_id: str
     fail_on_in_flight: bool
-    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ..., plain_restore: _Optional[bool] = ..., op_id: _Optional[str] = ..., fail_on_in_flight: _Optional[bool] = ...) -> None: ...
+    into: str
+    def __init__(self, target: _Optional[str] = ..., to: _Optional[str] = ..., via_store: _Optional[bool] = ..., lazy: _Optional[bool] = ..., move_ip: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., move_ip_dev_source: _Optional[str] = ..., move_ip_dev_target: _Optional[str] = ..., to_token: _Optional[str] = ..., plain_restore: _Optional[bool] = ..., op_id: _Optional[str] = ..., fail_on_in_flight: _Optional[bool] = ..., into: _Optional[str] = ...) -> None: ...
 
 class Phase(_message.Message):
     __slots__ = ("name", "ms")
@@ -539,7 +541,7 @@ class TunnelChunk(_message.Message):
     def __init__(self, tunnel_id: _Optional[str] = ..., data: _Optional[bytes] = ..., done: _Optional[bool] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., tag: _Optional[bytes] = ...) -> None: ...
 
 class RestoreReceivedRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store", "early_resume")
+    __slots__ = ("checkpoint_id", "lazy", "lazy_tunnel", "add_ip", "add_ip_dev", "tcp_established", "from_store", "early_resume", "into")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     LAZY_FIELD_NUMBER: _ClassVar[int]
     LAZY_TUNNEL_FIELD_NUMBER: _ClassVar[int]
@@ -548,6 +550,7 @@ class RestoreReceivedRequest(_message.Message):
     TCP_ESTABLISHED_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     EARLY_RESUME_FIELD_NUMBER: _ClassVar[int]
+    INTO_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     lazy: bool
     lazy_tunnel: str
@@ -556,7 +559,8 @@ class RestoreReceivedRequest(_message.Message):
     tcp_established: bool
     from_store: CheckpointInfo
     early_resume: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., early_resume: _Optional[bool] = ...) -> None: ...
+    into: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., lazy_tunnel: _Optional[str] = ..., add_ip: _Optional[str] = ..., add_ip_dev: _Optional[str] = ..., tcp_established: _Optional[bool] = ..., from_store: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., early_resume: _Optional[bool] = ..., into: _Optional[str] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
     __slots__ = ("job", "timeout_s", "kill")
