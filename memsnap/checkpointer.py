@@ -96,6 +96,7 @@ class Checkpointer:
         """
         in_container = containers.parse_target(target)
         if in_container is not None:  # "podman:NAME": the container's workload, dumped from the host
+            containers.authorize(caller.is_root)
             plan = containers.plan_dump(*in_container)
             pid, job = plan.pid, None
             extras = extras or DumpExtras()

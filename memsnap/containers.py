@@ -38,7 +38,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound
+from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 log = logging.getLogger("memsnap.containers")
 
@@ -48,6 +48,13 @@ NET_KEY, PID_KEY = "extNetNs", "extPidNs"
 _NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")
 _PIPE = re.compile(r"pipe:\[\d{1,20}\]")
 _PODMAN_TIMEOUT_S = 60.0
+
+
+def authorize(is_root: bool) -> None:
+    """Containers are root's (rootful podman): anyone else is refused before the runtime is even asked (which
+    would tell them which containers exist)."""
+    if not is_root:
+        raise PermissionDenied("only root may checkpoint or move containers (memsnap knows rootful podman only)")
 
 
 def parse_target(target: str) -> tuple[str, str] | None:

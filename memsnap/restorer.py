@@ -155,7 +155,7 @@ class Restorer:
         if req.into:
             containers.parse_into(req.into)
             if caller.uid != 0:  # (a placeholder is a new container: only root starts one)
-                raise PermissionDenied("only root may restore into a new container")
+                raise PermissionDenied("only root may restore into a new container")  # (containers.authorize)
         rec = self.host.latest_restorable(caller, key)
         if rec.state not in RESTORABLE:
             why = f": {rec.last_error}" if rec.last_error else ""

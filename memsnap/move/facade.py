@@ -186,6 +186,7 @@ class Mover:
             if req.lazy or req.via_store or req.tcp_established or req.move_ip:
                 raise FailedPrecondition("a container moves streamed only, for now: drop --lazy, --via-store, "
                                          "--tcp-established and --move-ip")
+            containers.authorize(caller.is_root)
             plan = containers.plan_dump(*in_container)
             pid, job = plan.pid, None
         elif req.into:

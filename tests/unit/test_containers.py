@@ -105,3 +105,9 @@ def test_only_root_may_restore_into_a_new_container(tmp_path: Path) -> None:
             e.restore(Caller(0), "ck-x", into="docker:web2")
     finally:
         cat.close()
+
+
+def test_no_one_but_root_gets_the_runtime_asked_about_a_container() -> None:
+    containers.authorize(True)
+    with pytest.raises(PermissionDenied, match="only root"):
+        containers.authorize(False)
