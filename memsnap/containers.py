@@ -47,6 +47,7 @@ NET_KEY, PID_KEY = "extNetNs", "extPidNs"
 # podman's own rule for names (and a 64-hex id is one too).
 _NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")
 _PIPE = re.compile(r"pipe:\[\d{1,20}\]")
+_HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}")
 _PODMAN_TIMEOUT_S = 60.0
 
 
@@ -81,11 +82,12 @@ class ContainerFacts:
     mounts: list[str] = field(default_factory=list)  # container paths of the mounts made external
     stdio: dict[str, str] = field(default_factory=dict)  # "1"/"2" -> CRIU's key for that pipe ("pipe:[ino]")
     pid_in_container: int = 0
+    hostname: str = ""  # the container's own: the placeholder gets it too (a program may have cached it)
 
     def to_dict(self) -> dict[str, Any]:
         return {"runtime": self.runtime, "id": self.id, "name": self.name, "image": self.image,
                 "init_argv": list(self.init_argv), "network": self.network, "mounts": list(self.mounts),
-                "stdio": dict(self.stdio), "pid_in_container": self.pid_in_container}
+                "stdio": dict(self.stdio), "pid_in_container": self.pid_in_container, "hostname": self.hostname}
 
     @classmethod
     def from_manifest(cls, d: object) -> ContainerFacts:
@@ -97,12 +99,13 @@ class ContainerFacts:
         try:
             f = cls(runtime=d["runtime"], id=d["id"], name=d["name"], image=d["image"],
                     init_argv=list(d["init_argv"]), network=d["network"], mounts=list(d["mounts"]),
-                    stdio=dict(d["stdio"]), pid_in_container=int(d.get("pid_in_container", 0)))
+                    stdio=dict(d["stdio"]), pid_in_container=int(d.get("pid_in_container", 0)),
+                    hostname=d.get("hostname", ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise bad from exc
-        strs = [f.runtime, f.id, f.name, f.image, f.network, *f.init_argv, *f.mounts]
+        strs = [f.runtime, f.id, f.name, f.image, f.network, f.hostname, *f.init_argv, *f.mounts]
         if f.runtime not in RUNTIMES or not all(isinstance(s, str) for s in strs) or not f.init_argv \
-                or not all(_container_path(m) for m in f.mounts) \
+                or not all(_container_path(m) for m in f.mounts) or not _HOSTNAME.fullmatch(f.hostname or "h") \
                 or not all(k in ("0", "1", "2") and isinstance(v, str) and _PIPE.fullmatch(v)
                            for k, v in f.stdio.items()):
             raise bad
@@ -119,6 +122,7 @@ class Running:
     init_pid: int
     rootfs: str
     network: str
+    hostname: str = ""
 
 
 # -- the runtime (podman's CLI; containerd's CRI would be a second implementation) -------------------------------
@@ -150,7 +154,8 @@ def inspect(runtime: str, name: str) -> Running:
             raise FailedPrecondition(f"{runtime} container {name!r} is not running")
         return Running(id=d["Id"], name=d["Name"], image=d["Image"], init_pid=int(state["Pid"]),
                        rootfs=d["GraphDriver"]["Data"]["MergedDir"],
-                       network=str(d.get("HostConfig", {}).get("NetworkMode") or "bridge"))
+                       network=str(d.get("HostConfig", {}).get("NetworkMode") or "bridge"),
+                       hostname=str(d.get("Config", {}).get("Hostname") or ""))
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise FailedPrecondition(f"podman reported container {name!r} in a shape memsnap does not know") from exc
 
@@ -160,8 +165,9 @@ def run_placeholder(facts: ContainerFacts, name: str) -> Running:
     network = facts.network if facts.network in ("none", "bridge", "slirp4netns", "host") else "bridge"
     if network == "host":
         raise FailedPrecondition("a container on the host's network cannot be restored into a placeholder")
+    hostname = ["--hostname", facts.hostname] if facts.hostname else []
     r = _podman("run", "-d", "--name", name, "--network", network, "--label", f"memsnap.restored-from={facts.id}",
-                facts.image, *facts.init_argv)
+                *hostname, facts.image, *facts.init_argv)
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or ["podman run failed"])[-1]
         if "already in use" in why:
@@ -339,7 +345,8 @@ def plan_dump(runtime: str, name: str) -> DumpPlan:
             stdio[fd] = link
     mounts = external_mounts(pid)
     facts = ContainerFacts(runtime=runtime, id=c.id, name=c.name, image=c.image, init_argv=init_argv,
-                           network=c.network, mounts=mounts, stdio=stdio, pid_in_container=_nspid(pid))
+                           network=c.network, mounts=mounts, stdio=stdio, pid_in_container=_nspid(pid),
+                           hostname=c.hostname if _HOSTNAME.fullmatch(c.hostname) else "")
     external = [f"net[{_ns_inode(pid, 'net')}]:{NET_KEY}", f"pid[{_ns_inode(pid, 'pid')}]:{PID_KEY}",
                 *(f"mnt[{m}]:{m}" for m in mounts)]
     return DumpPlan(pid=pid, facts=facts, dump_opts={"root": c.rootfs, "cgroups_ignore": True, "external": external,

@@ -221,7 +221,6 @@ class Criu:
         if pidns_fd >= 0:
             argv = criu_in_ns.wrap(argv, pidns_fd, cgroup_procs)
             cgroup_procs = ()  # (entered by the wrapper itself: nsenter forks at once)
-            stall_s = 0.0  # (CRIU is not the wrapper's child: the watch would see the wrong tree)
         try:
             proc = subprocess.Popen(
                 argv,
@@ -246,8 +245,13 @@ class Criu:
                     criu_in_ns.enter_cgroup(procs, proc.pid)
                 except OSError as exc:
                     raise CriuError(op, f"cannot move criu into the cgroup {procs}: {exc.strerror}") from exc
-            parent.send(req.SerializeToString())
-            watch = criuwatch.ProgressWatch(proc.pid, stall_s) if stall_s > 0 else None
+            try:
+                parent.send(req.SerializeToString())
+            except (BrokenPipeError, ConnectionResetError):  # (it died first: in a placeholder that died, say)
+                raise CriuError(op, "criu exited before its request" + self._stderr(proc), log_path) from None
+            # (In a placeholder CRIU is not the wrapper's child: watch CRIU itself.)
+            watched = criu_in_ns.criu_pid(pidns_fd) if pidns_fd >= 0 and stall_s > 0 else proc.pid
+            watch = criuwatch.ProgressWatch(watched, stall_s) if stall_s > 0 and watched else None
             while True:
                 if watch is not None:
                     self._await(parent, watch, op, log_path)
@@ -267,7 +271,11 @@ class Criu:
                         ok = bool(notify(resp.notify.script, resp.notify.pid))
                     except Exception:  # a failing handler aborts the operation instead of hanging CRIU
                         ok = False
-                parent.send(rpc.Req(type=rpc.NOTIFY, notify_success=ok).SerializeToString())
+                try:
+                    parent.send(rpc.Req(type=rpc.NOTIFY, notify_success=ok).SerializeToString())
+                except (BrokenPipeError, ConnectionResetError):
+                    raise CriuError(op, "criu exited during its notify callback" + self._stderr(proc),
+                                    log_path) from None
                 if watch is not None:
                     watch.reset()  # (the time our callback took was not CRIU's)
         finally:

@@ -63,6 +63,20 @@ def host_pid(ns_pid: int, pidns_fd: int) -> int:
     return next((pid for pid, _comm, n in _in_ns(pidns_fd) if n == ns_pid), 0)
 
 
+def criu_pid(pidns_fd: int, timeout_s: float = 5.0) -> int:
+    """The host pid of the criu the wrapper started in that namespace (forked above pid_max - 10000: not one of
+    the tasks it forks), once it runs; 0 if none shows up in time."""
+    with open("/proc/sys/kernel/pid_max", encoding="ascii") as f:
+        floor = int(f.read()) - 10000
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid, comm, ns_pid in _in_ns(pidns_fd):
+            if comm == "criu" and ns_pid > floor:
+                return pid
+        time.sleep(0.005)
+    return 0
+
+
 def wait_criu_gone(pidns_fd: int, timeout_s: float = 10.0) -> bool:
     """Waits until no criu is left in that namespace (it answers, then exits; the init reaps it)."""
     deadline = time.monotonic() + timeout_s

@@ -246,3 +246,46 @@ def test_a_container_move_without_a_placeholder_name_is_refused_before_the_conta
         assert r.returncode != 0 and says in r.stderr, r.stderr
     n = ticks(logs(src))[-1][0]
     wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the container to tick on")
+
+
+def _get(ip: str, path: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{ip}:8080{path}", timeout=5) as r:
+        return r.read().decode().strip()
+
+
+def ip_of(name: str) -> str:
+    d = json.loads(podman("container", "inspect", "--format", "json", name).stdout)[0]
+    return str(d["NetworkSettings"]["IPAddress"])
+
+
+def test_a_web_server_in_a_container_restored_on_a_bridge_network_answers_at_the_placeholder_s_address(
+        daemon: DaemonProc, image: str, names: list[str]) -> None:
+    # busybox httpd serves /etc; /etc/hosts is a bind mount of the container's own (podman's), which names its
+    # address: what the server answers says whose mount it sees. The hostname goes with the container.
+    src, dst = new_name(names, "src"), new_name(names, "dst")
+    podman("run", "-d", "--name", src, "--network", "bridge", "--hostname", src, image,
+           "/memtick", "reap", "/bin/busybox", "httpd", "-f", "-p", "8080", "-h", "/etc")
+    old_ip = ip_of(src)
+    wait_for(lambda: _answers(old_ip) == src, 30, what="the server to answer")
+    ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
+    r = json.loads(daemon.ctl("--json", "restore", ck["id"], "--into", f"podman:{dst}", check=True).stdout)
+    new_ip = ip_of(dst)
+    assert new_ip and new_ip != old_ip  # (podman gives the placeholder an address of its own)
+    # The restored server (its listening socket) answers there, and sees the placeholder's /etc/hostname.
+    wait_for(lambda: _answers(new_ip) == src, 30, what="the restored server to answer at the placeholder's address")
+    for _ in range(20):
+        assert _get(new_ip, "/hostname") == src
+    hosts = _get(new_ip, "/hosts")
+    assert new_ip in hosts and old_ip not in hosts, hosts
+    init = int(state(dst)["Pid"])
+    assert ns(r["pid"], "net") == ns(init, "net")
+    assert_node_healthy(daemon)
+
+
+def _answers(ip: str) -> str:
+    try:
+        return _get(ip, "/hostname")
+    except OSError:
+        return ""

@@ -57,7 +57,8 @@ def test_container_facts_from_a_manifest_round_trip() -> None:
 @pytest.mark.parametrize("change", [
     {"runtime": "docker"}, {"mounts": ["/etc/../root"]}, {"mounts": ["relative"]}, {"mounts": ["/"]},
     {"mounts": ["/x]:/etc/shadow"]}, {"stdio": {"1": "/etc/shadow"}}, {"stdio": {"7": "pipe:[1]"}},
-    {"init_argv": []}, {"init_argv": [1]}, {"image": None}, {"network": 3}])
+    {"init_argv": []}, {"init_argv": [1]}, {"image": None}, {"network": 3}, {"hostname": "-x"},
+    {"hostname": "a b"}, {"hostname": 7}])
 def test_malformed_container_facts_are_refused(change: dict[str, Any]) -> None:
     with pytest.raises(FailedPrecondition):
         ContainerFacts.from_manifest(facts(**change))
