@@ -324,24 +324,33 @@ def detect(root: str = "", parent: str = "memsnap") -> MemoryCgroups | None:
 
 
 def wait_stopped(pids: list[int], timeout: float) -> bool:
-    """Waits until every pid is stopped (state T) or gone."""
+    """Waits until every thread of every pid is stopped (state T) or gone."""
     deadline = time.monotonic() + timeout
     pending = list(pids)
     while pending:
-        still = []
-        for pid in pending:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
-                still.append(pid)
+        still = [pid for pid in pending if not _stopped(pid)]
         pending = still
         if not pending:
             return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)
+    return True
+
+
+def _stopped(pid: int) -> bool:
+    """Whether each of pid's threads is stopped, or pid is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
+            return False
     return True
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from memsnap import background, jobs, lifecycle
@@ -19,6 +20,39 @@ from memsnap.guard.parts import Part, Parts
 from memsnap.guard.table import PARKED, RUNNING, GuardedJob
 
 log = logging.getLogger("memsnap.guard")
+
+
+def stop_top_down(root: int, tree: list[tuple[int, int]], stop: Callable[[int], None],
+                  stopped: Callable[[list[int], float], bool], after_first: Callable[[], None],
+                  timeout: float) -> bool:
+    """Stops a tree (pid, ppid pairs) one generation at a time: each generation is stopped whole (every thread)
+    before its children are sent SIGSTOP, so a child's SIGCHLD finds its parent stopped, where it waits (the
+    restored job takes it once it runs on). after_first runs once the first generation was signalled (the
+    headroom that lets a task at its limit leave the kernel and stop). False if some generation did not stop
+    within timeout (the rest are stopped anyway)."""
+    kids: dict[int, list[int]] = {}
+    for pid, ppid in tree:
+        kids.setdefault(ppid, []).append(pid)
+    generation, seen, ok, first = [root], {root}, True, True
+    deadline = time.monotonic() + timeout
+    while generation:
+        for pid in generation:
+            stop(pid)
+        if first:
+            after_first()
+            first = False
+        ok = stopped(generation, max(0.0, deadline - time.monotonic())) and ok
+        nxt = [c for pid in generation for c in kids.get(pid, []) if c not in seen]
+        seen.update(nxt)
+        generation = nxt
+    return ok
+
+
+def _sigstop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        pass
 
 
 class Parker(Part):
@@ -68,7 +102,10 @@ class Parker(Part):
 
         A job waiting at its limit cannot be frozen (it sleeps in the kernel): it is sent SIGSTOP first,
         then given just enough headroom to leave the kernel, where it stops; CRIU dumps it stopped, and the
-        resume sends SIGCONT once it is restored. Foreground work: drains step aside (memsnap.background)."""
+        resume sends SIGCONT once it is restored. Parents stop before their children (stop_top_down): a child
+        that stops sends its parent SIGCHLD, and a parent thread that took it at the limit would need a signal
+        frame on a stack page the cgroup cannot charge, which the kernel answers with SIGSEGV (it killed a
+        PyTorch DataLoader job so). Foreground work: drains step aside (memsnap.background)."""
         with background.gate().foreground("guard park"):
             return self._park(job_id, reason, t_event)
 
@@ -96,21 +133,17 @@ class Parker(Part):
         try:
             at_trigger = None
             # only the job's own tree: its launcher (unshare, in the cgroup too) must stay free to exit
-            pids = [p.pid for p in jobs.tree(job.pid)]
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGSTOP)
-                except ProcessLookupError:
-                    pass
-            if g.cgroup and self.cg is not None:
-                cg = Path(g.cgroup)
-                at_trigger = self.cg.sample(cg)
-                extra = self.cfg.headroom or (16 << 20) + g.limit // 20
-                headroom_to = self.cg.give_headroom(cg, extra)
-                if not wait_stopped(pids, 10.0):
-                    log.warning("%s: not every task stopped within 10 s; dumping anyway", job_id)
-            else:
-                wait_stopped(pids, 10.0)
+            tree = [(p.pid, p.ppid()) for p in jobs.tree(job.pid)]
+            pids = [pid for pid, _ in tree]
+
+            def headroom() -> None:  # (once the top of the tree has SIGSTOP pending: it stops as it leaves the kernel)
+                nonlocal at_trigger, headroom_to
+                if g.cgroup and self.cg is not None:
+                    cg = Path(g.cgroup)
+                    at_trigger = self.cg.sample(cg)
+                    headroom_to = self.cg.give_headroom(cg, self.cfg.headroom or (16 << 20) + g.limit // 20)
+            if not stop_top_down(job.pid, tree, _sigstop, wait_stopped, headroom, 10.0):
+                log.warning("%s: not every task stopped within 10 s; dumping anyway", job_id)
             frozen_ms = (time.monotonic() - t0) * 1000
             from memsnap.engine import ROOT, DumpExtras
             from memsnap.tiers import MEMORY, SPILL
