@@ -42,7 +42,7 @@ from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, Permis
 
 log = logging.getLogger("memsnap.containers")
 
-RUNTIMES = ("podman",)
+RUNTIMES = ("podman", "cri")  # cri: a Kubernetes node's containers, through CRI (memsnap.cri)
 NET_KEY, PID_KEY = "extNetNs", "extPidNs"
 # podman's own rule for names (and a 64-hex id is one too).
 _NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")
@@ -123,6 +123,7 @@ class Running:
     rootfs: str
     network: str
     hostname: str = ""
+    handle: str = ""  # what removes it: podman's container name, CRI's pod sandbox id
 
 
 # -- the runtime (podman's CLI; containerd's CRI would be a second implementation) -------------------------------
@@ -144,6 +145,12 @@ def _podman(*args: str, timeout: float = _PODMAN_TIMEOUT_S) -> subprocess.Comple
 
 def inspect(runtime: str, name: str) -> Running:
     """The running container NAME (NotFound if none, FailedPrecondition if it is not running)."""
+    if runtime == "cri":
+        from memsnap import cri
+
+        f = cri.inspect(name)
+        return Running(id=f.id, name=f.name, image=f.image, init_pid=f.init_pid, rootfs=rootfs_of(f.init_pid),
+                       network="pod", hostname=f.hostname, handle=f.pod)
     r = _podman("container", "inspect", "--format", "json", name)
     if r.returncode != 0:
         raise NotFound(f"no {runtime} container {name!r} on this node ('podman ps -a' lists them)")
@@ -155,13 +162,24 @@ def inspect(runtime: str, name: str) -> Running:
         return Running(id=d["Id"], name=d["Name"], image=d["Image"], init_pid=int(state["Pid"]),
                        rootfs=d["GraphDriver"]["Data"]["MergedDir"],
                        network=str(d.get("HostConfig", {}).get("NetworkMode") or "bridge"),
-                       hostname=str(d.get("Config", {}).get("Hostname") or ""))
+                       hostname=str(d.get("Config", {}).get("Hostname") or ""), handle=name)
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise FailedPrecondition(f"podman reported container {name!r} in a shape memsnap does not know") from exc
 
 
 def run_placeholder(facts: ContainerFacts, name: str) -> Running:
     """Starts the placeholder NAME: the image of facts, its init with no workload, the same kind of network."""
+    if facts.runtime == "cri":
+        from memsnap import cri
+
+        cid, pod = cri.run_placeholder(facts.image, facts.init_argv, facts.hostname, name, facts.id)
+        try:
+            running = inspect("cri", cid)
+        except Exception:
+            remove("cri", pod)
+            raise
+        running.name = name
+        return running
     network = facts.network if facts.network in ("none", "bridge", "slirp4netns", "host") else "bridge"
     if network == "host":
         raise FailedPrecondition("a container on the host's network cannot be restored into a placeholder")
@@ -177,12 +195,18 @@ def run_placeholder(facts: ContainerFacts, name: str) -> Running:
     try:
         return inspect(facts.runtime, name)
     except Exception:
-        remove(name)
+        remove(facts.runtime, name)
         raise
 
 
-def remove(name: str) -> None:
-    """Removes a placeholder memsnap made (a restore into it failed); logs, never raises."""
+def remove(runtime: str, handle: str) -> None:
+    """Removes a placeholder memsnap made (a restore into it failed; handle: Running.handle); logs, never raises."""
+    if runtime == "cri":
+        from memsnap import cri
+
+        cri.remove(handle)
+        return
+    name = handle
     try:
         r = _podman("rm", "-f", "-t", "0", name)
         if r.returncode != 0:
@@ -251,6 +275,17 @@ def host_path_of(pid: int, point: str) -> str:
         raise FailedPrecondition(f"the placeholder's mount at {point} is not reachable from the host")
     h, rel = best
     return os.path.normpath(os.path.join(h.point, rel)) if rel not in ("", ".") else h.point
+
+
+def rootfs_of(pid: int) -> str:
+    """Where, in memsnapd's mount namespace, pid's root filesystem is mounted (a container's rootfs)."""
+    root = next((m for m in reversed(mountinfo(pid)) if m.point == "/"), None)
+    if root is None:
+        raise FailedPrecondition(f"pid {pid} has no root mount")
+    for h in mountinfo("self"):
+        if h.dev == root.dev and h.root == root.root and h.point != "/":
+            return h.point
+    raise FailedPrecondition(f"the root filesystem of pid {pid} is not mounted where memsnapd can reach it")
 
 
 def cgroup_procs_files(pid: int) -> list[str]:
@@ -358,6 +393,7 @@ class Placement:
     """A placeholder made for a restore, and the CRIU options that restore the tree into it."""
 
     name: str
+    runtime: str
     running: Running
     restore_opts: dict[str, Any]
     fds: list[int]
@@ -407,9 +443,9 @@ def place(facts: ContainerFacts, into: str) -> Placement:
         log.info("placeholder %s started from image %s, its init is pid %d", name, facts.image[:12], init)
         opts = {"root": running.rootfs, "cgroups_ignore": True, "external": external, "inherit_fds": inherit,
                 "join_ns": join, "cgroup_procs": cgroup_procs_files(init), "pidns_fd": inherit[PID_KEY]}
-        return Placement(name=name, running=running, restore_opts=opts, fds=fds)
+        return Placement(name=name, runtime=runtime, running=running, restore_opts=opts, fds=fds)
     except BaseException:
         for fd in fds:
             os.close(fd)
-        remove(name)
+        remove(runtime, running.handle)
         raise

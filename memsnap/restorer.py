@@ -323,7 +323,7 @@ class Restorer:
             return
         placement.close()
         if failed:
-            containers.remove(placement.name)
+            containers.remove(placement.runtime, placement.running.handle)
 
     def _keep_failure(self, work: Path) -> Path:
         """A failed restore's work dir (CRIU's logs) moves to <work>/failed, where no cleanup of its checkpoint

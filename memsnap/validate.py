@@ -83,7 +83,7 @@ def key(field: str, value: str, allow_empty: bool = False) -> str:
     return value
 
 
-CONTAINER_RUNTIMES = ("podman",)  # (memsnap.containers.RUNTIMES; not imported: the CLI imports this module)
+CONTAINER_RUNTIMES = ("podman", "cri")  # (memsnap.containers.RUNTIMES; not imported: the CLI imports this module)
 
 
 def container(field: str, value: str, allow_empty: bool = False) -> str:
@@ -93,8 +93,8 @@ def container(field: str, value: str, allow_empty: bool = False) -> str:
         return value
     runtime, sep, rest = value.partition(":")
     if not sep or runtime not in CONTAINER_RUNTIMES or not NAME_RE.fullmatch(rest):
-        raise InvalidArgument(f"{field} {clip(value)} names no container: use podman:NAME with the container's "
-                              "name or id (letters, digits, '.', '_', '-')")
+        raise InvalidArgument(f"{field} {clip(value)} names no container: use podman:NAME or cri:NAME with the "
+                              "container's name or id (letters, digits, '.', '_', '-')")
     return value
 
 

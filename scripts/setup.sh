@@ -56,6 +56,7 @@ if [ $want_test = 1 ]; then
   fi
   log "podman and the container test image (tests/e2e/test_containers.py)"
   scripts/containers/setup-podman.sh >/dev/null
+  scripts/containers/containerd.sh install  # (tests/e2e/test_containers_cri.py starts its own containerd)
   log "one-node Slurm"
   scripts/slurm/setup-test-cluster.sh
 fi

@@ -30,6 +30,7 @@ def facts(**kw: Any) -> dict[str, Any]:
 def test_a_container_target_is_runtime_colon_name_and_anything_else_is_not_a_container() -> None:
     assert containers.parse_target("podman:web") == ("podman", "web")
     assert containers.parse_target("podman:" + "f" * 64) == ("podman", "f" * 64)
+    assert containers.parse_target("cri:" + "e" * 64) == ("cri", "e" * 64)
     assert containers.parse_target("1234") is None
     assert containers.parse_target("job-1") is None
     assert containers.parse_target("1000:train") is None  # (UID:NAME, a job)
@@ -41,6 +42,7 @@ def test_a_container_target_is_runtime_colon_name_and_anything_else_is_not_a_con
 def test_the_api_validates_container_targets_and_placeholders_as_names() -> None:
     assert validate.key("target", "podman:web") == "podman:web"
     assert validate.container("into", "podman:web-2") == "podman:web-2"
+    assert validate.container("into", "cri:trainer-0") == "cri:trainer-0"
     assert validate.container("into", "", allow_empty=True) == ""
     for bad in ("podman:../../etc", "docker:web", "web", "podman:web/x", "podman:" + "a" * 200):
         with pytest.raises(InvalidArgument):

@@ -1,4 +1,4 @@
-"""The generated protobuf code in memsnap/v1 and memsnap/criurpc matches proto/ (never hand-edited)."""
+"""The generated protobuf code in memsnap/v1, memsnap/criurpc and memsnap/criapi matches proto/ (never hand-edited)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     subprocess.run([str(REPO / "scripts" / "gen-proto.sh"), str(tmp_path)], check=True, cwd=REPO)
     stale = []
-    for sub in ("memsnap/v1", "memsnap/criurpc"):
+    for sub in ("memsnap/v1", "memsnap/criurpc", "memsnap/criapi"):
         for new in (tmp_path / sub).iterdir():
             old = REPO / sub / new.name
             if not old.exists() or old.read_bytes() != new.read_bytes():
