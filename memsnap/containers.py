@@ -1,9 +1,10 @@
 """Containers as jobs (issue 33): a container's process tree dumped from the host, restored into a placeholder.
 
-memsnap asks the container runtime only for facts (the init's pid, the rootfs, the image) and for a placeholder
-container; the dump and the restore are memsnap's own CRIU calls, so the tier, the drain, the chunk store and lazy
-restores apply to containers as to any job. This is the pattern of NVIDIA Dynamo Snapshot, and of runc's own
-`checkpoint`/`restore`, without the runtime's image tarball:
+memsnap asks the container runtime (podman, or any CRI runtime: memsnap.cri) only for facts (the init's pid, the
+rootfs, the image) and for a placeholder container (a placeholder pod, through CRI); the dump and the restore are
+memsnap's own CRIU calls, so the tier, the drain, the chunk store and moves apply to containers as to any job (lazy
+restores do not, yet). This is the pattern of NVIDIA Dynamo Snapshot, and of runc's own `checkpoint`/`restore`,
+without the runtime's image tarball:
 
 - The container runs its workload under an init that reaps (its PID 1: `podman run --init`, tini, or the test
   image's `memtick reap`). memsnap dumps the init's one child and its tree, never the init: the placeholder's
@@ -59,7 +60,7 @@ def authorize(is_root: bool) -> None:
 
 
 def parse_target(target: str) -> tuple[str, str] | None:
-    """("podman", NAME) for a target "podman:NAME"; None for any other target (a pid, a job)."""
+    """(RUNTIME, NAME) for a target "podman:NAME" or "cri:NAME"; None for any other target (a pid, a job)."""
     runtime, sep, name = target.partition(":")
     if not sep or runtime not in RUNTIMES:
         return None
@@ -408,10 +409,10 @@ class Placement:
 
 
 def parse_into(into: str) -> tuple[str, str]:
-    """("podman", NAME) for a restore target "podman:NAME", else InvalidArgument."""
+    """(RUNTIME, NAME) for a restore target "podman:NAME" or "cri:NAME", else InvalidArgument."""
     got = parse_target(into)
     if got is None:
-        raise InvalidArgument(f"--into {into[:80]!r}: name the placeholder to create as podman:NAME")
+        raise InvalidArgument(f"--into {into[:80]!r}: name the placeholder to create as podman:NAME or cri:NAME")
     return got
 
 
