@@ -7,6 +7,8 @@ MiB of random memory (tests/workloads/memtick.c):
            stops), then `podman container restore NAME` (same container, same namespaces).
   memsnap: Checkpoint("podman:NAME", stop) into the tier, Restore(--into a new placeholder) from the tier; then a
            checkpoint made durable, its tier copy evicted, caches dropped, and Restore(--into) from the store.
+  CRI:     the same two restores of a pod's container (containerd, scripts/containers/containerd.sh), each into a new
+           placeholder pod made through CRI.
 Every restore is checked: the workload's next digest line equals its first. Medians with (min-max).
 
     scripts/bench/bench_containers.py [--mib 256,1024] [--reps 3] [--out bench/results/containers]
@@ -107,6 +109,55 @@ def one(d: DaemonProc, image: str, mib: int) -> dict[str, float]:
     return out
 
 
+def cri_logs(name: str) -> str:
+    try:
+        text = Path(f"/var/log/memsnap-pods/{name}/{name}.log").read_text()
+    except OSError:
+        return ""
+    return "\n".join(ln.split(" F ", 1)[1] for ln in text.splitlines() if " F " in ln)
+
+
+def cri_went_on(name: str, digest: str) -> None:
+    wait_for(lambda: digests(cri_logs(name)), 120, what=f"{name} to go on")
+    got = {d for _, d in digests(cri_logs(name))}
+    assert got == {digest}, f"{name}: memory changed ({got} != {digest})"
+
+
+def one_cri(d: DaemonProc, image: str, mib: int) -> dict[str, float]:
+    from memsnap import cri
+
+    tag = secrets.token_hex(3)
+    src, dst, dst2 = f"bc-{tag}", f"bc-{tag}-r", f"bc-{tag}-s"
+    cid, _ = cri.run_placeholder(image, ["/memtick", "reap", "/memtick", "--mib", str(mib), "--interval-ms", "100",
+                                         "--digest-every", "5"], "bench", src, "bench")
+    wait_for(lambda: digests(cri_logs(src)), 120, what=f"{src} to tick")
+    m = re.search(r"^start ([0-9a-f]{16})$", cri_logs(src), re.M)
+    assert m
+    digest, out = m.group(1), {}
+    with d.client() as c:
+        t, ck = timed(lambda: c.checkpoint(f"cri:{cid}", stop=True))
+        out["cri_checkpoint_s"] = t
+        t, r = timed(lambda: c.restore(ck.id, into=f"cri:{dst}"))
+        out["cri_restore_tier_s"] = t
+        out["cri_placeholder_s"] = next((p.ms for p in r.phases if p.name == "placeholder"), 0) / 1000
+        cri_went_on(dst, digest)
+        ck2 = c.checkpoint(f"cri:{dst}", stop=True, wait_durable=True)
+        c.evict(ck2.id)
+        drop_caches()
+        t, r = timed(lambda: c.restore(ck2.id, into=f"cri:{dst2}"))
+        out["cri_restore_store_s"] = t
+        cri_went_on(dst2, digest)
+        for ident in (ck.id, ck2.id):
+            c.delete(ident)
+    with cri.Client() as cl:
+        for pod in cl.call("ListPodSandbox", cl.api.ListPodSandboxRequest()).items:
+            if pod.metadata.name in (src, dst, dst2):
+                cri.remove(pod.id)
+    for n in (src, dst, dst2):
+        subprocess.run(["rm", "-rf", f"/var/log/memsnap-pods/{n}"], check=False)
+    return out
+
+
 def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
@@ -121,17 +172,22 @@ def main() -> None:
                            text=True, check=True).stdout.split()[-1]
     base = Path("/var/tmp/memsnap-bench-containers")
     subprocess.run(["rm", "-rf", str(base)], check=True)
-    d = DaemonProc(base).start()
+    ctd = base / "containerd"
+    script = str(REPO / "scripts" / "containers" / "containerd.sh")
+    subprocess.run([script, "start", str(ctd)], capture_output=True, check=True)
+    os.environ["CONTAINER_RUNTIME_ENDPOINT"] = f"unix://{ctd / 'containerd.sock'}"
+    d = DaemonProc(base / "d", env={"CONTAINER_RUNTIME_ENDPOINT": os.environ["CONTAINER_RUNTIME_ENDPOINT"]}).start()
     load0 = os.getloadavg()
     t0 = time.time()
     results: dict[int, list[dict[str, float]]] = {}
     try:
         for rep in range(a.reps):
             for mib in (int(x) for x in a.mib.split(",")):
-                results.setdefault(mib, []).append(one(d, image, mib))
+                results.setdefault(mib, []).append({**one(d, image, mib), **one_cri(d, image, mib)})
                 print(f"rep {rep} {mib} MiB: {results[mib][-1]}", file=sys.stderr)
     finally:
         d.cleanup()
+        subprocess.run([script, "stop", str(ctd)], capture_output=True)
     load1 = os.getloadavg()
     podman_v = podman("--version").stdout.strip()
     rows = [("podman container checkpoint (CLI wall)", "podman_checkpoint_s"),
@@ -142,7 +198,13 @@ def main() -> None:
             ("... of which CRIU's restore", "memsnap_criu_restore_s"),
             ("... and the placeholder's start (podman run)", "memsnap_placeholder_s"),
             ("memsnap Restore --into, from the store (evicted, caches dropped)", "memsnap_restore_store_s"),
-            ("... of which the fetch", "memsnap_fetch_s")]
+            ("... of which the fetch", "memsnap_fetch_s"),
+            ("CRI (containerd): memsnap Checkpoint cri:ID --stop", "cri_checkpoint_s"),
+            ("CRI: Restore --into a new placeholder pod, from the tier", "cri_restore_tier_s"),
+            ("... of which the placeholder pod's start (RunPodSandbox, CreateContainer, StartContainer)",
+             "cri_placeholder_s"),
+            ("CRI: Restore --into a new placeholder pod, from the store (evicted, caches dropped)",
+             "cri_restore_store_s")]
     sizes = sorted(results)
     lines = [
         "# Containers: memsnap beside podman's own checkpoint/restore (issue 33)", "",
@@ -158,7 +220,8 @@ def main() -> None:
         lines.append(f"| {label} | " + " | ".join(med([r[key] for r in results[m]]) for m in sizes) + " |")
     lines += ["", "podman keeps the container (its namespaces, its IP) and restores into it; memsnap restores into a "
               "new placeholder container it starts from the same image (`podman run`), "
-              "with the tier, the drain to the store and the store behind it."]
+              "with the tier, the drain to the store and the store behind it. containerd 1.6 (CRI) has no "
+              "checkpoint/restore of its own to compare with (its CRI answers UNIMPLEMENTED)."]
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     Path(a.out + ".json").write_text(json.dumps({"mib": sizes, "reps": a.reps, "results": results,
                                                  "load": [load0, load1], "podman": podman_v}, indent=1) + "\n")
