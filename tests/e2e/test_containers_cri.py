@@ -193,7 +193,7 @@ def test_a_pod_s_container_moves_to_another_node_into_a_placeholder_pod_made_the
     b = token_daemon(tmp_path / "b", token, env=env).start()
     try:
         src, dst = new_pod(cri, "src"), new_pod(cri, "dst")
-        cid, _pod = cri.run_placeholder(containerd.image, ["/memtick", "reap", "/memtick", "--mib", "64",
+        cid, _pod = cri.run_placeholder(containerd.image, ["/memtick", "reap", "/memtick", "--mib", "256",
                                                            "--interval-ms", "100", "--digest-every", "10"],
                                         "worker-1", src, "test")
         wait_for(lambda: len(ticks(log_of(src))) >= 3, 60, what="the pod's container to tick")
