@@ -56,7 +56,7 @@ def authorize(is_root: bool) -> None:
     """Containers are root's (rootful podman): anyone else is refused before the runtime is even asked (which
     would tell them which containers exist)."""
     if not is_root:
-        raise PermissionDenied("only root may checkpoint or move containers (memsnap knows rootful podman only)")
+        raise PermissionDenied("only root may checkpoint or move containers (rootful podman, or a CRI runtime's)")
 
 
 def parse_target(target: str) -> tuple[str, str] | None:
