@@ -94,10 +94,8 @@ class Checkpointer:
         extras (memsnap.move) can hold the tree stopped instead, watch the staging dir while CRIU
         writes it, supply the file hashes it computed on the way, and answer CRIU's notify callbacks.
         """
-        in_container = containers.parse_target(target)
-        if in_container is not None:  # "podman:NAME": the container's workload, dumped from the host
-            containers.authorize(caller.is_root)
-            plan = containers.plan_dump(*in_container)
+        plan = containers.plan_for(target, caller.is_root)
+        if plan is not None:  # "podman:NAME", "cri:ID": the container's workload, dumped from the host
             pid, job = plan.pid, None
             extras = extras or DumpExtras()
             extras.container, extras.dump_opts = plan.facts, {**plan.dump_opts, **extras.dump_opts}
@@ -108,7 +106,7 @@ class Checkpointer:
             owner = proc.owner_uid(pid)
         except proc.ProcessNotFound as exc:
             raise NotFound(str(exc)) from exc
-        self.host.authorize_uid(caller, owner, f"pid {pid}" if in_container is None else f"container {target}")
+        self.host.authorize_uid(caller, owner, f"pid {pid}" if plan is None else f"container {target}")
         t_start = time.monotonic()
         with self.host.exclusive(pid), background.gate().foreground("dump"):
             reservation = self.host.reserve(self.dump_estimate(pid), extras.into if extras else MEMORY)

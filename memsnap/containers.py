@@ -356,6 +356,16 @@ class DumpPlan:
     dump_opts: dict[str, Any]
 
 
+def plan_for(target: str, is_root: bool) -> DumpPlan | None:
+    """The dump plan of the container a checkpoint or move target names (RUNTIME:NAME), after the caller was
+    authorized; None for any other target (a pid, a job)."""
+    named = parse_target(target)
+    if named is None:
+        return None
+    authorize(is_root)
+    return plan_dump(*named)
+
+
 def plan_dump(runtime: str, name: str) -> DumpPlan:
     """How to dump container NAME's workload (the init's one child and its tree)."""
     c = inspect(runtime, name)

@@ -177,21 +177,20 @@ class Mover:
 
     def _migrate(self, caller: Caller, req: MoveRequest) -> MoveResult:
         phases = Phases()
-        in_container = containers.parse_target(req.target)
-        plan = None
-        if in_container is not None:  # (a container's workload: memsnap.containers)
+        named = containers.parse_target(req.target)
+        if named is not None:  # (a container's workload: memsnap.containers)
             if not req.into:
-                raise InvalidArgument(f"moving container {req.target[:80]} needs --into podman:NAME, the placeholder "
-                                      "to start on the target")
+                raise InvalidArgument(f"moving container {req.target[:80]} needs --into {named[0]}:NAME, the "
+                                      "placeholder to start on the target")
             if req.lazy or req.via_store or req.tcp_established or req.move_ip:
                 raise FailedPrecondition("a container moves streamed only, for now: drop --lazy, --via-store, "
                                          "--tcp-established and --move-ip")
-            containers.authorize(caller.is_root)
-            plan = containers.plan_dump(*in_container)
+        plan = containers.plan_for(req.target, caller.is_root)
+        if plan is not None:
             pid, job = plan.pid, None
         elif req.into:
             raise InvalidArgument(f"--into names the placeholder of a container's move; {req.target[:80]} is not "
-                                  "a container (podman:NAME)")
+                                  "a container (podman:NAME, cri:ID)")
         else:
             pid, job = self.engine.resolve_pid(req.target, caller)
         try:
