@@ -366,6 +366,20 @@ def plan_for(target: str, is_root: bool) -> DumpPlan | None:
     return plan_dump(*named)
 
 
+def init_alone(init_argv: list[str], argv: list[str]) -> list[str] | None:
+    """The argv that starts the init alone (the placeholder's), from the init's argv and its workload's (an init
+    runs "init [OPTIONS] [--] CMD ARGS"); None when that cannot be told: a placeholder that started a second copy
+    of the workload would be worse than no restore.
+    - the workload's argv ends the init's: the rest, without a trailing "--";
+    - else (the workload exec'd another program) a "--" in the init's argv: what comes before it."""
+    if argv and len(init_argv) > len(argv) and init_argv[-len(argv):] == argv:
+        alone = init_argv[:-len(argv)]
+        return alone[:-1] if alone[-1:] == ["--"] else alone
+    if "--" in init_argv[1:]:
+        return init_argv[:init_argv.index("--", 1)]
+    return None
+
+
 def plan_dump(runtime: str, name: str) -> DumpPlan:
     """How to dump container NAME's workload (the init's one child and its tree)."""
     c = inspect(runtime, name)
@@ -375,12 +389,12 @@ def plan_dump(runtime: str, name: str) -> DumpPlan:
         raise FailedPrecondition(f"container {name!r} has {what}; memsnap checkpoints a container whose PID 1 is "
                                  "an init that reaps (podman run --init, tini) with one workload child")
     pid = kids[0]
-    init_argv, argv = _cmdline(c.init_pid), _cmdline(pid)
-    # The placeholder runs the init alone: its argv without the workload's (an init runs "init [--] cmd args").
-    if len(init_argv) > len(argv) and init_argv[-len(argv):] == argv:
-        init_argv = init_argv[:-len(argv)]
-        if init_argv[-1:] == ["--"]:
-            init_argv = init_argv[:-1]
+    init_argv = init_alone(_cmdline(c.init_pid), _cmdline(pid))
+    if init_argv is None:
+        raise FailedPrecondition(f"container {name!r}: its workload is no longer the command its init started (it "
+                                 "exec'd another program), so memsnap cannot tell the init's own arguments from it; "
+                                 "start the container with '--' between the init and the command (tini --, "
+                                 "podman run --init)")
     stdio = {}
     for fd in ("0", "1", "2"):
         try:
@@ -437,6 +451,9 @@ def place(facts: ContainerFacts, into: str) -> Placement:
     fds: list[int] = []
     try:
         init = running.init_pid
+        if _children(init):  # (a second copy of the workload, never: checkpoint-time init_alone() rules it out)
+            raise FailedPrecondition(f"the placeholder {name!r}'s init started a program of its own: memsnap restores "
+                                     "only into an init that runs alone")
         if facts.pid_in_container and os.path.exists(f"/proc/{init}/root/proc/{facts.pid_in_container}"):
             raise FailedPrecondition(f"pid {facts.pid_in_container} is taken in the placeholder {name!r}")
 

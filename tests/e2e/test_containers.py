@@ -248,6 +248,21 @@ def test_a_container_move_without_a_placeholder_name_is_refused_before_the_conta
     wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the container to tick on")
 
 
+def test_a_container_whose_workload_exec_d_without_a_double_dash_is_refused_and_never_frozen(
+        daemon: DaemonProc, image: str, names: list[str]) -> None:
+    # The placeholder would run "memtick reap /bin/sh -c ...": a second copy of the workload beside the restored one.
+    src = new_name(names, "src")
+    podman("run", "-d", "--name", src, "--network", "none", image, "/memtick", "reap", "/bin/sh", "-c",
+           "exec /memtick --mib 8 --interval-ms 100")
+    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+    r = daemon.ctl("checkpoint", f"podman:{src}", "--stop")
+    assert r.returncode != 0 and "'--' between the init and the command" in r.stderr, r.stderr
+    n = ticks(logs(src))[-1][0]
+    wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the container to tick on")
+    assert_node_healthy(daemon)
+    assert src not in daemon.ctl("--json", "list", check=True).stdout
+
+
 def _get(ip: str, path: str) -> str:
     import urllib.request
 

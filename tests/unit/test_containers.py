@@ -39,6 +39,20 @@ def test_a_container_target_is_runtime_colon_name_and_anything_else_is_not_a_con
             containers.parse_target(bad)
 
 
+@pytest.mark.parametrize(("init", "workload", "alone"), [
+    (["/memtick", "reap", "/memtick", "--mib", "8"], ["/memtick", "--mib", "8"], ["/memtick", "reap"]),
+    (["/sbin/tini", "-g", "--", "python3", "x.py"], ["python3", "x.py"], ["/sbin/tini", "-g"]),
+    (["/run/podman-init", "--", "/bin/sh", "-c", "exec python3 x.py"], ["python3", "x.py"], ["/run/podman-init"]),
+    (["/memtick", "reap", "--", "/bin/sh", "-c", "exec /memtick"], ["/memtick"], ["/memtick", "reap"]),
+    (["/memtick", "reap", "/bin/sh", "-c", "exec /memtick"], ["/memtick"], None),
+    (["/sbin/tini", "python3"], ["python3", "-m", "x"], None),
+    (["/sbin/tini", "python3"], [], None),
+])
+def test_the_placeholder_runs_the_init_alone_or_the_checkpoint_is_refused(
+        init: list[str], workload: list[str], alone: list[str] | None) -> None:
+    assert containers.init_alone(init, workload) == alone
+
+
 def test_the_api_validates_container_targets_and_placeholders_as_names() -> None:
     assert validate.key("target", "podman:web") == "podman:web"
     assert validate.container("into", "podman:web-2") == "podman:web-2"

@@ -1,7 +1,7 @@
 /* Container test workload (issue 33), static: random memory and a counter.
  *   memtick [--mib N] [--interval-ms M] [--digest-every K]
  * prints "start DIGEST" then "tick N DIGEST [fresh]" lines; DIGEST is a 64-bit hash of its memory.
- *   memtick reap [PROG ARGS...]
+ *   memtick reap [--] [PROG ARGS...]
  * is a container's PID 1: it starts PROG (if given), reaps every child, and exits with the status of the
  * last child once it has had one and none is left (a placeholder starts with no PROG and waits for a restored
  * tree). SIGTERM and SIGINT are passed on to its children. */
@@ -79,8 +79,10 @@ static int reap(int argc, char **argv)
 int main(int argc, char **argv)
 {
 	long mib = 32, interval_ms = 100, every = 1;
-	if (argc > 1 && !strcmp(argv[1], "reap"))
-		return reap(argc - 2, argv + 2);
+	if (argc > 1 && !strcmp(argv[1], "reap")) {
+		int skip = argc > 2 && !strcmp(argv[2], "--") ? 3 : 2;
+		return reap(argc - skip, argv + skip);
+	}
 	for (int i = 1; i + 1 < argc; i += 2) {
 		if (!strcmp(argv[i], "--mib")) mib = atol(argv[i + 1]);
 		else if (!strcmp(argv[i], "--interval-ms")) interval_ms = atol(argv[i + 1]);
