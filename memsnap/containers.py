@@ -185,12 +185,17 @@ def run_placeholder(facts: ContainerFacts, name: str) -> Running:
     if network == "host":
         raise FailedPrecondition("a container on the host's network cannot be restored into a placeholder")
     hostname = ["--hostname", facts.hostname] if facts.hostname else []
-    r = _podman("run", "-d", "--name", name, "--network", network, "--label", f"memsnap.restored-from={facts.id}",
-                *hostname, facts.image, *facts.init_argv)
+    # --pull never: the image is the checkpoint's, by id; a node without it says so at once (a pull by id would
+    # only retry a registry for seconds, and could never give the same image).
+    r = _podman("run", "-d", "--pull", "never", "--name", name, "--network", network,
+                "--label", f"memsnap.restored-from={facts.id}", *hostname, facts.image, *facts.init_argv)
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or ["podman run failed"])[-1]
         if "already in use" in why:
             raise FailedPrecondition(f"a container named {name!r} exists already: restore into a new name")
+        if "image not known" in why:
+            raise FailedPrecondition(f"could not start the placeholder {name!r}: image {facts.image[:19]} is not on "
+                                     "this node (podman load or pull it here, then restore again)")
         raise FailedPrecondition(f"could not start the placeholder {name!r} from image {facts.image[:19]}: "
                                  f"{why[:200]}")
     try:
