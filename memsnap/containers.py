@@ -59,6 +59,22 @@ def authorize(is_root: bool) -> None:
         raise PermissionDenied("only root may checkpoint or move containers (rootful podman, or a CRI runtime's)")
 
 
+def of_checkpoint(meta: dict[str, Any]) -> str:
+    """RUNTIME:NAME of the container a checkpoint (its catalog meta) was taken of, or ""."""
+    c = meta.get("container")
+    return f"{c.get('runtime', '')}:{c.get('name', '')}" if isinstance(c, dict) else ""
+
+
+def is_of(meta: dict[str, Any], target: str) -> bool:
+    """Whether a checkpoint (its catalog meta) was taken of the container `target` names: RUNTIME:NAME with the
+    container's name, its id, or (12 characters or more) a prefix of its id."""
+    got, c = parse_target(target), meta.get("container")
+    if got is None or not isinstance(c, dict) or c.get("runtime") != got[0]:
+        return False
+    name, cid = str(c.get("name", "")), str(c.get("id", ""))
+    return got[1] in (name, cid) or (len(got[1]) >= 12 and cid.startswith(got[1]))
+
+
 def parse_target(target: str) -> tuple[str, str] | None:
     """(RUNTIME, NAME) for a target "podman:NAME" or "cri:NAME"; None for any other target (a pid, a job)."""
     runtime, sep, name = target.partition(":")

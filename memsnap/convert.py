@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memsnap import containers
 from memsnap.catalog import CheckpointRecord, JobRecord
 from memsnap.phases import CHECKPOINT, RESTORE
 from memsnap.retention import sizes
@@ -81,7 +82,7 @@ def ckpt_pb(r: CheckpointRecord) -> pb.CheckpointInfo:
         parked_unix_ms=_u64(int((m.get("parked") or {}).get("at_ms", 0))),
         logical_bytes=_u64(logical), new_bytes=_u64(new), host_bytes=_u64(logical - device),
         device_bytes=_u64(device), phases=phases_pb(m.get("phases")),
-        restore_phases=phases_pb(m.get("restore_phases"), RESTORE),
+        restore_phases=phases_pb(m.get("restore_phases"), RESTORE), container=containers.of_checkpoint(m),
     )
 
 

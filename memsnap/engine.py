@@ -14,6 +14,7 @@ from typing import Any
 from memsnap import (
     __version__,
     background,
+    containers,
     jobs,
     lifecycle,
     proc,
@@ -311,6 +312,13 @@ class Engine:
             self.authorize_uid(caller, rec.owner_uid, f"checkpoint {key}")
             return rec
         restorable = self.catalog.checkpoints(states=RESTORABLE)
+        if containers.parse_target(key) is not None:  # a container's newest checkpoint (memsnap.containers)
+            cands = [r for r in restorable if containers.is_of(r.meta, key) and (caller.is_root or
+                                                                               r.owner_uid == caller.uid)]
+            if not cands:
+                raise NotFound(f"no restorable checkpoint of container {shorten(key)!r}; 'memsnapctl list --job "
+                               f"{shorten(key)}' shows its checkpoints")
+            return max(cands, key=lambda r: (r.created_ms, r.id))
         job = self.catalog.get_job(key)
         if job is not None:
             self.authorize_uid(caller, job.owner_uid, f"job {job.id}")
@@ -393,8 +401,12 @@ class Engine:
 
     # -- catalog operations ---------------------------------------------------------
     def list_checkpoints(self, caller: Caller, job: str = "") -> list[CheckpointRecord]:
-        """Checkpoints the caller may see."""
-        return [r for r in self.catalog.checkpoints(job=job) if caller.is_root or r.owner_uid == caller.uid]
+        """Checkpoints the caller may see (of one job, or of one container: RUNTIME:NAME)."""
+        if containers.parse_target(job) is not None:
+            recs = [r for r in self.catalog.checkpoints() if containers.is_of(r.meta, job)]
+        else:
+            recs = self.catalog.checkpoints(job=job)
+        return [r for r in recs if caller.is_root or r.owner_uid == caller.uid]
 
     def delete(self, caller: Caller, ckpt_id: str) -> None:
         """Removes a checkpoint everywhere: tier, store and catalog (a stored copy another node owns stays, only

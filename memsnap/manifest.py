@@ -124,6 +124,9 @@ class Manifest:
             meta["log_mount"] = self.log_mount
         if self.phases:
             meta["phases"] = self.phases
+        c = self.extra.get("container")
+        if isinstance(c, dict):  # (list, show and restore name a container's checkpoints by it: memsnap.containers)
+            meta["container"] = {k: str(c.get(k, ""))[:256] for k in ("runtime", "id", "name")}
         return meta
 
 

@@ -93,7 +93,7 @@ def _drain_note(k: pb.CheckpointInfo, state: str) -> str:
 
 
 @click.command("restore")
-@click.argument("checkpoint_id", metavar="CHECKPOINT|JOB")
+@click.argument("checkpoint_id", metavar="CHECKPOINT|JOB|CONTAINER")
 @click.option("--lazy", is_flag=True, help="resume at once; memory is paged in on demand")
 @click.option("--gpu-map", default="", help="OLD_UUID=NEW_UUID,... to remap GPUs")
 @click.option("--tcp-established", is_flag=True, help="restore established TCP connections")
@@ -102,7 +102,7 @@ def _drain_note(k: pb.CheckpointInfo, state: str) -> str:
 @click.pass_obj
 @handle_errors
 def restore_cmd(obj: Ctx, checkpoint_id: str, lazy: bool, gpu_map: str, tcp_established: bool, into: str) -> None:
-    """Verify a checkpoint (or a job's newest one) and restore it detached.
+    """Verify a checkpoint (or a job's or a container's newest one) and restore it detached.
 
     A container's checkpoint (memsnapctl checkpoint podman:NAME) goes --into a new placeholder container, started
     from the same image with the same init; its logs go on there. A fetch from the store shows its progress on
@@ -136,7 +136,7 @@ def _location(k: pb.CheckpointInfo) -> str:
 
 
 @click.command("list")
-@click.option("--job", default="", help="only this job's checkpoints")
+@click.option("--job", default="", help="only this job's checkpoints, or this container's (podman:NAME, cri:NAME)")
 @click.pass_obj
 @handle_errors
 def list_cmd(obj: Ctx, job: str) -> None:
@@ -145,8 +145,8 @@ def list_cmd(obj: Ctx, job: str) -> None:
         cks = c.list(job)
     rows, wide = [], []
     for k in cks:
-        row = [k.id, k.name or "-", state_name(k.state), k.job or str(k.pid), human_bytes(k.logical_bytes),
-               *_stored_cols(k), _location(k), age(k.created_unix_ms)]
+        row = [k.id, k.name or "-", state_name(k.state), k.job or k.container or str(k.pid),
+               human_bytes(k.logical_bytes), *_stored_cols(k), _location(k), age(k.created_unix_ms)]
         rows.append(row)
         wide.append([*row, human_ms(k.frozen_ms), (k.last_error or "-")[:60]])
     head = ["ID", "NAME", "STATE", "JOB/PID", "SIZE", "STORED", "NEW", "WHERE", "AGE"]
@@ -173,6 +173,8 @@ def show_cmd(obj: Ctx, checkpoint_id: str) -> None:
     lines = [
         f"id          {k.id}", f"name        {k.name or '-'}", f"state       {d['state']}",
         f"job         {k.job or '-'} (pid {k.pid}, uid {k.owner_uid})",
+        *([f"container   {k.container} (restore it --into {k.container.partition(':')[0]}:NEWNAME)"]
+          if k.container else []),
         f"command     {' '.join(command_of(list(k.argv)))}", f"host        {k.hostname}  criu {k.criu_version}",
         f"created     {timestamp(k.created_unix_ms)} ({age(k.created_unix_ms)} ago)",
         f"durable     {timestamp(k.durable_unix_ms)}",

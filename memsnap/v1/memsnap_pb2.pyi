@@ -254,7 +254,7 @@ class GpuInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., uuid: _Optional[str] = ..., driver_version: _Optional[str] = ..., device_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms", "parked_reason", "parked_unix_ms", "logical_bytes", "new_bytes", "host_bytes", "device_bytes", "phases", "restore_phases")
+    __slots__ = ("id", "state", "pid", "job", "name", "owner_uid", "created_unix_ms", "size_bytes", "frozen_ms", "dump_ms", "in_tier", "in_store", "drained_bytes", "stored_bytes", "last_error", "drain_attempts", "argv", "hostname", "criu_version", "gpus", "durable_unix_ms", "parked_reason", "parked_unix_ms", "logical_bytes", "new_bytes", "host_bytes", "device_bytes", "phases", "restore_phases", "container")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class CheckpointInfo(_message.Message):
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     RESTORE_PHASES_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: CheckpointState
     pid: int
@@ -313,7 +314,8 @@ class CheckpointInfo(_message.Message):
     device_bytes: int
     phases: _containers.RepeatedCompositeFieldContainer[Phase]
     restore_phases: _containers.RepeatedCompositeFieldContainer[Phase]
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., new_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., restore_phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ...) -> None: ...
+    container: str
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., size_bytes: _Optional[int] = ..., frozen_ms: _Optional[int] = ..., dump_ms: _Optional[int] = ..., in_tier: _Optional[bool] = ..., in_store: _Optional[bool] = ..., drained_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., drain_attempts: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., criu_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., durable_unix_ms: _Optional[int] = ..., parked_reason: _Optional[str] = ..., parked_unix_ms: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., new_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., restore_phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., container: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("target", "stop", "wait", "tcp_established", "name", "keep_last", "keep_within_s", "fail_on_in_flight")

@@ -115,9 +115,13 @@ def test_a_container_checkpointed_to_the_store_comes_back_in_a_placeholder_with_
     wait_for(lambda: not state(src)["Running"], 30, what="the source container to end with its workload")
     last = max(t for t, _, _ in ticks(logs(src)))
     daemon.ctl("evict", ck["id"], check=True)  # (the restore comes from the store)
+    # list and show name the container; a restore names it too (its newest checkpoint).
+    listed = json.loads(daemon.ctl("--json", "list", "--job", f"podman:{src}", check=True).stdout)
+    assert [(c["id"], c["container"]) for c in listed] == [(ck["id"], f"podman:{src}")]
+    assert f"container   podman:{src}" in daemon.ctl("show", ck["id"], check=True).stdout
 
-    r = json.loads(daemon.ctl("--json", "restore", ck["id"], "--into", f"podman:{dst}", check=True).stdout)
-    assert r["from_store"] and r["into"] == f"podman:{dst}"
+    r = json.loads(daemon.ctl("--json", "restore", f"podman:{src}", "--into", f"podman:{dst}", check=True).stdout)
+    assert r["checkpoint"] == ck["id"] and r["from_store"] and r["into"] == f"podman:{dst}"
     wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
              what="the restored workload to compute its digest again in the placeholder")
     after = ticks(logs(dst))

@@ -124,8 +124,10 @@ def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_t
     wait_for(lambda: not running(cri, cid), 30, what="the source container to end with its workload")
     last = max(t for t, _, _ in ticks(log_of(src)))
     d.ctl("evict", ck["id"], check=True)
-    r = json.loads(d.ctl("--json", "restore", ck["id"], "--into", f"cri:{dst}", check=True).stdout)
-    assert r["from_store"]
+    listed = json.loads(d.ctl("--json", "list", "--job", f"cri:{cid[:12]}", check=True).stdout)
+    assert [(c["id"], c["container"]) for c in listed] == [(ck["id"], f"cri:{src}")]
+    r = json.loads(d.ctl("--json", "restore", f"cri:{src}", "--into", f"cri:{dst}", check=True).stdout)
+    assert r["checkpoint"] == ck["id"] and r["from_store"]
 
     wait_for(lambda: any(f for t, _, f in ticks(log_of(dst)) if t > last + 10), 60,
              what="the restored container to compute its digest again in the placeholder pod")

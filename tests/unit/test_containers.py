@@ -13,7 +13,7 @@ from memsnap import containers, validate
 from memsnap.catalog import Catalog
 from memsnap.containers import ContainerFacts, Mount
 from memsnap.engine import Caller, Engine, EngineConfig
-from memsnap.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from memsnap.tier import MemoryTier
 
 pytestmark = pytest.mark.unit
@@ -128,3 +128,32 @@ def test_no_one_but_root_gets_the_runtime_asked_about_a_container() -> None:
     containers.authorize(True)
     with pytest.raises(PermissionDenied, match="only root"):
         containers.authorize(False)
+
+
+def test_a_container_s_checkpoints_are_found_by_runtime_and_name_or_id_and_listed_as_its(tmp_path: Path) -> None:
+    from memsnap.catalog import CheckpointRecord
+    from memsnap.manifest import Manifest
+
+    meta = Manifest(id="ck-0", pid=7, job="", name="web", uid=0, files={}, argv=["/memtick"],
+                    extra={"container": facts(name="web")}).catalog_meta()
+    assert containers.of_checkpoint(meta) == "podman:web"
+    assert containers.of_checkpoint({}) == ""
+    assert containers.is_of(meta, "podman:web") and containers.is_of(meta, "podman:" + "a" * 64)
+    assert containers.is_of(meta, "podman:" + "a" * 12) and not containers.is_of(meta, "podman:" + "a" * 11)
+    assert not containers.is_of(meta, "cri:web") and not containers.is_of(meta, "podman:db")
+    assert not containers.is_of(meta, "web") and not containers.is_of({}, "podman:web")
+
+    cat = Catalog(tmp_path / "state")
+    e = Engine(EngineConfig(state_dir=tmp_path / "state"), cat, MemoryTier(tmp_path / "tier"), None,  # type: ignore[arg-type]
+               b"k" * 32)
+    try:
+        for i, (uid, m) in enumerate([(0, meta), (0, {}), (1000, meta)]):
+            cat.add_checkpoint(CheckpointRecord(id=f"ck-{i}", state="durable", pid=7, owner_uid=uid, created_ms=i,
+                                                name="web", meta=m))
+        assert [r.id for r in e.list_checkpoints(Caller(0), "podman:web")] == ["ck-0", "ck-2"]
+        assert [r.id for r in e.list_checkpoints(Caller(1000, 1000), "podman:web")] == ["ck-2"]
+        assert e.latest_restorable(Caller(0), "podman:web").id == "ck-2"
+        with pytest.raises(NotFound, match="no restorable checkpoint of container"):
+            e.latest_restorable(Caller(0), "cri:web")
+    finally:
+        cat.close()
