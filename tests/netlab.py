@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
 from pyroute2 import NetNS, netns
+
+from tests.helpers import DaemonProc
+
+
+@dataclass
+class NsDaemon(DaemonProc):
+    """A memsnapd that runs inside a network namespace (a 'node')."""
+
+    netns: str = ""
+
+    def args(self) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.netns}", *super().args()]
+
+
+def node_args(subnet: str, host: int, token: Path) -> list[str]:
+    """memsnapd's flags for node `host` of a LAN subnet.0/24 (its address subnet.host): it listens there, and
+    nodes 1 and 2 are its peers (jobs move only to peers); token is the cluster's node token."""
+    os.chmod(token, 0o600)
+    cfg = token.parent / f"node-{host}.toml"
+    cfg.write_text(f'[daemon]\nnode_name = "node-{host}"\n' + "".join(
+        f'[[peers]]\nname = "node-{h}"\naddress = "{subnet}.{h}:7443"\n' for h in (1, 2)))
+    return ["--config", str(cfg), "--listen", f"{subnet}.{host}:7443", "--auth-token-file", str(token)]
 
 
 def bridge(switch: str, hosts: list[tuple[str, str]]) -> None:

@@ -213,34 +213,6 @@ def test_a_container_restore_whose_placeholder_dies_before_criu_fails_cleanly_an
 
 
 
-def test_a_container_moved_to_another_node_goes_on_in_a_placeholder_there_and_the_source_lets_go(
-        pair: Any, image: str, names: list[str]) -> None:
-    a, b = pair.a, pair.b
-    src, dst = new_name(names, "src"), new_name(names, "dst")
-    start(image, src)
-    wait_for(lambda: len(ticks(logs(src))) >= 3, 60, what="the container's workload to tick")
-    digest = start_digest(logs(src))
-
-    r = a.ctl("--json", "migrate", f"podman:{src}", "--to", b.address, "--into", f"podman:{dst}", timeout=300)
-    assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
-    out = json.loads(r.stdout)
-    last = max(t for t, _, _ in ticks(logs(src)))
-    wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
-             what="the moved workload to compute its digest again in the placeholder on the target")
-    after = ticks(logs(dst))
-    assert after[0][0] == last + 1 and {d for _, d, _ in after} == {digest}
-    init = int(state(dst)["Pid"])
-    assert sorted(in_pidns(init)) == sorted([init, out["target_pid"]])
-    assert ns(out["target_pid"], "net") == ns(init, "net")
-
-    # The source lets go: its container ended with its workload, and no copy is restorable there.
-    wait_for(lambda: not state(src)["Running"], 30, what="the source container to end")
-    assert_node_healthy(a, restorable=set())
-    assert_node_healthy(b)
-    jobs_b = {j["id"]: j for j in json.loads(b.ctl("--json", "jobs", check=True).stdout)}
-    assert jobs_b[out["target_job"]]["name"] == dst and jobs_b[out["target_job"]]["running"]
-
-
 def test_a_container_move_without_a_placeholder_name_is_refused_before_the_container_is_touched(
         pair: Any, image: str, names: list[str]) -> None:
     a, b = pair.a, pair.b

@@ -182,37 +182,3 @@ def test_a_pod_s_checkpoint_goes_only_into_a_pod_and_a_failed_placeholder_leaves
     assert dst not in pod_names(cri), "a failed restore left its placeholder pod"
     assert_node_healthy(d)
     assert json.loads(d.ctl("--json", "show", ck["id"], check=True).stdout)["state"] in ("staged", "durable")
-
-
-def test_a_pod_s_container_moves_to_another_node_into_a_placeholder_pod_made_there(
-        tmp_path: Path, containerd: Containerd, cri: Any) -> None:
-    from tests.helpers import token_daemon
-
-    token = tmp_path / "token"
-    token.write_text(secrets.token_hex(32))
-    env = {"CONTAINER_RUNTIME_ENDPOINT": containerd.endpoint}
-    a = token_daemon(tmp_path / "a", token, env=env).start()
-    b = token_daemon(tmp_path / "b", token, env=env).start()
-    try:
-        src, dst = new_pod(cri, "src"), new_pod(cri, "dst")
-        cid, _pod = cri.run_placeholder(containerd.image, ["/memtick", "reap", "/memtick", "--mib", "256",
-                                                           "--interval-ms", "100", "--digest-every", "10"],
-                                        "worker-1", src, "test")
-        wait_for(lambda: len(ticks(log_of(src))) >= 3, 60, what="the pod's container to tick")
-        digest = re.search(r"stdout F start ([0-9a-f]{16})$", log_of(src), re.M).group(1)  # type: ignore[union-attr]
-        r = a.ctl("--json", "migrate", f"cri:{cid}", "--to", b.address, "--into", f"cri:{dst}", timeout=300)
-        assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
-        out = json.loads(r.stdout)
-        last = max(t for t, _, _ in ticks(log_of(src)))
-        wait_for(lambda: any(f for t, _, f in ticks(log_of(dst)) if t > last + 10), 60,
-                 what="the moved container to compute its digest again in the placeholder pod")
-        after = ticks(log_of(dst))
-        assert after[0][0] == last + 1 and {x for _, x, _ in after} == {digest}
-        init = cri.inspect(dst).init_pid
-        assert sorted(in_pidns(init)) == sorted([init, out["target_pid"]])
-        assert not running(cri, cid)
-        assert_node_healthy(a, restorable=set())
-        assert_node_healthy(b)
-    finally:
-        a.cleanup()
-        b.cleanup()

@@ -28,7 +28,7 @@ import pytest
 from pyroute2 import NetNS, netns
 
 from tests.helpers import DaemonProc, wait_for
-from tests.netlab import bridge
+from tests.netlab import NsDaemon, bridge, node_args
 
 SUBNET = "10.213.77"
 SERVICE = f"{SUBNET}.100"
@@ -80,16 +80,6 @@ CLIENT = textwrap.dedent(f"""
             expect += 1
         out.write(f"n {{expect - 1}} {{time.monotonic():.3f}}\\n")
 """)
-
-
-@dataclass
-class NsDaemon(DaemonProc):
-    """A memsnapd that runs inside a network namespace (a 'node')."""
-
-    netns: str = ""
-
-    def args(self) -> list[str]:
-        return ["nsenter", f"--net=/run/netns/{self.netns}", *super().args()]
 
 
 @dataclass
@@ -222,12 +212,7 @@ def _run_server(a: NsDaemon, tmp_path: Path, name: str, code: str, jobs_to_kill:
 
 
 def _node_args(host: int, token: Path) -> list[str]:
-    """Node `host` of the LAN: listens there, and node A and node B are its peers (jobs move only to peers)."""
-    os.chmod(token, 0o600)
-    cfg = token.parent / f"node-{host}.toml"
-    cfg.write_text(f'[daemon]\nnode_name = "node-{host}"\n' + "".join(
-        f'[[peers]]\nname = "node-{h}"\naddress = "{SUBNET}.{h}:7443"\n' for h in (1, 2)))
-    return ["--config", str(cfg), "--listen", f"{SUBNET}.{host}:7443", "--auth-token-file", str(token)]
+    return node_args(SUBNET, host, token)
 
 
 @pytest.fixture
