@@ -2,13 +2,14 @@
 
 memsnap asks the container runtime (podman, or any CRI runtime: memsnap.cri) only for facts (the init's pid, the
 rootfs, the image) and for a placeholder container (a placeholder pod, through CRI); the dump and the restore are
-memsnap's own CRIU calls, so the tier, the drain, the chunk store and moves apply to containers as to any job (lazy
-restores do not, yet). This is the pattern of NVIDIA Dynamo Snapshot, and of runc's own `checkpoint`/`restore`,
+memsnap's own CRIU calls, so the tier, the drain, the chunk store, lazy restores and moves apply to containers as
+to any job. This is the pattern of NVIDIA Dynamo Snapshot, and of runc's own `checkpoint`/`restore`,
 without the runtime's image tarball:
 
 - The container runs its workload under an init that reaps (its PID 1: `podman run --init`, tini, or the test
   image's `memtick reap`). memsnap dumps the init's one child and its tree, never the init: the placeholder's
-  own init takes its place, so the restored tree keeps its pids in the placeholder's PID namespace.
+  own init takes its place, so the restored tree keeps its pids in the placeholder's PID namespace. The
+  placeholder runs the init alone (init_alone()): never a second copy of the workload.
 - Dump: the container's rootfs is CRIU's root; its network and PID namespaces are external (keys extNetNs,
   extPidNs); every mount that shares its filesystem with the host (a bind mount: /etc/hosts, /dev/shm, the cgroup
   mounts) is external under its container path, so a restore can bind the placeholder's own there; its

@@ -219,9 +219,6 @@ class Restorer:
         facts = containers.ContainerFacts.from_manifest(man.extra["container"]) if "container" in man.extra else None
         if facts is None and req.into:
             raise FailedPrecondition(f"checkpoint {rec.id} is not of a container: restore it without --into")
-        if facts is not None and lazy:
-            raise FailedPrecondition(f"checkpoint {rec.id} is of a container: restore it without --lazy (lazy "
-                                     "restores into a placeholder are not supported yet)")
         if facts is not None and not req.into:
             raise FailedPrecondition(f"checkpoint {rec.id} is of {facts.runtime} container {clip(facts.name, 64)}: "
                                      f"restore it --into {facts.runtime}:NEWNAME (a placeholder from its image)")

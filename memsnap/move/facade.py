@@ -182,8 +182,8 @@ class Mover:
             if not req.into:
                 raise InvalidArgument(f"moving container {req.target[:80]} needs --into {named[0]}:NAME, the "
                                       "placeholder to start on the target")
-            if req.lazy or req.via_store or req.tcp_established or req.move_ip:
-                raise FailedPrecondition("a container moves streamed only, for now: drop --lazy, --via-store, "
+            if req.tcp_established or req.move_ip:  # (it takes the placeholder's address on the target)
+                raise FailedPrecondition("a container's network identity on the target is its placeholder's: drop "
                                          "--tcp-established and --move-ip")
         plan = containers.plan_for(req.target, caller.is_root)
         if plan is not None:
@@ -367,8 +367,7 @@ class Mover:
         # Early resume: the job runs on the target as soon as its state is back, and pages its memory in
         # from the target's verified copy; the reply comes once all of it is in place. Off for the
         # serial baseline, and with --tcp-established (kept to the plain path that its tests cover).
-        # (A container is restored whole into its placeholder: no early resume yet.)
-        early = not (req.plain_restore or req.tcp_established or knobs.migrate_serial() or req.into)
+        early = not (req.plain_restore or req.tcp_established or knobs.migrate_serial())
         rreq = pb.RestoreReceivedRequest(checkpoint_id=rec.id, tcp_established=req.tcp_established,
                                          add_ip=str(move.moved_ip) if move.moved_ip else "",
                                          add_ip_dev=req.move_ip_dev_target, from_store=from_store,

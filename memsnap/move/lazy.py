@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from memsnap import background, failpoints, knobs, lifecycle, manifest, net, proc
 from memsnap.auth import transfer_key
@@ -88,10 +89,12 @@ class _SourceState:
 
 # -- the lazy dump (source) ------------------------------------------------------------------------
 def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
-              notify_for: Callable[[Path], NotifyHandlers]) -> CriuError | None:
+              notify_for: Callable[[Path], NotifyHandlers],
+              container: dict[str, Any] | None = None) -> CriuError | None:
     """Dumps rec.pid without its memory, whose pages CRIU then serves over ps_socket until the peer has
     them all; the tree is left stopped (end_held / resume_held decide). rec is journaled first, with
     hold set, so recovery resumes the tree if we die. notify_for(staging) answers CRIU's callbacks.
+    container: a container's dump options (memsnap.containers.DumpPlan), for its workload.
     Returns CRIU's error, if any; raises (job untouched) when the pid is busy or the tier full."""
     try:
         pid_start = proc.start_time(rec.pid)
@@ -102,9 +105,10 @@ def lazy_dump(host: MoveHost, rec: CheckpointRecord, ps_socket: int,
     staging = host.tier.new_staging(rec.id)
     work = host.work_root / rec.id
     work.mkdir(parents=True, exist_ok=True, mode=0o700)
-    opts = DumpOptions(leave_running=False, leave_stopped=True, lazy_pages=True, ps_socket=ps_socket,
-                       shell_job=not proc.is_session_leader(rec.pid), own_mntns=own_mount_ns(rec.pid),
-                       **host.extra_dump_opts())
+    opts = DumpOptions(**{"leave_running": False, "leave_stopped": True, "lazy_pages": True, "ps_socket": ps_socket,
+                          "shell_job": not proc.is_session_leader(rec.pid),
+                          "own_mntns": own_mount_ns(rec.pid) if container is None else False,
+                          **host.extra_dump_opts(), **(container or {})})
     try:
         with host.exclusive(rec.pid):
             reservation = host.reserve(RESERVE_SLACK)
@@ -149,15 +153,17 @@ def _move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: Mo
     ckpt_id = lifecycle.new_id()
     tunnel_id = secrets.token_hex(16)
     state = _SourceState()
-    argv, own_ns = proc.cmdline(pid), proc.in_own_pidns(pid)
+    plan = move.container  # (a container's workload: its placeholder starts on the target)
+    argv, own_ns = proc.cmdline(pid), proc.in_own_pidns(pid) or plan is not None
+    name = plan.facts.name if plan is not None else job.name if job else ""
     rec = CheckpointRecord(id=ckpt_id, state=DUMPING, pid=pid, owner_uid=owner, created_ms=now_ms(),
-                           job=job.id if job else "", name=job.name if job else "", meta={"lazy_move": req.to})
+                           job=job.id if job else "", name=name, meta={"lazy_move": req.to})
     move.ckpt_id = ckpt_id
 
     def restore_there() -> None:
         rreq = pb.RestoreReceivedRequest(checkpoint_id=ckpt_id, lazy=True, lazy_tunnel=tunnel_id,
                                          add_ip=str(move.moved_ip) if move.moved_ip else "",
-                                         add_ip_dev=req.move_ip_dev_target)
+                                         add_ip_dev=req.move_ip_dev_target, into=req.into)
         try:
             state.restored = client.restore_received(rreq, timeout=600)
             state.t_resumed = time.monotonic()
@@ -174,7 +180,10 @@ def _move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: Mo
         if move.moved_ip is not None:
             move.ip_removed_from = net.remove_address(move.moved_ip, req.move_ip_dev_source)
         files = manifest.describe_files(staging)
-        body = engine.new_manifest(rec, argv, own_ns, job, files, dump_ms=stats_ms, pages_remote=True).body()
+        man = engine.new_manifest(rec, argv, own_ns, job, files, dump_ms=stats_ms, pages_remote=True)
+        if plan is not None:
+            man.extra["container"] = plan.facts.to_dict()
+        body = man.body()
         state.image_bytes = sum(int(f["size"]) for f in files.values())
         streamer = ImageStreamer(client, state.image_bytes, pipelined=False)
         streamer.start(staging)
@@ -215,7 +224,8 @@ def _move_lazily(engine: MoveHost, commits: Commitments, caller: Caller, req: Mo
         return NotifyHandlers(pre_dump=frozen, post_dump=dumped)
 
     try:
-        dump_error = lazy_dump(engine, rec, tunnel.criu_end.fileno(), notify_for)
+        dump_error = lazy_dump(engine, rec, tunnel.criu_end.fileno(), notify_for,
+                               plan.dump_opts if plan is not None else None)
     except MemsnapError as exc:  # busy, or no room for even the small images: the job was not touched
         tunnel.close()
         raise move_error(exc.code, f"migration failed at dump: {exc}; the job runs on here") from exc

@@ -90,7 +90,7 @@ class MoveTarget:
         if not caller.is_root:
             raise PermissionDenied("only a peer daemon (authenticated over TCP) or root may restore moves")
         tunnel = None
-        early = req.early_resume and not req.lazy and not req.tcp_established and not req.into and \
+        early = req.early_resume and not req.lazy and not req.tcp_established and \
             self.engine.criu.lazy_pages_supported()  # (else a plain restore: the reply comes later)
         if req.lazy:
             if req.tcp_established or req.HasField("from_store"):

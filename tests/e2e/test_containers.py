@@ -213,13 +213,71 @@ def test_a_container_restore_whose_placeholder_dies_before_criu_fails_cleanly_an
 
 
 
+def test_a_container_restored_lazily_from_the_store_pages_its_memory_in_inside_the_placeholder(
+        daemon: DaemonProc, image: str, names: list[str]) -> None:
+    src, dst = new_name(names, "src"), new_name(names, "dst")
+    start(image, src)
+    wait_for(lambda: len(ticks(logs(src))) >= 3, 60, what="the container's workload to tick")
+    digest = start_digest(logs(src))
+    ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", "--wait", "durable",
+                               check=True).stdout)
+    last = max(t for t, _, _ in ticks(logs(src)))
+    daemon.ctl("evict", ck["id"], check=True)
+    r = json.loads(daemon.ctl("--json", "restore", ck["id"], "--into", f"podman:{dst}", "--lazy",
+                              check=True).stdout)
+    assert r["from_store"]
+    wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
+             what="the restored workload to compute its digest again from pages it faulted in")
+    after = ticks(logs(dst))
+    assert after[0][0] == last + 1 and {d for _, d, _ in after} == {digest}
+    init = int(state(dst)["Pid"])
+    assert ns(r["pid"], "pid") == ns(init, "pid") and ns(r["pid"], "net") == ns(init, "net")
+    assert f"lazy restore of {ck['id']} from the store: every page resident" in daemon.log.read_text()
+    assert_node_healthy(daemon)
+
+
+@pytest.mark.parametrize("how", ["--lazy", "--via-store"])
+def test_a_container_moved_lazily_or_through_the_store_goes_on_in_a_placeholder_on_the_target(
+        how: str, pair: Any, image: str, names: list[str], tmp_path: Any) -> None:
+    from tests.helpers import token_daemon
+
+    a = pair.a
+    b = token_daemon(tmp_path / "b", pair.token_file)
+    if how == "--via-store":  # (one store both nodes reach)
+        b.extra += ["--store-dir", str(a.store), "--hmac-key-file", str(a.state / "hmac.key")]
+    b.start()
+    try:
+        src, dst = new_name(names, "src"), new_name(names, "dst")
+        start(image, src)
+        wait_for(lambda: len(ticks(logs(src))) >= 3, 60, what="the container's workload to tick")
+        digest = start_digest(logs(src))
+        r = a.ctl("--json", "migrate", f"podman:{src}", "--to", b.address, "--into", f"podman:{dst}", how,
+                  timeout=300)
+        assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
+        out = json.loads(r.stdout)
+        last = max(t for t, _, _ in ticks(logs(src)))
+        wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
+                 what="the moved workload to compute its digest again in the placeholder")
+        after = ticks(logs(dst))
+        assert after[0][0] == last + 1 and {d for _, d, _ in after} == {digest}
+        init = int(state(dst)["Pid"])
+        assert ns(out["target_pid"], "pid") == ns(init, "pid")
+        wait_for(lambda: not state(src)["Running"], 30, what="the source container to end")
+        # (Through the store, the move's durable checkpoint stays on the source, as for any job's move.)
+        assert_node_healthy(a, restorable={out["checkpoint"]} if how == "--via-store" else set())
+        assert_node_healthy(b)
+    finally:
+        b.cleanup()
+
+
 def test_a_container_move_without_a_placeholder_name_is_refused_before_the_container_is_touched(
         pair: Any, image: str, names: list[str]) -> None:
     a, b = pair.a, pair.b
     src = new_name(names, "src")
     start(image, src, mib=8)
     wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
-    for extra, says in (([], "needs --into podman:NAME"), (["--into", "podman:x", "--lazy"], "streamed only")):
+    for extra, says in (([], "needs --into podman:NAME"),
+                        (["--into", "podman:x", "--tcp-established"], "is its placeholder's")):
         r = a.ctl("migrate", f"podman:{src}", "--to", b.address, *extra)
         assert r.returncode != 0 and says in r.stderr, r.stderr
     n = ticks(logs(src))[-1][0]
