@@ -142,6 +142,10 @@ class Running:
     network: str
     hostname: str = ""
     handle: str = ""  # what removes it: podman's container name, CRI's pod sandbox id
+    placeholder: bool = False  # one memsnap started (label PLACEHOLDER_LABEL): its init runs alone, as started
+
+
+PLACEHOLDER_LABEL = "memsnap.restored-from"  # on every placeholder memsnap starts (its value: the source's id)
 
 
 # -- the runtime (podman's CLI; containerd's CRI would be a second implementation) -------------------------------
@@ -168,7 +172,7 @@ def inspect(runtime: str, name: str) -> Running:
 
         f = cri.inspect(name)
         return Running(id=f.id, name=f.name, image=f.image, init_pid=f.init_pid, rootfs=rootfs_of(f.init_pid),
-                       network="pod", hostname=f.hostname, handle=f.pod)
+                       network="pod", hostname=f.hostname, handle=f.pod, placeholder=PLACEHOLDER_LABEL in f.labels)
     r = _podman("container", "inspect", "--format", "json", name)
     if r.returncode != 0:
         raise NotFound(f"no {runtime} container {name!r} on this node ('podman ps -a' lists them)")
@@ -180,7 +184,8 @@ def inspect(runtime: str, name: str) -> Running:
         return Running(id=d["Id"], name=d["Name"], image=d["Image"], init_pid=int(state["Pid"]),
                        rootfs=d["GraphDriver"]["Data"]["MergedDir"],
                        network=str(d.get("HostConfig", {}).get("NetworkMode") or "bridge"),
-                       hostname=str(d.get("Config", {}).get("Hostname") or ""), handle=name)
+                       hostname=str(d.get("Config", {}).get("Hostname") or ""), handle=name,
+                       placeholder=PLACEHOLDER_LABEL in (d.get("Config", {}).get("Labels") or {}))
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise FailedPrecondition(f"podman reported container {name!r} in a shape memsnap does not know") from exc
 
@@ -205,7 +210,7 @@ def run_placeholder(facts: ContainerFacts, name: str) -> Running:
     # --pull never: the image is the checkpoint's, by id; a node without it says so at once (a pull by id would
     # only retry a registry for seconds, and could never give the same image).
     r = _podman("run", "-d", "--pull", "never", "--name", name, "--network", network,
-                "--label", f"memsnap.restored-from={facts.id}", *hostname, facts.image, *facts.init_argv)
+                "--label", f"{PLACEHOLDER_LABEL}={facts.id}", *hostname, facts.image, *facts.init_argv)
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or ["podman run failed"])[-1]
         if "already in use" in why:
@@ -411,7 +416,8 @@ def plan_dump(runtime: str, name: str) -> DumpPlan:
         raise FailedPrecondition(f"container {name!r} has {what}; memsnap checkpoints a container whose PID 1 is "
                                  "an init that reaps (podman run --init, tini) with one workload child")
     pid = kids[0]
-    init_argv = init_alone(_cmdline(c.init_pid), _cmdline(pid))
+    # (A placeholder's init was started alone: a restored container's checkpoint takes its argv as it is.)
+    init_argv = _cmdline(c.init_pid) if c.placeholder else init_alone(_cmdline(c.init_pid), _cmdline(pid))
     if init_argv is None:
         raise FailedPrecondition(f"container {name!r}: its workload is no longer the command its init started (it "
                                  "exec'd another program), so memsnap cannot tell the init's own arguments from it; "

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from memsnap.containers import PLACEHOLDER_LABEL
 from memsnap.errors import FailedPrecondition, NotFound
 
 DEFAULT_ENDPOINT = "unix:///run/containerd/containerd.sock"
@@ -79,6 +80,7 @@ class Found:
     init_pid: int
     hostname: str
     pod: str  # its pod sandbox's id
+    labels: dict[str, str]
 
 
 def inspect(name: str) -> Found:
@@ -100,12 +102,14 @@ def inspect(name: str) -> Found:
     except OSError:
         hostname = ""
     return Found(id=r.status.id, name=r.status.metadata.name, image=r.status.image_ref or r.status.image.image,
-                 init_pid=pid, hostname=hostname, pod=str(info.get("sandboxID") or ""))
+                 init_pid=pid, hostname=hostname, pod=str(info.get("sandboxID") or ""),
+                 labels=dict(r.status.labels))
 
 
 def run_placeholder(image: str, init_argv: list[str], hostname: str, name: str, restored_from: str) -> tuple[str, str]:
     """Starts the placeholder pod `name`: one container of image running init_argv, in a PID namespace of its own
-    (as the checkpointed container had), with that hostname; (its container's id, the pod's)."""
+    (as the checkpointed container had), with that hostname; (its container's id, the pod's). Pod and container
+    are labelled PLACEHOLDER_LABEL=restored_from (the checkpoint's container id; "": no label, a plain pod)."""
     try:
         return _run_placeholder(image, init_argv, hostname, name, restored_from)
     except (NotFound, FailedPrecondition) as exc:
@@ -114,19 +118,20 @@ def run_placeholder(image: str, init_argv: list[str], hostname: str, name: str, 
 
 
 def _run_placeholder(image: str, init_argv: list[str], hostname: str, name: str, restored_from: str) -> tuple[str, str]:
+    labels = {PLACEHOLDER_LABEL: restored_from[:63]} if restored_from else {}
     with Client() as c:
         api = c.api
         ns = api.NamespaceOption(network=api.POD, pid=api.CONTAINER, ipc=api.POD)
         sandbox = api.PodSandboxConfig(
             metadata=api.PodSandboxMetadata(name=name, namespace=NAMESPACE, uid=secrets.token_hex(8)),
             hostname=hostname, log_directory=f"/var/log/memsnap-pods/{name}",
-            labels={"memsnap.restored-from": restored_from[:63]},
+            labels=labels,
             linux=api.LinuxPodSandboxConfig(security_context=api.LinuxSandboxSecurityContext(namespace_options=ns)))
         pod = c.call("RunPodSandbox", api.RunPodSandboxRequest(config=sandbox)).pod_sandbox_id
         try:
             cfg = api.ContainerConfig(
                 metadata=api.ContainerMetadata(name=name), image=api.ImageSpec(image=image),
-                command=list(init_argv), log_path=f"{name}.log",
+                command=list(init_argv), log_path=f"{name}.log", labels=labels,
                 linux=api.LinuxContainerConfig(security_context=api.LinuxContainerSecurityContext(
                     namespace_options=ns)))
             cid = c.call("CreateContainer", api.CreateContainerRequest(pod_sandbox_id=pod, config=cfg,

@@ -140,8 +140,22 @@ def test_a_container_checkpointed_to_the_store_comes_back_in_a_placeholder_with_
              what="the placeholder to hold its init and the workload only")
     assert_node_healthy(daemon)
 
-    podman("stop", "-t", "10", dst)  # (its init passes SIGTERM on and ends with the workload)
-    assert state(dst)["ExitCode"] == 128 + 15
+    # The next generation: the placeholder is checkpointed and restored in turn (its init, started alone, is the
+    # next placeholder's command: one workload, not two).
+    ck2 = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{dst}", "--stop", check=True).stdout)
+    last = max(t for t, _, _ in ticks(logs(dst)))
+    dst2 = new_name(names, "dst2")
+    r = json.loads(daemon.ctl("--json", "restore", ck2["id"], "--into", f"podman:{dst2}", check=True).stdout)
+    wait_for(lambda: any(f for t, _, f in ticks(logs(dst2)) if t > last + 10), 60,
+             what="the second generation to compute its digest again")
+    assert ticks(logs(dst2))[0][0] == last + 1 and {d for _, d, _ in ticks(logs(dst2))} == {digest}
+    init = int(state(dst2)["Pid"])
+    wait_for(lambda: sorted(in_pidns(init)) == sorted([init, r["pid"]]), 10,
+             what="the second placeholder to hold its init and the workload only")
+    assert_node_healthy(daemon)
+
+    podman("stop", "-t", "10", dst2)  # (its init passes SIGTERM on and ends with the workload)
+    assert state(dst2)["ExitCode"] == 128 + 15
 
 
 def test_a_container_restore_that_cannot_start_its_placeholder_fails_cleanly_and_stays_restorable(

@@ -115,7 +115,7 @@ def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_t
     src, dst = new_pod(cri, "src"), new_pod(cri, "dst")
     cid, _pod = cri.run_placeholder(containerd.image, ["/memtick", "reap", "/memtick", "--mib", "256",
                                                        "--interval-ms", "100", "--digest-every", "10"],
-                                    "trainer-0", src, "test")
+                                    "trainer-0", src, "")
     wait_for(lambda: len(ticks(log_of(src))) >= 3, 60, what="the pod's container to tick")
     digest = re.search(r"stdout F start ([0-9a-f]{16})$", log_of(src), re.M).group(1)  # type: ignore[union-attr]
 
@@ -141,6 +141,18 @@ def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_t
     assert placeholder.hostname == "trainer-0"
     assert_node_healthy(d)
 
+    # The next generation: the placeholder pod's container is checkpointed and restored in turn.
+    ck2 = json.loads(d.ctl("--json", "checkpoint", f"cri:{dst}", "--stop", check=True).stdout)
+    last = max(t for t, _, _ in ticks(log_of(dst)))
+    dst2 = new_pod(cri, "dst2")
+    r = json.loads(d.ctl("--json", "restore", ck2["id"], "--into", f"cri:{dst2}", check=True).stdout)
+    wait_for(lambda: any(f for t, _, f in ticks(log_of(dst2)) if t > last + 10), 60,
+             what="the second generation to compute its digest again")
+    assert ticks(log_of(dst2))[0][0] == last + 1 and {x for _, x, _ in ticks(log_of(dst2))} == {digest}
+    init = cri.inspect(dst2).init_pid
+    assert sorted(in_pidns(init)) == sorted([init, r["pid"]])
+    assert_node_healthy(d)
+
 
 def ctr(containerd: Containerd, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ctr", "--address", str(containerd.dir / "containerd.sock"), "-n", "k8s.io", *args],
@@ -163,7 +175,7 @@ def test_a_pod_s_checkpoint_goes_only_into_a_pod_and_a_failed_placeholder_leaves
     assert imp.returncode == 0, imp.stderr
 
     src, dst = new_pod(cri, "src"), new_pod(cri, "dst")
-    cid, _pod = cri.run_placeholder(doomed, ["/memtick", "reap", "/memtick", "--mib", "8"], "h", src, "test")
+    cid, _pod = cri.run_placeholder(doomed, ["/memtick", "reap", "/memtick", "--mib", "8"], "h", src, "")
     wait_for(lambda: len(ticks(log_of(src))) >= 2, 60, what="the pod's container to tick")
     d = make_daemon("cri2", env={"CONTAINER_RUNTIME_ENDPOINT": containerd.endpoint}).start()
     ck = json.loads(d.ctl("--json", "checkpoint", f"cri:{cid}", "--stop", check=True).stdout)

@@ -205,7 +205,7 @@ def test_a_pod_s_container_moved_to_another_node_goes_on_in_a_pod_of_that_node_s
         image = r.stdout.split()[-1]
         assert a.daemon is not None and b.daemon is not None
         with runtime_of(a) as cri:
-            cid, _pod = cri.run_placeholder(image, WORKLOAD, "worker-1", src, "test")
+            cid, _pod = cri.run_placeholder(image, WORKLOAD, "worker-1", src, "")  # (a plain pod)
             old_ip = pod_ip(cri.inspect(cid).init_pid)
         wait_for(lambda: len(cri_ticks(log_of(src))) >= 3, 60, what="the pod's container to tick")
         digest = start_digest("\n".join(line.split(" F ", 1)[-1] for line in log_of(src).splitlines()))
