@@ -227,6 +227,25 @@ def run_placeholder(facts: ContainerFacts, name: str) -> Running:
         raise
 
 
+def remove_placeholder(entry: dict[str, Any]) -> str:
+    """Removes the placeholder a restore journaled (Restorer._place) and never finished with: by its handle, or,
+    when the daemon died while starting it, by its name (a CRI pod of that name that memsnap made). What was
+    done, for the log; never raises."""
+    runtime, name, handle = (str(entry.get(k, "")) for k in ("runtime", "name", "handle"))
+    if runtime == "cri" and not handle and name:
+        from memsnap import cri
+
+        try:
+            handle = cri.find_placeholder_pod(name)
+        except Exception as exc:  # (recovery goes on: the pod stays, and says so)
+            return f"could not look for placeholder pod {name!r}: {exc}"
+    handle = handle or (name if runtime == "podman" else "")
+    if runtime not in RUNTIMES or not handle:
+        return f"no placeholder to remove for {entry!r}"
+    remove(runtime, handle)
+    return f"removed placeholder {runtime}:{name}"
+
+
 def remove(runtime: str, handle: str) -> None:
     """Removes a placeholder memsnap made (a restore into it failed; handle: Running.handle); logs, never raises."""
     if runtime == "cri":

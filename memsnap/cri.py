@@ -143,6 +143,15 @@ def _run_placeholder(image: str, init_argv: list[str], hostname: str, name: str,
     return str(cid), str(pod)
 
 
+def find_placeholder_pod(name: str) -> str:
+    """The id of the pod memsnap made as placeholder `name` (namespace NAMESPACE, PLACEHOLDER_LABEL), or ""."""
+    with Client() as c:
+        for pod in c.call("ListPodSandbox", c.api.ListPodSandboxRequest()).items:
+            if pod.metadata.name == name and pod.metadata.namespace == NAMESPACE and PLACEHOLDER_LABEL in pod.labels:
+                return str(pod.id)
+    return ""
+
+
 def remove(pod: str) -> None:
     """Stops and removes the placeholder pod (a restore into it failed); never raises."""
     import logging

@@ -53,6 +53,8 @@ MARKS: dict[str, type | tuple[type, ...]] = {
     "parked": dict, "spill": bool,
     # steps recover() undoes after a crash (Engine.journal): a job asked to quiesce, CUDA state it locked
     "quiesce": bool, "gpu": dict,
+    # a restore's placeholder container ({runtime, name[, handle]}) until its job is recorded (memsnap.restorer)
+    "placeholder": dict,
     # facts recorded later: a chunked drain's counts, the dump's and the last restore's phases, the tier files'
     # (inode, size, mtime, ctime) when they were last hashed
     "store": dict, "phases": dict, "restore_phases": dict, "fingerprint": dict,

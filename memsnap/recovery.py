@@ -119,6 +119,14 @@ def recover(host: RecoveryHost, moves: MoveRecovery | None = None) -> dict[str, 
             proc.kill_tree(rec.pid)
             if rec.job:
                 host.catalog.update_job(rec.job, ended=True)
+    for rec in host.catalog.checkpoints():
+        entry = rec.meta.get("placeholder")
+        if isinstance(entry, dict):  # a restore into a container that never recorded its job: roll it back
+            from memsnap import containers
+
+            log.warning("recovery of %s: %s", rec.id, containers.remove_placeholder(entry))
+            host.journal(rec, "placeholder")(None)
+            fixed["placeholders"] = fixed.get("placeholders", 0) + 1
     for ckpt_id in list(host.tier.staging_ids()):
         host.tier.discard_staging(ckpt_id)
         fixed["stray_staging"] += 1

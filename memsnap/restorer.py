@@ -128,6 +128,8 @@ class RestoreHost(Protocol):
 
     def note_phases(self, ckpt_id: str, key: str, clock: PhaseClock) -> None: ...
 
+    def journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]: ...
+
 
 # (restorer, rec, t0, req): a lazy restore with no tier copy, paging in from the store; None when it cannot (the
 # caller restores from a fetched copy instead).
@@ -234,7 +236,7 @@ class Restorer:
         failpoints.delay("slow-restore", 3.0)  # (tests: an evict or delete arrives while CRIU would read)
         failpoints.delay("slow-restore-10s", 10.0)  # (tests: several calls meet a restore in flight)
         t_place = time.monotonic()
-        placement = containers.place(facts, req.into) if facts is not None else None  # (the placeholder runs)
+        placement = self._place(rec, facts, req.into) if facts is not None else None  # (the placeholder runs)
         place_ms = (time.monotonic() - t_place) * 1000 if placement is not None else 0.0
         t2 = time.monotonic()
         guard = (guard or LazyGuard(rec.id)) if lazy else None
@@ -242,7 +244,7 @@ class Restorer:
             failpoints.delay("slow-placeholder", 3.0) if placement else None  # (tests: the placeholder dies now)
             server = self._start_lazy_server(rec.id, images, work, lazy_ps_socket, guard) if guard else None
         except BaseException:
-            self._drop_placement(placement, failed=True)
+            self._drop_placement(rec, placement, failed=True)
             raise
         new_pid = 0
         try:
@@ -283,12 +285,13 @@ class Restorer:
                 proc.kill_tree(new_pid)  # restored, but the restore fails: never leave it running unrecorded
             if new_log:
                 Path(new_log).unlink(missing_ok=True)
-            self._drop_placement(placement, failed=True)
+            self._drop_placement(rec, placement, failed=True)
             raise
         finally:
             with self._lazy_lock:
                 self._restoring.discard(work)
-        self._drop_placement(placement, failed=False)
+        failpoints.hit("restored-into-placeholder") if placement is not None else None
+        self._drop_placement(rec, placement, failed=False)
         restore_ms = (time.monotonic() - t2) * 1000
         if man.extra.get("parked"):
             proc.resume_stopped(new_pid)  # memsnap.guard dumps a parked job stopped: any restore lets it run on
@@ -298,12 +301,13 @@ class Restorer:
             clock.add(name, ms / 1000) if ms else None
         try:
             job = self._record_restored(rec, man, new_pid, server, work, gpu_map, new_log, clock)
-            if placement is not None:  # (the job is the placeholder's: named after it)
+            if placement is not None:  # (the job is the placeholder's: named after it; the placeholder is its own)
                 self.host.catalog.update_job(job.id, name=placement.name)
                 job.name = placement.name
+                self.host.journal(rec, "placeholder")(None)
         except BaseException:
             proc.kill_tree(new_pid)
-            self._drop_placement(placement, failed=True)
+            self._drop_placement(rec, placement, failed=True)
             self.host.observe("restore", "error", time.monotonic() - t0)
             raise
         self.host.note_phases(rec.id, "restore_phases", clock)
@@ -313,14 +317,30 @@ class Restorer:
                              fetch_ms=fetch_ms, from_store=image.from_store, lazy_server=server, work_dir=work,
                              phases=clock.rounded())
 
-    @staticmethod
-    def _drop_placement(placement: containers.Placement | None, failed: bool) -> None:
+    def _place(self, rec: CheckpointRecord, facts: containers.ContainerFacts, into: str) -> containers.Placement:
+        """Starts the placeholder `into` names, journaled first (meta "placeholder"): a daemon killed before the
+        restored job is recorded leaves no placeholder behind, because its restart removes it
+        (containers.remove_placeholder). The job's record ends the journal entry."""
+        runtime, name = containers.parse_into(into)
+        journal = self.host.journal(rec, "placeholder")
+        journal({"runtime": runtime, "name": name})
+        try:
+            placement = containers.place(facts, into)
+        except BaseException:
+            journal(None)  # (place() removed what it started)
+            raise
+        journal({"runtime": runtime, "name": name, "handle": placement.running.handle})
+        failpoints.hit("placeholder-started")
+        return placement
+
+    def _drop_placement(self, rec: CheckpointRecord, placement: containers.Placement | None, failed: bool) -> None:
         """Closes a placeholder's fds; removes the placeholder too when the restore into it failed."""
         if placement is None:
             return
         placement.close()
         if failed:
             containers.remove(placement.runtime, placement.running.handle)
+            self.host.journal(rec, "placeholder")(None)
 
     def _keep_failure(self, work: Path) -> Path:
         """A failed restore's work dir (CRIU's logs) moves to <work>/failed, where no cleanup of its checkpoint

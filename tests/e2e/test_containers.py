@@ -227,6 +227,34 @@ def test_a_container_restore_whose_placeholder_dies_before_criu_fails_cleanly_an
 
 
 
+@pytest.mark.parametrize("point", ["placeholder-started", "restored-into-placeholder"])
+def test_a_daemon_killed_mid_restore_into_a_placeholder_removes_it_when_it_restarts_and_the_restore_works_again(
+        point: str, make_daemon: Any, image: str, names: list[str]) -> None:
+    # Killed with the placeholder running (before CRIU), or with the tree restored in it but no job recorded.
+    d = make_daemon("crash", env={"MEMSNAP_FAILPOINTS": point}).start()
+    src, dst = new_name(names, "src"), new_name(names, "dst")
+    start(image, src, mib=32)
+    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+    digest = start_digest(logs(src))
+    ck = json.loads(d.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
+    last = max(t for t, _, _ in ticks(logs(src)))
+    r = d.ctl("restore", ck["id"], "--into", f"podman:{dst}")
+    assert r.returncode != 0 and d.proc is not None and d.proc.wait(30) == 137, r.stderr
+    assert podman("container", "exists", dst, check=False).returncode == 0  # (left by the dead daemon)
+
+    d.env = {}
+    d.start()
+    assert podman("container", "exists", dst, check=False).returncode == 1, "the restart left the placeholder"
+    assert "removed placeholder podman:" + dst in d.log.read_text()
+    assert_node_healthy(d, restorable={ck["id"]})
+    # The same name again: a new placeholder, and the workload goes on from its checkpoint.
+    d.ctl("restore", ck["id"], "--into", f"podman:{dst}", check=True)
+    wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
+             what="the restored workload to compute its digest again")
+    assert ticks(logs(dst))[0][0] == last + 1 and {x for _, x, _ in ticks(logs(dst))} == {digest}
+    assert_node_healthy(d)
+
+
 def test_a_container_restored_lazily_from_the_store_pages_its_memory_in_inside_the_placeholder(
         daemon: DaemonProc, image: str, names: list[str]) -> None:
     src, dst = new_name(names, "src"), new_name(names, "dst")

@@ -343,3 +343,24 @@ def test_only_a_copy_not_yet_durable_fails_when_its_tier_copy_is_lost(tmp_path: 
     draining, failed = e.catalog.get_checkpoint("ck-draining"), e.catalog.get_checkpoint("ck-failed")
     assert draining is not None and draining.state == FAILED and "lost" in draining.last_error
     assert failed is not None and failed.last_error == "criu said no" and not failed.in_tier
+
+
+def test_a_placeholder_journaled_by_an_unfinished_restore_is_removed_and_the_entry_cleared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from memsnap import containers, cri
+
+    removed: list[tuple[str, str]] = []
+    monkeypatch.setattr(containers, "remove", lambda runtime, handle: removed.append((runtime, handle)))
+    monkeypatch.setattr(cri, "find_placeholder_pod", lambda name: {"pod-b": "sandbox-1"}.get(name, ""))
+    e = make_engine(tmp_path)
+    add_ckpt(e, "ck-a", DURABLE, NO_PID, in_store=True, meta={"placeholder": {"runtime": "podman", "name": "web2"}})
+    add_ckpt(e, "ck-b", DURABLE, NO_PID, in_store=True, meta={"placeholder": {"runtime": "cri", "name": "pod-b"}})
+    add_ckpt(e, "ck-c", DURABLE, NO_PID, in_store=True,
+             meta={"placeholder": {"runtime": "cri", "name": "pod-c", "handle": "sandbox-2"}})
+    add_ckpt(e, "ck-d", DURABLE, NO_PID, in_store=True, meta={"placeholder": {"runtime": "cri", "name": "gone"}})
+    fixed = e.recover(Moves())
+    assert sorted(removed) == [("cri", "sandbox-1"), ("cri", "sandbox-2"), ("podman", "web2")]
+    assert fixed["placeholders"] == 4
+    for ck in ("ck-a", "ck-b", "ck-c", "ck-d"):
+        rec = e.catalog.get_checkpoint(ck)
+        assert rec is not None and "placeholder" not in rec.meta and rec.state == DURABLE
