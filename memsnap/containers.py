@@ -227,6 +227,18 @@ def run_placeholder(facts: ContainerFacts, name: str) -> Running:
         raise
 
 
+def drop_journaled(catalog: Any, ckpt_id: str) -> None:
+    """Removes the placeholder journaled in a checkpoint's meta ("placeholder": a restore that never recorded
+    its job, or a move's restore the source never committed) and clears the entry; nothing when there is none."""
+    from memsnap import lifecycle
+
+    rec = catalog.get_checkpoint(ckpt_id)
+    entry = rec.meta.get("placeholder") if rec is not None else None
+    if isinstance(entry, dict):
+        log.warning("%s: %s", ckpt_id, remove_placeholder(entry))
+        lifecycle.mark(catalog, ckpt_id, placeholder=None)
+
+
 def remove_placeholder(entry: dict[str, Any]) -> str:
     """Removes the placeholder a restore journaled (Restorer._place) and never finished with: by its handle, or,
     when the daemon died while starting it, by its name (a CRI pod of that name that memsnap made). What was

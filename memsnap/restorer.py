@@ -304,7 +304,8 @@ class Restorer:
             if placement is not None:  # (the job is the placeholder's: named after it; the placeholder is its own)
                 self.host.catalog.update_job(job.id, name=placement.name)
                 job.name = placement.name
-                self.host.journal(rec, "placeholder")(None)
+                if not (rec.marks.move_incoming or rec.marks.pages_remote):  # (a move's: until its commit)
+                    self.host.journal(rec, "placeholder")(None)
         except BaseException:
             proc.kill_tree(new_pid)
             self._drop_placement(rec, placement, failed=True)
@@ -320,7 +321,8 @@ class Restorer:
     def _place(self, rec: CheckpointRecord, facts: containers.ContainerFacts, into: str) -> containers.Placement:
         """Starts the placeholder `into` names, journaled first (meta "placeholder"): a daemon killed before the
         restored job is recorded leaves no placeholder behind, because its restart removes it
-        (containers.remove_placeholder). The job's record ends the journal entry."""
+        (containers.drop_journaled). The job's record ends the journal entry; a move's image keeps it until the
+        source commits (memsnap.move.target: a move that does not happen takes its placeholder away too)."""
         runtime, name = containers.parse_into(into)
         journal = self.host.journal(rec, "placeholder")
         journal({"runtime": runtime, "name": name})

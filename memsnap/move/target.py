@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from memsnap import failpoints, lifecycle, proc
+from memsnap import containers, failpoints, lifecycle, proc
 from memsnap.auth import call_token, transfer_key
 from memsnap.catalog import DURABLE, CheckpointRecord
 from memsnap.convert import job_pb
@@ -166,7 +166,7 @@ class MoveTarget:
             while len(self._committed) > 256:
                 self._committed.pop(next(iter(self._committed)))
             if rec is not None:
-                lifecycle.mark(self.engine.catalog, ckpt_id, move_pending=None, move_incoming=None)
+                lifecycle.mark(self.engine.catalog, ckpt_id, move_pending=None, move_incoming=None, placeholder=None)
                 if rec.meta.get("pages_remote"):
                     self.tunnels.committed(ckpt_id)
                 elif rec.state != DURABLE and self.engine.drain is not None:
@@ -263,6 +263,7 @@ def drop_incoming(host: MoveHost, ckpt_id: str) -> bool:
     rec = host.catalog.get_checkpoint(ckpt_id)
     if rec is None or not rec.marks.move_incoming:
         return True  # (committed: the job's own checkpoint now)
+    containers.drop_journaled(host.catalog, ckpt_id)  # (a container's placeholder, with the copy in it)
     if rec.marks.pages_remote:
         forget_lazy_image(host, ckpt_id)
         return True

@@ -33,7 +33,7 @@ from typing import Any
 import blake3
 import grpc
 
-from memsnap import background, failpoints, knobs, lifecycle, proc
+from memsnap import background, containers, failpoints, knobs, lifecycle, proc
 from memsnap.auth import call_token, transfer_key
 from memsnap.backoff import retrying
 from memsnap.engine import Caller
@@ -490,7 +490,8 @@ def ok_now(t: _Tunnel) -> bool:
 
 def forget_lazy_image(host: MoveHost, ckpt_id: str) -> None:
     """Drops the small first half of a lazy move on the target (its memory never was here) and its work
-    dirs."""
+    dirs (and a container's placeholder)."""
+    containers.drop_journaled(host.catalog, ckpt_id)
     lifecycle.forget(host.catalog, ckpt_id)
     host.tier.remove(ckpt_id)
     if not knobs.keep_logs():

@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -227,6 +228,38 @@ def test_a_container_restore_whose_placeholder_dies_before_criu_fails_cleanly_an
 
 
 
+def test_a_restore_whose_criu_stalls_in_the_placeholder_is_killed_at_the_deadline_and_leaves_nothing_behind(
+        make_daemon: Any, image: str, names: list[str]) -> None:
+    # CRIU runs inside the placeholder (the init's child, not the daemon's): the progress watch must find it there.
+    d = make_daemon("stall", env={"MEMSNAP_CRIU_STALL_S": "3", "MEMSNAP_FAILPOINTS": "slow-placeholder"}).start()
+    src, dst = new_name(names, "src"), new_name(names, "dst")
+    start(image, src)
+    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+    ck = json.loads(d.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": d.socket}
+    restoring = subprocess.Popen([sys.executable, "-m", "memsnap.cli", "restore", ck["id"], "--into",
+                                  f"podman:{dst}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: f"placeholder {dst} started" in d.log.read_text(), 30, what="memsnap to start the placeholder")
+    init = int(state(dst)["Pid"])
+
+    def stop_criu() -> int:
+        for pid in in_pidns(init):
+            try:
+                if open(f"/proc/{pid}/comm").read().strip() == "criu":
+                    os.kill(pid, signal.SIGSTOP)
+                    return pid
+            except OSError:
+                pass
+        return 0
+    stopped = int(wait_for(stop_criu, 15, interval=0.002, what="CRIU to start in the placeholder"))  # type: ignore[arg-type]
+    _, err = restoring.communicate(timeout=120)
+    assert restoring.returncode != 0 and "made no progress" in err, err
+    assert f"criu restore (pid {stopped}) made no progress" in d.log.read_text()  # (the one in the placeholder)
+    assert podman("container", "exists", dst, check=False).returncode == 1, "a stalled restore left its placeholder"
+    wait_for(lambda: not os.path.exists(f"/proc/{stopped}"), 10, what="the stalled CRIU to be gone")
+    assert_node_healthy(d, restorable={ck["id"]})
+
+
 @pytest.mark.parametrize("point", ["placeholder-started", "restored-into-placeholder"])
 def test_a_daemon_killed_mid_restore_into_a_placeholder_removes_it_when_it_restarts_and_the_restore_works_again(
         point: str, make_daemon: Any, image: str, names: list[str]) -> None:
@@ -309,6 +342,46 @@ def test_a_container_moved_lazily_or_through_the_store_goes_on_in_a_placeholder_
         assert_node_healthy(a, restorable={out["checkpoint"]} if how == "--via-store" else set())
         assert_node_healthy(b)
     finally:
+        b.cleanup()
+
+
+def test_a_container_move_the_source_never_commits_takes_its_placeholder_away_and_can_be_made_again(
+        image: str, names: list[str], tmp_path: Any) -> None:
+    from tests.helpers import secret_file, token_daemon
+
+    token = secret_file(tmp_path / "node.token")
+    # The source dies (kill -9) once the target said the workload runs there, before it asks the target to keep it.
+    a = token_daemon(tmp_path / "a", token, env={"MEMSNAP_FAILPOINTS": "before-commit-sent"})
+    b = token_daemon(tmp_path / "b", token, more="move_commit_timeout_s = 5")
+    try:
+        a.start()
+        b.start()
+        src, dst = new_name(names, "src"), new_name(names, "dst")
+        start(image, src, mib=32)
+        wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+        digest = start_digest(logs(src))
+        r = a.ctl("migrate", f"podman:{src}", "--to", b.address, "--into", f"podman:{dst}")
+        assert r.returncode != 0 and a.proc is not None and a.proc.wait(10) == 137, r.stderr
+        wait_for(lambda: ticks(logs(dst)), 30, what="the target's copy to tick in its placeholder")
+        # Never committed: once the commit timeout runs out, the target kills its copy and removes the placeholder.
+        wait_for(lambda: podman("container", "exists", dst, check=False).returncode == 1, 60,
+                 what="the uncommitted move's placeholder to go")
+        assert_node_healthy(b, restorable=set())
+        # The source's workload, held by the move, runs on once its daemon is back; the move works again.
+        a.env = {}
+        a.start()
+        n = ticks(logs(src))[-1][0]
+        wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the source container to tick on")
+        r = a.ctl("--json", "migrate", f"podman:{src}", "--to", b.address, "--into", f"podman:{dst}", timeout=300)
+        assert r.returncode == 0, r.stderr
+        last = max(t for t, _, _ in ticks(logs(src)))
+        wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
+                 what="the moved workload to compute its digest again")
+        assert {x for t, x, _ in ticks(logs(dst)) if t > last} == {digest}
+        assert_node_healthy(a, restorable=set())
+        assert_node_healthy(b)
+    finally:
+        a.cleanup()
         b.cleanup()
 
 
