@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from memsnap import lifecycle, proc
+from memsnap.caller import ROOT, Caller
 from memsnap.catalog import DRAINING, DUMPING, FAILED, RESTORABLE, STAGED, Catalog, CheckpointRecord
 from memsnap.collaborators import GpuAdapter
+from memsnap.errors import MemsnapError
 from memsnap.quiesce.notifier import Quiescer
 from memsnap.tiers import Tiers
 
@@ -50,6 +52,8 @@ class RecoveryHost(Protocol):
 
     def resume_held(self, pid: int, ckpt_id: str = "") -> None: ...
 
+    def delete(self, caller: Caller, ckpt_id: str) -> None: ...
+
     def journal(self, rec: CheckpointRecord, key: str) -> Callable[[Any], None]: ...
 
 
@@ -64,6 +68,7 @@ def recover(host: RecoveryHost, moves: MoveRecovery | None = None) -> dict[str, 
     for stale in host.work_root.glob("*.lazystore-*"):  # a lazy restore from the store ends with its daemon
         shutil.rmtree(stale, ignore_errors=True)
     in_doubt: set[str] = set()
+    unasked: list[str] = []  # images of moves that did not happen (the job runs on here): they go, as in rollback
 
     def doubt(rec: CheckpointRecord) -> None:
         in_doubt.add(rec.id)  # the mover asks the target; the copy here stays stopped meanwhile
@@ -112,6 +117,7 @@ def recover(host: RecoveryHost, moves: MoveRecovery | None = None) -> dict[str, 
                     doubt(rec)
                 else:
                     host.resume_held(rec.pid, rec.id)
+                    unasked.append(rec.id)
             continue
         # Published, but the daemon died before ending a --stop job: finish what was asked.
         if rec.meta.get("stop") and rec.in_tier and host.tier.has(rec.id) and \
@@ -120,13 +126,19 @@ def recover(host: RecoveryHost, moves: MoveRecovery | None = None) -> dict[str, 
             if rec.job:
                 host.catalog.update_job(rec.job, ended=True)
     for rec in host.catalog.checkpoints():
-        entry = rec.meta.get("placeholder")
-        if isinstance(entry, dict):  # a restore into a container that never recorded its job: roll it back
+        if isinstance(rec.meta.get("placeholder"), dict):
+            # A restore into a container that never recorded its job, or a move's that was never committed: the
+            # placeholder goes, and what CRIU had put in it (rolled back; the checkpoint stays restorable).
             from memsnap import containers
 
-            log.warning("recovery of %s: %s", rec.id, containers.remove_placeholder(entry))
-            host.journal(rec, "placeholder")(None)
+            containers.drop_journaled(host.catalog, rec.id)
             fixed["placeholders"] = fixed.get("placeholders", 0) + 1
+    for ckpt_id in unasked:
+        try:
+            host.delete(ROOT, ckpt_id)
+            fixed["moves_rolled_back"] = fixed.get("moves_rolled_back", 0) + 1
+        except MemsnapError as exc:
+            log.warning("could not drop %s, the image of a move that did not happen: %s", ckpt_id, exc)
     for ckpt_id in list(host.tier.staging_ids()):
         host.tier.discard_staging(ckpt_id)
         fixed["stray_staging"] += 1

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import counter_job, migrate, secret_file, ticking_with, ticks, token_daemon, wait_for
+from tests.helpers import (
+    assert_node_healthy,
+    counter_job,
+    migrate,
+    secret_file,
+    ticking_with,
+    ticks,
+    token_daemon,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("no_copy_outlives_the_test")
 
@@ -49,6 +58,8 @@ def test_a_restored_copy_the_source_never_commits_is_killed_when_the_commit_time
         src.env = {}
         src.start()
         ticking_with(job, job["pid"], job["digest"], fresh=3)
+        # ... and the image of the move that did not happen goes there, as in a rollback without a crash.
+        assert_node_healthy(src, restorable=set())
     finally:
         src.cleanup()
         dst.cleanup()
