@@ -40,6 +40,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsnap.cri import PLACEHOLDER_LABEL
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 log = logging.getLogger("memsnap.containers")
@@ -144,8 +145,6 @@ class Running:
     handle: str = ""  # what removes it: podman's container name, CRI's pod sandbox id
     placeholder: bool = False  # one memsnap started (label PLACEHOLDER_LABEL): its init runs alone, as started
 
-
-PLACEHOLDER_LABEL = "memsnap.restored-from"  # on every placeholder memsnap starts (its value: the source's id)
 
 
 # -- the runtime (podman's CLI; containerd's CRI would be a second implementation) -------------------------------

@@ -15,12 +15,13 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from memsnap.containers import PLACEHOLDER_LABEL
 from memsnap.errors import FailedPrecondition, NotFound
 
 DEFAULT_ENDPOINT = "unix:///run/containerd/containerd.sock"
 NAMESPACE = "memsnap"  # the Kubernetes namespace placeholder pods are made in
 _TIMEOUT_S = 60.0
+# On every placeholder memsnap starts, podman's or CRI's (memsnap.containers); its value: the source container's id.
+PLACEHOLDER_LABEL = "memsnap.restored-from"
 
 
 def endpoint() -> str:
