@@ -102,11 +102,15 @@ class ContainerFacts:
     stdio: dict[str, str] = field(default_factory=dict)  # "1"/"2" -> CRIU's key for that pipe ("pipe:[ino]")
     pid_in_container: int = 0
     hostname: str = ""  # the container's own: the placeholder gets it too (a program may have cached it)
+    # its volumes, which the placeholder mounts again (their data is not in the image: see volume_args()):
+    # {"kind": "volume" (a named volume of the runtime) or "bind" (a host path), "source", "destination", "rw"}
+    volumes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"runtime": self.runtime, "id": self.id, "name": self.name, "image": self.image,
                 "init_argv": list(self.init_argv), "network": self.network, "mounts": list(self.mounts),
-                "stdio": dict(self.stdio), "pid_in_container": self.pid_in_container, "hostname": self.hostname}
+                "stdio": dict(self.stdio), "pid_in_container": self.pid_in_container, "hostname": self.hostname,
+                **({"volumes": [dict(v) for v in self.volumes]} if self.volumes else {})}
 
     @classmethod
     def from_manifest(cls, d: object) -> ContainerFacts:
@@ -119,16 +123,29 @@ class ContainerFacts:
             f = cls(runtime=d["runtime"], id=d["id"], name=d["name"], image=d["image"],
                     init_argv=list(d["init_argv"]), network=d["network"], mounts=list(d["mounts"]),
                     stdio=dict(d["stdio"]), pid_in_container=int(d.get("pid_in_container", 0)),
-                    hostname=d.get("hostname", ""))
+                    hostname=d.get("hostname", ""), volumes=list(d.get("volumes", [])))
         except (KeyError, TypeError, ValueError) as exc:
             raise bad from exc
         strs = [f.runtime, f.id, f.name, f.image, f.network, f.hostname, *f.init_argv, *f.mounts]
         if f.runtime not in RUNTIMES or not all(isinstance(s, str) for s in strs) or not f.init_argv \
                 or not all(_container_path(m) for m in f.mounts) or not _HOSTNAME.fullmatch(f.hostname or "h") \
                 or not all(k in ("0", "1", "2") and isinstance(v, str) and _PIPE.fullmatch(v)
-                           for k, v in f.stdio.items()):
+                           for k, v in f.stdio.items()) or not all(_volume_ok(v) for v in f.volumes):
             raise bad
         return f
+
+
+def _volume_ok(v: object) -> bool:
+    """A volume entry in the shape memsnap writes: a named volume's name or an absolute host path (neither with
+    the ':' or ',' a runtime's mount syntax splits on), mounted at a container path."""
+    if not isinstance(v, dict) or set(v) != {"kind", "source", "destination", "rw"} or not isinstance(v["rw"], bool):
+        return False
+    src, dst = v["source"], v["destination"]
+    if not _container_path(dst) or any(c in dst for c in ":,"):
+        return False
+    if v["kind"] == "volume":
+        return isinstance(src, str) and bool(_NAME.fullmatch(src))
+    return v["kind"] == "bind" and _container_path(src) and not any(c in src for c in ":,")
 
 
 @dataclass
@@ -144,6 +161,7 @@ class Running:
     hostname: str = ""
     handle: str = ""  # what removes it: podman's container name, CRI's pod sandbox id
     placeholder: bool = False  # one memsnap started (label PLACEHOLDER_LABEL): its init runs alone, as started
+    volumes: list[dict[str, Any]] = field(default_factory=list)  # as ContainerFacts.volumes
 
 
 
@@ -184,13 +202,39 @@ def inspect(runtime: str, name: str) -> Running:
                        rootfs=d["GraphDriver"]["Data"]["MergedDir"],
                        network=str(d.get("HostConfig", {}).get("NetworkMode") or "bridge"),
                        hostname=str(d.get("Config", {}).get("Hostname") or ""), handle=name,
-                       placeholder=PLACEHOLDER_LABEL in (d.get("Config", {}).get("Labels") or {}))
+                       placeholder=PLACEHOLDER_LABEL in (d.get("Config", {}).get("Labels") or {}),
+                       volumes=[{"kind": m["Type"], "source": m["Name"] if m["Type"] == "volume" else m["Source"],
+                                 "destination": m["Destination"], "rw": bool(m.get("RW"))}
+                                for m in d.get("Mounts") or [] if m.get("Type") in ("volume", "bind")])
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise FailedPrecondition(f"podman reported container {name!r} in a shape memsnap does not know") from exc
 
 
-def run_placeholder(facts: ContainerFacts, name: str) -> Running:
-    """Starts the placeholder NAME: the image of facts, its init with no workload, the same kind of network."""
+def volume_args(facts: ContainerFacts, binds_allowed: bool) -> list[str]:
+    """podman's -v arguments that mount the container's volumes in its placeholder: the same named volumes and host
+    paths, which must be on this node (memsnap does not carry their data: a volume that is missing here is
+    refused, never created empty). binds_allowed: False for an image a peer sent (a move), whose bind mounts
+    would let it choose host paths on this node."""
+    out = []
+    for v in facts.volumes:
+        src, dst, mode = v["source"], v["destination"], "rw" if v["rw"] else "ro"
+        if v["kind"] == "bind":
+            if not binds_allowed:
+                raise FailedPrecondition(f"the container mounts host path {src} at {dst}: a container with bind "
+                                         "mounts is not restored from another node's image (use a named volume)")
+            if not os.path.exists(src):
+                raise FailedPrecondition(f"host path {src} (mounted at {dst}) is not on this node: memsnap does not "
+                                         "carry a bind mount's data")
+        elif _podman("volume", "exists", src).returncode != 0:
+            raise FailedPrecondition(f"volume {src!r} (mounted at {dst}) is not on this node: memsnap does not carry a "
+                                     "volume's data; create it here, with its data, and restore again")
+        out += ["-v", f"{src}:{dst}:{mode}"]
+    return out
+
+
+def run_placeholder(facts: ContainerFacts, name: str, binds_allowed: bool = True) -> Running:
+    """Starts the placeholder NAME: the image of facts, its init with no workload, the same kind of network, the
+    same volumes (volume_args)."""
     if facts.runtime == "cri":
         from memsnap import cri
 
@@ -206,10 +250,11 @@ def run_placeholder(facts: ContainerFacts, name: str) -> Running:
     if network == "host":
         raise FailedPrecondition("a container on the host's network cannot be restored into a placeholder")
     hostname = ["--hostname", facts.hostname] if facts.hostname else []
+    volumes = volume_args(facts, binds_allowed)
     # --pull never: the image is the checkpoint's, by id; a node without it says so at once (a pull by id would
     # only retry a registry for seconds, and could never give the same image).
     r = _podman("run", "-d", "--pull", "never", "--name", name, "--network", network,
-                "--label", f"{PLACEHOLDER_LABEL}={facts.id}", *hostname, facts.image, *facts.init_argv)
+                "--label", f"{PLACEHOLDER_LABEL}={facts.id}", *hostname, *volumes, facts.image, *facts.init_argv)
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or ["podman run failed"])[-1]
         if "already in use" in why:
@@ -464,7 +509,11 @@ def plan_dump(runtime: str, name: str) -> DumpPlan:
     mounts = external_mounts(pid)
     facts = ContainerFacts(runtime=runtime, id=c.id, name=c.name, image=c.image, init_argv=init_argv,
                            network=c.network, mounts=mounts, stdio=stdio, pid_in_container=_nspid(pid),
-                           hostname=c.hostname if _HOSTNAME.fullmatch(c.hostname) else "")
+                           hostname=c.hostname if _HOSTNAME.fullmatch(c.hostname) else "",
+                           volumes=[v for v in c.volumes if _volume_ok(v)])
+    if len(facts.volumes) != len(c.volumes):
+        raise FailedPrecondition(f"container {name!r} has a volume memsnap cannot mount again (a path with ':' or ',', "
+                                 "or a volume type other than a named volume or a bind mount)")
     external = [f"net[{_ns_inode(pid, 'net')}]:{NET_KEY}", f"pid[{_ns_inode(pid, 'pid')}]:{PID_KEY}",
                 *(f"mnt[{m}]:{m}" for m in mounts)]
     return DumpPlan(pid=pid, facts=facts, dump_opts={"root": c.rootfs, "cgroups_ignore": True, "external": external,
@@ -498,14 +547,14 @@ def parse_into(into: str) -> tuple[str, str]:
     return got
 
 
-def place(facts: ContainerFacts, into: str) -> Placement:
+def place(facts: ContainerFacts, into: str, binds_allowed: bool = True) -> Placement:
     """Starts the placeholder `into` names and prepares CRIU's options for it; the caller closes it (fds) and
     removes the container if the restore fails."""
     runtime, name = parse_into(into)
     if runtime != facts.runtime:
         raise FailedPrecondition(f"the checkpoint is of a {facts.runtime} container; restore it --into "
                                  f"{facts.runtime}:NAME")
-    running = run_placeholder(facts, name)
+    running = run_placeholder(facts, name, binds_allowed)
     fds: list[int] = []
     try:
         init = running.init_pid

@@ -326,8 +326,9 @@ class Restorer:
         runtime, name = containers.parse_into(into)
         journal = self.host.journal(rec, "placeholder")
         journal({"runtime": runtime, "name": name})
-        try:
-            placement = containers.place(facts, into)
+        try:  # (an image a peer sent, for a move, never names host paths to bind here)
+            placement = containers.place(facts, into, binds_allowed=not (rec.marks.move_incoming or
+                                                                         rec.marks.pages_remote))
         except BaseException:
             journal(None)  # (place() removed what it started)
             raise

@@ -187,6 +187,11 @@ class Mover:
                                          "--tcp-established and --move-ip")
         plan = containers.plan_for(req.target, caller.is_root)
         if plan is not None:
+            binds = [f"{v['source']}:{v['destination']}" for v in plan.facts.volumes if v["kind"] == "bind"]
+            if binds:  # (the target refuses them too: a peer names no host paths there)
+                raise FailedPrecondition(f"container {req.target[:80]} bind-mounts host paths "
+                                         f"({', '.join(binds)[:200]}): those are this node's, so it does not move; "
+                                         "use named volumes")
             pid, job = plan.pid, None
         elif req.into:
             raise InvalidArgument(f"--into names the placeholder of a container's move; {req.target[:80]} is not "

@@ -65,21 +65,51 @@ def test_the_api_validates_container_targets_and_placeholders_as_names() -> None
         validate.key("target", "podman:../x")
 
 
+VOL = {"kind": "volume", "source": "data-1", "destination": "/data", "rw": True}
+BIND = {"kind": "bind", "source": "/srv/conf", "destination": "/conf", "rw": False}
+
+
 def test_container_facts_from_a_manifest_round_trip() -> None:
     f = ContainerFacts.from_manifest(facts())
     assert f.to_dict() == facts()
+    f = ContainerFacts.from_manifest(facts(volumes=[VOL, BIND]))
+    assert f.to_dict() == facts(volumes=[VOL, BIND]) and f.volumes == [VOL, BIND]
 
 
 @pytest.mark.parametrize("change", [
     {"runtime": "docker"}, {"mounts": ["/etc/../root"]}, {"mounts": ["relative"]}, {"mounts": ["/"]},
     {"mounts": ["/x]:/etc/shadow"]}, {"stdio": {"1": "/etc/shadow"}}, {"stdio": {"7": "pipe:[1]"}},
     {"init_argv": []}, {"init_argv": [1]}, {"image": None}, {"network": 3}, {"hostname": "-x"},
-    {"hostname": "a b"}, {"hostname": 7}])
+    {"hostname": "a b"}, {"hostname": 7}, {"volumes": [{**VOL, "source": "../x"}]},
+    {"volumes": [{**BIND, "source": "/a:/etc"}]}, {"volumes": [{**BIND, "source": "relative"}]},
+    {"volumes": [{**BIND, "source": "/srv/../etc"}]}, {"volumes": [{**VOL, "destination": "/d,ro"}]},
+    {"volumes": [{**VOL, "kind": "tmpfs"}]}, {"volumes": [{**VOL, "rw": "yes"}]}, {"volumes": [{**VOL, "x": 1}]},
+    {"volumes": ["data-1:/data"]}])
 def test_malformed_container_facts_are_refused(change: dict[str, Any]) -> None:
     with pytest.raises(FailedPrecondition):
         ContainerFacts.from_manifest(facts(**change))
     with pytest.raises(FailedPrecondition):
         ContainerFacts.from_manifest("not a dict")
+
+
+def test_a_placeholder_mounts_the_same_volumes_if_this_node_has_them_and_a_peer_s_image_no_host_path(
+        monkeypatch: Any, tmp_path: Path) -> None:
+    import subprocess
+
+    here = {"data-1"}
+    monkeypatch.setattr(containers, "_podman", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0 if a[:2] == ("volume", "exists") and a[2] in here else 1, "", ""))
+    bind = {**BIND, "source": str(tmp_path)}
+    f = ContainerFacts.from_manifest(facts(volumes=[VOL, bind]))
+    assert containers.volume_args(f, binds_allowed=True) == ["-v", "data-1:/data:rw", "-v", f"{tmp_path}:/conf:ro"]
+    with pytest.raises(FailedPrecondition, match="not restored from another node's image"):
+        containers.volume_args(f, binds_allowed=False)
+    here.clear()
+    with pytest.raises(FailedPrecondition, match="volume 'data-1' .* is not on this node"):
+        containers.volume_args(f, binds_allowed=True)
+    gone = ContainerFacts.from_manifest(facts(volumes=[{**BIND, "source": str(tmp_path / "gone")}]))
+    with pytest.raises(FailedPrecondition, match="is not on this node"):
+        containers.volume_args(gone, binds_allowed=True)
 
 
 def test_a_placeholder_mount_is_bound_from_the_host_mount_of_the_same_filesystem(monkeypatch: Any) -> None:
