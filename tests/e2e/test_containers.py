@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -57,14 +57,28 @@ def new_name(names: list[str], what: str) -> str:
     return n
 
 
-def start(image: str, name: str, mib: int = MIB) -> None:
+def start(image: str, name: str, mib: int = MIB) -> str:
+    """Starts container NAME (the test workload, mib MiB, under 'memtick reap') and waits until it ticks; its
+    digest of its memory at the start."""
     podman("run", "-d", "--name", name, "--network", "none", image,
            "/memtick", "reap", "/memtick", "--mib", str(mib), "--interval-ms", "100", "--digest-every", "10")
+    wait_for(lambda: len(ticks(logs(name))) >= 2, 60, what="the container's workload to tick")
+    return start_digest(logs(name))
 
 
 def logs(name: str) -> str:
     r = podman("logs", name, check=False)
     return r.stdout + r.stderr
+
+
+def goes_on(ticks_now: Callable[[], list[tuple[int, str, bool]]], last: int, digest: str, what: str) -> None:
+    """A restored workload's log (ticks_now: its ticks) goes on where the dumped one stopped (tick last + 1) and,
+    past tick last + 10, has computed its digest again from its memory: every digest it printed is the dumped
+    one's."""
+    wait_for(lambda: any(f for t, _, f in ticks_now() if t > last + 10), 60, what=what)
+    after = ticks_now()
+    assert after[0][0] == last + 1, f"its log starts at tick {after[0][0]}, the dumped workload's ended at {last}"
+    assert {d for _, d, _ in after} == {digest}, "the restored workload's memory differs from the dumped one"
 
 
 def ticks(text: str) -> list[tuple[int, str, bool]]:
@@ -106,9 +120,7 @@ def cgroups(pid: int) -> str:
 def test_a_container_checkpointed_to_the_store_comes_back_in_a_placeholder_with_its_memory_and_its_logs(
         daemon: DaemonProc, image: str, names: list[str]) -> None:
     src, dst = new_name(names, "src"), new_name(names, "dst")
-    start(image, src)
-    wait_for(lambda: len(ticks(logs(src))) >= 3, 60, what="the container's workload to tick")
-    digest = start_digest(logs(src))
+    digest = start(image, src)
 
     ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", "--wait", "durable",
                                check=True).stdout)
@@ -123,11 +135,8 @@ def test_a_container_checkpointed_to_the_store_comes_back_in_a_placeholder_with_
 
     r = json.loads(daemon.ctl("--json", "restore", f"podman:{src}", "--into", f"podman:{dst}", check=True).stdout)
     assert r["checkpoint"] == ck["id"] and r["from_store"] and r["into"] == f"podman:{dst}"
-    wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
-             what="the restored workload to compute its digest again in the placeholder")
-    after = ticks(logs(dst))
-    assert after[0][0] == last + 1, f"the placeholder's log starts at tick {after[0][0]}, the source ended at {last}"
-    assert {d for _, d, _ in after} == {digest}, "the restored workload's memory differs from the dumped one"
+    goes_on(lambda: ticks(logs(dst)), last, digest, "the restored workload to compute its digest again in the "
+            "placeholder")
 
     # The tree lives in the placeholder: its PID, network, IPC and UTS namespaces, its cgroups.
     init = int(state(dst)["Pid"])
@@ -147,9 +156,7 @@ def test_a_container_checkpointed_to_the_store_comes_back_in_a_placeholder_with_
     last = max(t for t, _, _ in ticks(logs(dst)))
     dst2 = new_name(names, "dst2")
     r = json.loads(daemon.ctl("--json", "restore", ck2["id"], "--into", f"podman:{dst2}", check=True).stdout)
-    wait_for(lambda: any(f for t, _, f in ticks(logs(dst2)) if t > last + 10), 60,
-             what="the second generation to compute its digest again")
-    assert ticks(logs(dst2))[0][0] == last + 1 and {d for _, d, _ in ticks(logs(dst2))} == {digest}
+    goes_on(lambda: ticks(logs(dst2)), last, digest, "the second generation to compute its digest again")
     init = int(state(dst2)["Pid"])
     wait_for(lambda: sorted(in_pidns(init)) == sorted([init, r["pid"]]), 10,
              what="the second placeholder to hold its init and the workload only")
@@ -169,7 +176,6 @@ def test_a_container_restore_that_cannot_start_its_placeholder_fails_cleanly_and
     src, taken, dst = new_name(names, "src"), new_name(names, "taken"), new_name(names, "dst")
     start(doomed, src, mib=32)
     start(image, taken, mib=8)
-    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
     ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
 
     # Without --into, and into a name that is taken (never entered: that container runs on, untouched).
@@ -194,12 +200,10 @@ def test_containers_are_root_s_to_checkpoint_and_restore_not_nobody_s(
         open_daemon: DaemonProc, image: str, names: list[str]) -> None:
     src, dst = new_name(names, "src"), new_name(names, "dst")
     start(image, src, mib=8)
-    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
 
     code, msg = call_as(NOBODY, open_daemon, "checkpoint", f"podman:{src}")
     assert code == "PERMISSION_DENIED", msg
-    n = ticks(logs(src))[-1][0]
-    wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the container to tick on (never frozen)")
+    ticks_on(src)
 
     ck = json.loads(open_daemon.ctl("--json", "checkpoint", f"podman:{src}", check=True).stdout)
     code, msg = call_as(NOBODY, open_daemon, "restore", ck["id"], into=f"podman:{dst}")
@@ -214,7 +218,6 @@ def test_a_container_restore_whose_placeholder_dies_before_criu_fails_cleanly_an
     d = make_daemon("slow", env={"MEMSNAP_FAILPOINTS": "slow-placeholder"}).start()  # type: ignore[operator]
     src, dst = new_name(names, "src"), new_name(names, "dst")
     start(image, src, mib=32)
-    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
     ck = json.loads(d.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": d.socket}
     restoring = subprocess.Popen([sys.executable, "-m", "memsnap.cli", "restore", ck["id"], "--into",
@@ -234,7 +237,6 @@ def test_a_restore_whose_criu_stalls_in_the_placeholder_is_killed_at_the_deadlin
     d = make_daemon("stall", env={"MEMSNAP_CRIU_STALL_S": "3", "MEMSNAP_FAILPOINTS": "slow-placeholder"}).start()
     src, dst = new_name(names, "src"), new_name(names, "dst")
     start(image, src)
-    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
     ck = json.loads(d.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MEMSNAP_SOCKET": d.socket}
     restoring = subprocess.Popen([sys.executable, "-m", "memsnap.cli", "restore", ck["id"], "--into",
@@ -266,9 +268,7 @@ def test_a_daemon_killed_mid_restore_into_a_placeholder_removes_it_when_it_resta
     # Killed with the placeholder running (before CRIU), or with the tree restored in it but no job recorded.
     d = make_daemon("crash", env={"MEMSNAP_FAILPOINTS": point}).start()
     src, dst = new_name(names, "src"), new_name(names, "dst")
-    start(image, src, mib=32)
-    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
-    digest = start_digest(logs(src))
+    digest = start(image, src, mib=32)
     ck = json.loads(d.ctl("--json", "checkpoint", f"podman:{src}", "--stop", check=True).stdout)
     last = max(t for t, _, _ in ticks(logs(src)))
     r = d.ctl("restore", ck["id"], "--into", f"podman:{dst}")
@@ -282,18 +282,14 @@ def test_a_daemon_killed_mid_restore_into_a_placeholder_removes_it_when_it_resta
     assert_node_healthy(d, restorable={ck["id"]})
     # The same name again: a new placeholder, and the workload goes on from its checkpoint.
     d.ctl("restore", ck["id"], "--into", f"podman:{dst}", check=True)
-    wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
-             what="the restored workload to compute its digest again")
-    assert ticks(logs(dst))[0][0] == last + 1 and {x for _, x, _ in ticks(logs(dst))} == {digest}
+    goes_on(lambda: ticks(logs(dst)), last, digest, "the restored workload to compute its digest again")
     assert_node_healthy(d)
 
 
 def test_a_container_restored_lazily_from_the_store_pages_its_memory_in_inside_the_placeholder(
         daemon: DaemonProc, image: str, names: list[str]) -> None:
     src, dst = new_name(names, "src"), new_name(names, "dst")
-    start(image, src)
-    wait_for(lambda: len(ticks(logs(src))) >= 3, 60, what="the container's workload to tick")
-    digest = start_digest(logs(src))
+    digest = start(image, src)
     ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", "--wait", "durable",
                                check=True).stdout)
     last = max(t for t, _, _ in ticks(logs(src)))
@@ -301,10 +297,8 @@ def test_a_container_restored_lazily_from_the_store_pages_its_memory_in_inside_t
     r = json.loads(daemon.ctl("--json", "restore", ck["id"], "--into", f"podman:{dst}", "--lazy",
                               check=True).stdout)
     assert r["from_store"]
-    wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
-             what="the restored workload to compute its digest again from pages it faulted in")
-    after = ticks(logs(dst))
-    assert after[0][0] == last + 1 and {d for _, d, _ in after} == {digest}
+    goes_on(lambda: ticks(logs(dst)), last, digest, "the restored workload to compute its digest again from pages "
+            "it faulted in")
     init = int(state(dst)["Pid"])
     assert ns(r["pid"], "pid") == ns(init, "pid") and ns(r["pid"], "net") == ns(init, "net")
     assert f"lazy restore of {ck['id']} from the store: every page resident" in daemon.log.read_text()
@@ -323,18 +317,14 @@ def test_a_container_moved_lazily_or_through_the_store_goes_on_in_a_placeholder_
     b.start()
     try:
         src, dst = new_name(names, "src"), new_name(names, "dst")
-        start(image, src)
-        wait_for(lambda: len(ticks(logs(src))) >= 3, 60, what="the container's workload to tick")
-        digest = start_digest(logs(src))
+        digest = start(image, src)
         r = a.ctl("--json", "migrate", f"podman:{src}", "--to", b.address, "--into", f"podman:{dst}", how,
                   timeout=300)
         assert r.returncode == 0, r.stderr + a.log.read_text()[-2000:] + b.log.read_text()[-2000:]
         out = json.loads(r.stdout)
         last = max(t for t, _, _ in ticks(logs(src)))
-        wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
-                 what="the moved workload to compute its digest again in the placeholder")
-        after = ticks(logs(dst))
-        assert after[0][0] == last + 1 and {d for _, d, _ in after} == {digest}
+        goes_on(lambda: ticks(logs(dst)), last, digest, "the moved workload to compute its digest again in the "
+                "placeholder")
         init = int(state(dst)["Pid"])
         assert ns(out["target_pid"], "pid") == ns(init, "pid")
         wait_for(lambda: not state(src)["Running"], 30, what="the source container to end")
@@ -357,9 +347,7 @@ def test_a_container_move_the_source_never_commits_takes_its_placeholder_away_an
         a.start()
         b.start()
         src, dst = new_name(names, "src"), new_name(names, "dst")
-        start(image, src, mib=32)
-        wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
-        digest = start_digest(logs(src))
+        digest = start(image, src, mib=32)
         r = a.ctl("migrate", f"podman:{src}", "--to", b.address, "--into", f"podman:{dst}")
         assert r.returncode != 0 and a.proc is not None and a.proc.wait(10) == 137, r.stderr
         wait_for(lambda: ticks(logs(dst)), 30, what="the target's copy to tick in its placeholder")
@@ -370,14 +358,11 @@ def test_a_container_move_the_source_never_commits_takes_its_placeholder_away_an
         # The source's workload, held by the move, runs on once its daemon is back; the move works again.
         a.env = {}
         a.start()
-        n = ticks(logs(src))[-1][0]
-        wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the source container to tick on")
+        ticks_on(src)
         r = a.ctl("--json", "migrate", f"podman:{src}", "--to", b.address, "--into", f"podman:{dst}", timeout=300)
         assert r.returncode == 0, r.stderr
         last = max(t for t, _, _ in ticks(logs(src)))
-        wait_for(lambda: any(f for t, _, f in ticks(logs(dst)) if t > last + 10), 60,
-                 what="the moved workload to compute its digest again")
-        assert {x for t, x, _ in ticks(logs(dst)) if t > last} == {digest}
+        goes_on(lambda: ticks(logs(dst)), last, digest, "the moved workload to compute its digest again")
         assert_node_healthy(a, restorable=set())
         assert_node_healthy(b)
     finally:
@@ -385,18 +370,27 @@ def test_a_container_move_the_source_never_commits_takes_its_placeholder_away_an
         b.cleanup()
 
 
-def test_a_container_move_without_a_placeholder_name_is_refused_before_the_container_is_touched(
-        pair: Any, image: str, names: list[str]) -> None:
+def test_a_container_move_without_a_placeholder_name_or_with_a_host_path_is_refused_before_it_is_touched(
+        pair: Any, image: str, names: list[str], tmp_path: Any) -> None:
     a, b = pair.a, pair.b
-    src = new_name(names, "src")
+    src, bound = new_name(names, "src"), new_name(names, "bound")
     start(image, src, mib=8)
-    wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
-    for extra, says in (([], "needs --into podman:NAME"),
-                        (["--into", "podman:x", "--tcp-established"], "is its placeholder's")):
-        r = a.ctl("migrate", f"podman:{src}", "--to", b.address, *extra)
+    podman("run", "-d", "--name", bound, "--network", "none", "-v", f"{tmp_path}:/host", image,
+           "/memtick", "reap", "/memtick", "--mib", "8", "--interval-ms", "100")
+    for name, extra, says in ((src, [], "needs --into podman:NAME"),
+                              (src, ["--into", "podman:x", "--tcp-established"], "is its placeholder's"),
+                              (bound, ["--into", "podman:x"], f"bind-mounts host paths ({tmp_path}:/host)")):
+        r = a.ctl("migrate", f"podman:{name}", "--to", b.address, *extra)
         assert r.returncode != 0 and says in r.stderr, r.stderr
-    n = ticks(logs(src))[-1][0]
-    wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the container to tick on")
+    for name in (src, bound):
+        ticks_on(name)
+
+
+def ticks_on(name: str) -> None:
+    """Container NAME's workload ticks on (it was never frozen, or it runs again)."""
+    wait_for(lambda: len(ticks(logs(name))) >= 2, 30, what=f"{name} to tick")
+    n = ticks(logs(name))[-1][0]
+    wait_for(lambda: ticks(logs(name))[-1][0] > n + 2, 30, what=f"{name} to tick on")
 
 
 def test_a_container_whose_workload_exec_d_without_a_double_dash_is_refused_and_never_frozen(
@@ -408,10 +402,55 @@ def test_a_container_whose_workload_exec_d_without_a_double_dash_is_refused_and_
     wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
     r = daemon.ctl("checkpoint", f"podman:{src}", "--stop")
     assert r.returncode != 0 and "'--' between the init and the command" in r.stderr, r.stderr
-    n = ticks(logs(src))[-1][0]
-    wait_for(lambda: ticks(logs(src))[-1][0] > n + 2, 30, what="the container to tick on")
+    ticks_on(src)
     assert_node_healthy(daemon)
     assert src not in daemon.ctl("--json", "list", check=True).stdout
+
+
+def test_a_container_s_volumes_are_mounted_again_in_its_placeholder_and_a_missing_one_is_refused(
+        daemon: DaemonProc, image: str, names: list[str], tmp_path: Any) -> None:
+    # A named volume holding a file the workload keeps open (fd 3), and a read-only bind mount of a host directory.
+    vol = f"ms-vol-{secrets.token_hex(3)}"
+    podman("volume", "create", vol)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "setting").write_text("42\n")
+    src, dst, dst2 = new_name(names, "src"), new_name(names, "dst"), new_name(names, "dst2")
+    try:
+        podman("run", "-d", "--name", src, "--network", "none", "-v", f"{vol}:/data", "-v",
+               f"{tmp_path / 'conf'}:/conf:ro", image, "/memtick", "reap", "--", "/bin/sh", "-c",
+               "exec 3>>/data/log && exec /memtick --mib 32 --interval-ms 100 --digest-every 10")
+        wait_for(lambda: len(ticks(logs(src))) >= 2, 60, what="the container's workload to tick")
+        digest = start_digest(logs(src))
+        data = json.loads(podman("volume", "inspect", vol).stdout)[0]["Mountpoint"]
+        ck = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{src}", "--stop", "--wait", "durable",
+                                   check=True).stdout)
+        last = max(t for t, _, _ in ticks(logs(src)))
+        daemon.ctl("evict", ck["id"], check=True)
+        r = json.loads(daemon.ctl("--json", "restore", ck["id"], "--into", f"podman:{dst}", check=True).stdout)
+        goes_on(lambda: ticks(logs(dst)), last, digest, "the restored workload to compute its digest again")
+        # Its open file is the volume's, and the placeholder has both mounts (the bind one read-only).
+        assert os.stat(f"/proc/{r['pid']}/fd/3").st_ino == os.stat(f"{data}/log").st_ino
+        from memsnap.containers import mountinfo
+
+        assert {"/data", "/conf"} <= {m.point for m in mountinfo(r["pid"])}
+        with open(f"/proc/{r['pid']}/root/conf/setting") as f:
+            assert f.read() == "42\n"
+        assert_node_healthy(daemon)
+
+        # Without the volume on this node the restore is refused: memsnap never creates it empty.
+        ck2 = json.loads(daemon.ctl("--json", "checkpoint", f"podman:{dst}", "--stop", check=True).stdout)
+        for name in (src, dst):
+            podman("rm", "-f", "-t", "0", name)
+        podman("volume", "rm", vol)
+        r2 = daemon.ctl("restore", ck2["id"], "--into", f"podman:{dst2}")
+        assert r2.returncode != 0 and f"volume '{vol}' (mounted at /data) is not on this node" in r2.stderr, r2.stderr
+        assert podman("container", "exists", dst2, check=False).returncode == 1
+        assert podman("volume", "exists", vol, check=False).returncode == 1
+        assert_node_healthy(daemon)
+    finally:
+        for name in (src, dst, dst2):
+            podman("rm", "-f", "-t", "0", name, check=False)
+        podman("volume", "rm", "-f", vol, check=False)
 
 
 def _get(ip: str, path: str) -> str:

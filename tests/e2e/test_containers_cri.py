@@ -9,7 +9,6 @@ the test image imported; no registry); memsnapd finds it through CONTAINER_RUNTI
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import shutil
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.test_containers import goes_on, in_pidns, ns
 from tests.helpers import REPO, assert_node_healthy, wait_for
 
 SCRIPT = REPO / "scripts" / "containers" / "containerd.sh"
@@ -95,21 +95,6 @@ def running(cri: Any, cid: str) -> bool:
         return False
 
 
-def ns(pid: int, kind: str) -> str:
-    return os.readlink(f"/proc/{pid}/ns/{kind}")
-
-
-def in_pidns(pid: int) -> list[int]:
-    want, out = os.stat(f"/proc/{pid}/ns/pid").st_ino, []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{p}/ns/pid").st_ino == want:
-                out.append(int(p))
-        except OSError:
-            pass
-    return out
-
-
 def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_through_cri(
         make_daemon: Any, containerd: Containerd, cri: Any) -> None:
     src, dst = new_pod(cri, "src"), new_pod(cri, "dst")
@@ -129,10 +114,8 @@ def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_t
     r = json.loads(d.ctl("--json", "restore", f"cri:{src}", "--into", f"cri:{dst}", check=True).stdout)
     assert r["checkpoint"] == ck["id"] and r["from_store"]
 
-    wait_for(lambda: any(f for t, _, f in ticks(log_of(dst)) if t > last + 10), 60,
-             what="the restored container to compute its digest again in the placeholder pod")
-    after = ticks(log_of(dst))
-    assert after[0][0] == last + 1 and {x for _, x, _ in after} == {digest}
+    goes_on(lambda: ticks(log_of(dst)), last, digest, "the restored container to compute its digest again in the "
+            "placeholder pod")
     placeholder = cri.inspect(dst)
     init = placeholder.init_pid
     for kind in ("pid", "net", "ipc", "uts"):
@@ -146,9 +129,7 @@ def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_t
     last = max(t for t, _, _ in ticks(log_of(dst)))
     dst2 = new_pod(cri, "dst2")
     r = json.loads(d.ctl("--json", "restore", ck2["id"], "--into", f"cri:{dst2}", check=True).stdout)
-    wait_for(lambda: any(f for t, _, f in ticks(log_of(dst2)) if t > last + 10), 60,
-             what="the second generation to compute its digest again")
-    assert ticks(log_of(dst2))[0][0] == last + 1 and {x for _, x, _ in ticks(log_of(dst2))} == {digest}
+    goes_on(lambda: ticks(log_of(dst2)), last, digest, "the second generation to compute its digest again")
     init = cri.inspect(dst2).init_pid
     assert sorted(in_pidns(init)) == sorted([init, r["pid"]])
     assert_node_healthy(d)
