@@ -189,7 +189,9 @@ def inspect(runtime: str, name: str) -> Running:
 
         f = cri.inspect(name)
         return Running(id=f.id, name=f.name, image=f.image, init_pid=f.init_pid, rootfs=rootfs_of(f.init_pid),
-                       network="pod", hostname=f.hostname, handle=f.pod, placeholder=PLACEHOLDER_LABEL in f.labels)
+                       network="pod", hostname=f.hostname, handle=f.pod, placeholder=PLACEHOLDER_LABEL in f.labels,
+                       volumes=[{"kind": "bind", "source": host, "destination": path, "rw": not ro}
+                                for path, host, ro in f.mounts])
     r = _podman("container", "inspect", "--format", "json", name)
     if r.returncode != 0:
         raise NotFound(f"no {runtime} container {name!r} on this node ('podman ps -a' lists them)")
@@ -214,7 +216,8 @@ def volume_args(facts: ContainerFacts, binds_allowed: bool) -> list[str]:
     """podman's -v arguments that mount the container's volumes in its placeholder: the same named volumes and host
     paths, which must be on this node (memsnap does not carry their data: a volume that is missing here is
     refused, never created empty). binds_allowed: False for an image a peer sent (a move), whose bind mounts
-    would let it choose host paths on this node."""
+    would let it choose host paths on this node. (A CRI container's mounts are all host paths: the same checks,
+    then its placeholder's ContainerConfig.mounts.)"""
     out = []
     for v in facts.volumes:
         src, dst, mode = v["source"], v["destination"], "rw" if v["rw"] else "ro"
@@ -238,7 +241,9 @@ def run_placeholder(facts: ContainerFacts, name: str, binds_allowed: bool = True
     if facts.runtime == "cri":
         from memsnap import cri
 
-        cid, pod = cri.run_placeholder(facts.image, facts.init_argv, facts.hostname, name, facts.id)
+        volume_args(facts, binds_allowed)  # (the checks; CRI takes the mounts themselves)
+        cid, pod = cri.run_placeholder(facts.image, facts.init_argv, facts.hostname, name, facts.id,
+                                       [(v["destination"], v["source"], not v["rw"]) for v in facts.volumes])
         try:
             running = inspect("cri", cid)
         except Exception:

@@ -82,6 +82,7 @@ class Found:
     hostname: str
     pod: str  # its pod sandbox's id
     labels: dict[str, str]
+    mounts: list[tuple[str, str, bool]]  # (container path, host path, read-only) of the mounts it was created with
 
 
 def inspect(name: str) -> Found:
@@ -104,21 +105,25 @@ def inspect(name: str) -> Found:
         hostname = ""
     return Found(id=r.status.id, name=r.status.metadata.name, image=r.status.image_ref or r.status.image.image,
                  init_pid=pid, hostname=hostname, pod=str(info.get("sandboxID") or ""),
-                 labels=dict(r.status.labels))
+                 labels=dict(r.status.labels),
+                 mounts=[(m.container_path, m.host_path, m.readonly) for m in r.status.mounts])
 
 
-def run_placeholder(image: str, init_argv: list[str], hostname: str, name: str, restored_from: str) -> tuple[str, str]:
+def run_placeholder(image: str, init_argv: list[str], hostname: str, name: str, restored_from: str,
+                    mounts: list[tuple[str, str, bool]] | None = None) -> tuple[str, str]:
     """Starts the placeholder pod `name`: one container of image running init_argv, in a PID namespace of its own
-    (as the checkpointed container had), with that hostname; (its container's id, the pod's). Pod and container
-    are labelled PLACEHOLDER_LABEL=restored_from (the checkpoint's container id; "": no label, a plain pod)."""
+    (as the checkpointed container had), with that hostname and these mounts (container path, host path,
+    read-only); (its container's id, the pod's). Pod and container are labelled PLACEHOLDER_LABEL=restored_from
+    (the checkpoint's container id; "": no label, a plain pod)."""
     try:
-        return _run_placeholder(image, init_argv, hostname, name, restored_from)
+        return _run_placeholder(image, init_argv, hostname, name, restored_from, mounts or [])
     except (NotFound, FailedPrecondition) as exc:
         raise FailedPrecondition(f"could not start the placeholder pod {name!r} from image {image[:19]}: "
                                  f"{exc}") from exc
 
 
-def _run_placeholder(image: str, init_argv: list[str], hostname: str, name: str, restored_from: str) -> tuple[str, str]:
+def _run_placeholder(image: str, init_argv: list[str], hostname: str, name: str, restored_from: str,
+                     mounts: list[tuple[str, str, bool]]) -> tuple[str, str]:
     labels = {PLACEHOLDER_LABEL: restored_from[:63]} if restored_from else {}
     with Client() as c:
         api = c.api
@@ -133,6 +138,7 @@ def _run_placeholder(image: str, init_argv: list[str], hostname: str, name: str,
             cfg = api.ContainerConfig(
                 metadata=api.ContainerMetadata(name=name), image=api.ImageSpec(image=image),
                 command=list(init_argv), log_path=f"{name}.log", labels=labels,
+                mounts=[api.Mount(container_path=path, host_path=host, readonly=ro) for path, host, ro in mounts],
                 linux=api.LinuxContainerConfig(security_context=api.LinuxContainerSecurityContext(
                     namespace_options=ns)))
             cid = c.call("CreateContainer", api.CreateContainerRequest(pod_sandbox_id=pod, config=cfg,

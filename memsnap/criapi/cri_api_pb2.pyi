@@ -199,6 +199,16 @@ class ImageSpec(_message.Message):
     image: str
     def __init__(self, image: _Optional[str] = ...) -> None: ...
 
+class Mount(_message.Message):
+    __slots__ = ("container_path", "host_path", "readonly")
+    CONTAINER_PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_PATH_FIELD_NUMBER: _ClassVar[int]
+    READONLY_FIELD_NUMBER: _ClassVar[int]
+    container_path: str
+    host_path: str
+    readonly: bool
+    def __init__(self, container_path: _Optional[str] = ..., host_path: _Optional[str] = ..., readonly: _Optional[bool] = ...) -> None: ...
+
 class LinuxContainerSecurityContext(_message.Message):
     __slots__ = ("namespace_options",)
     NAMESPACE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -212,7 +222,7 @@ class LinuxContainerConfig(_message.Message):
     def __init__(self, security_context: _Optional[_Union[LinuxContainerSecurityContext, _Mapping]] = ...) -> None: ...
 
 class ContainerConfig(_message.Message):
-    __slots__ = ("metadata", "image", "command", "args", "labels", "log_path", "linux")
+    __slots__ = ("metadata", "image", "command", "args", "mounts", "labels", "log_path", "linux")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +234,7 @@ class ContainerConfig(_message.Message):
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
     LINUX_FIELD_NUMBER: _ClassVar[int]
@@ -231,10 +242,11 @@ class ContainerConfig(_message.Message):
     image: ImageSpec
     command: _containers.RepeatedScalarFieldContainer[str]
     args: _containers.RepeatedScalarFieldContainer[str]
+    mounts: _containers.RepeatedCompositeFieldContainer[Mount]
     labels: _containers.ScalarMap[str, str]
     log_path: str
     linux: LinuxContainerConfig
-    def __init__(self, metadata: _Optional[_Union[ContainerMetadata, _Mapping]] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., args: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., log_path: _Optional[str] = ..., linux: _Optional[_Union[LinuxContainerConfig, _Mapping]] = ...) -> None: ...
+    def __init__(self, metadata: _Optional[_Union[ContainerMetadata, _Mapping]] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., args: _Optional[_Iterable[str]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., log_path: _Optional[str] = ..., linux: _Optional[_Union[LinuxContainerConfig, _Mapping]] = ...) -> None: ...
 
 class CreateContainerRequest(_message.Message):
     __slots__ = ("pod_sandbox_id", "config", "sandbox_config")
@@ -325,7 +337,7 @@ class ListContainersResponse(_message.Message):
     def __init__(self, containers: _Optional[_Iterable[_Union[Container, _Mapping]]] = ...) -> None: ...
 
 class ContainerStatus(_message.Message):
-    __slots__ = ("id", "metadata", "state", "exit_code", "image", "image_ref", "labels", "log_path")
+    __slots__ = ("id", "metadata", "state", "exit_code", "image", "image_ref", "labels", "mounts", "log_path")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +352,7 @@ class ContainerStatus(_message.Message):
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_REF_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
     id: str
     metadata: ContainerMetadata
@@ -348,8 +361,9 @@ class ContainerStatus(_message.Message):
     image: ImageSpec
     image_ref: str
     labels: _containers.ScalarMap[str, str]
+    mounts: _containers.RepeatedCompositeFieldContainer[Mount]
     log_path: str
-    def __init__(self, id: _Optional[str] = ..., metadata: _Optional[_Union[ContainerMetadata, _Mapping]] = ..., state: _Optional[_Union[ContainerState, str]] = ..., exit_code: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., image_ref: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., log_path: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., metadata: _Optional[_Union[ContainerMetadata, _Mapping]] = ..., state: _Optional[_Union[ContainerState, str]] = ..., exit_code: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., image_ref: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., log_path: _Optional[str] = ...) -> None: ...
 
 class ContainerStatusRequest(_message.Message):
     __slots__ = ("container_id", "verbose")

@@ -9,6 +9,7 @@ the test image imported; no registry); memsnapd finds it through CONTAINER_RUNTI
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import shutil
@@ -96,11 +97,13 @@ def running(cri: Any, cid: str) -> bool:
 
 
 def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_through_cri(
-        make_daemon: Any, containerd: Containerd, cri: Any) -> None:
+        make_daemon: Any, containerd: Containerd, cri: Any, tmp_path: Path) -> None:
+    # Its workload holds a file open (fd 3) on a host path the pod mounts at /data: the placeholder mounts it too.
     src, dst = new_pod(cri, "src"), new_pod(cri, "dst")
-    cid, _pod = cri.run_placeholder(containerd.image, ["/memtick", "reap", "/memtick", "--mib", "256",
-                                                       "--interval-ms", "100", "--digest-every", "10"],
-                                    "trainer-0", src, "")
+    cid, _pod = cri.run_placeholder(containerd.image, ["/memtick", "reap", "--", "/bin/sh", "-c",
+                                                       "exec 3>>/data/log && exec /memtick --mib 256 "
+                                                       "--interval-ms 100 --digest-every 10"],
+                                    "trainer-0", src, "", [("/data", str(tmp_path), False)])
     wait_for(lambda: len(ticks(log_of(src))) >= 3, 60, what="the pod's container to tick")
     digest = re.search(r"stdout F start ([0-9a-f]{16})$", log_of(src), re.M).group(1)  # type: ignore[union-attr]
 
@@ -122,6 +125,7 @@ def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_t
         assert ns(r["pid"], kind) == ns(init, kind), f"restored into another {kind} namespace"
     assert sorted(in_pidns(init)) == sorted([init, r["pid"]])
     assert placeholder.hostname == "trainer-0"
+    assert os.stat(f"/proc/{r['pid']}/fd/3").st_ino == os.stat(tmp_path / "log").st_ino
     assert_node_healthy(d)
 
     # The next generation: the placeholder pod's container is checkpointed and restored in turn.
@@ -132,6 +136,7 @@ def test_a_pod_s_container_comes_back_from_the_store_in_a_placeholder_pod_made_t
     goes_on(lambda: ticks(log_of(dst2)), last, digest, "the second generation to compute its digest again")
     init = cri.inspect(dst2).init_pid
     assert sorted(in_pidns(init)) == sorted([init, r["pid"]])
+    assert os.stat(f"/proc/{r['pid']}/fd/3").st_ino == os.stat(tmp_path / "log").st_ino
     assert_node_healthy(d)
 
 
