@@ -211,6 +211,13 @@ def test_containers_are_root_s_to_checkpoint_and_restore_not_nobody_s(
     assert podman("container", "exists", dst, check=False).returncode == 1
     code, msg = call_as(NOBODY, open_daemon, "restore", ck["id"], into="podman:../../etc")
     assert code == "INVALID_ARGUMENT", msg
+    # Named by its container: root's checkpoint is neither listed to nobody nor restored for it.
+    code, listed = call_as(NOBODY, open_daemon, "list", f"podman:{src}")
+    assert code == "OK" and not listed, listed
+    assert len(call_as(0, open_daemon, "list", f"podman:{src}")[1]) == 1  # (root, the same call: it is there)
+    code, msg = call_as(NOBODY, open_daemon, "restore", f"podman:{src}", into=f"podman:{dst}")
+    assert code in ("PERMISSION_DENIED", "NOT_FOUND") and ck["id"] not in msg, msg
+    assert podman("container", "exists", dst, check=False).returncode == 1
 
 
 def test_a_container_restore_whose_placeholder_dies_before_criu_fails_cleanly_and_stays_restorable(
