@@ -38,10 +38,13 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memsnap.cri import PLACEHOLDER_LABEL
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+if TYPE_CHECKING:
+    from memsnap.catalog import Catalog
 
 log = logging.getLogger("memsnap.containers")
 
@@ -276,7 +279,7 @@ def run_placeholder(facts: ContainerFacts, name: str, binds_allowed: bool = True
         raise
 
 
-def drop_journaled(catalog: Any, ckpt_id: str) -> None:
+def drop_journaled(catalog: Catalog, ckpt_id: str) -> None:
     """Removes the placeholder journaled in a checkpoint's meta ("placeholder": a restore that never recorded
     its job, or a move's restore the source never committed) and clears the entry; nothing when there is none."""
     from memsnap import lifecycle
