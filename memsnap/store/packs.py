@@ -24,6 +24,7 @@ import queue
 import secrets
 import struct
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -203,25 +204,52 @@ class Packer:
 
 class PackFiles:
     """The packs one fetch reads, each opened once (store.open_ranges, where the store has it) for all of its
-    chunks, at most `cap` at a time (the rest are read by read_range as before); close() when the fetch ends."""
+    chunks, at most `cap` at a time: one more closes the least recently used that no read is in (its close
+    drops a local store's pack from the page cache: PosixRanges), and while all are in use a chunk is read by
+    read_range as before. close() when the fetch ends."""
 
     def __init__(self, store: ChunkStore, cap: int = 64) -> None:
         self._open = getattr(store, "open_ranges", None)
         self._store, self._cap = store, cap
-        self._files: dict[str, Any] = {}
+        self._files: OrderedDict[str, Any] = OrderedDict()  # least recently used first
+        self._busy: Counter[str] = Counter()  # reads in each
         self._lock = threading.Lock()
 
     def read(self, key: str, offset: int, length: int) -> bytes:
-        f = None
-        if self._open is not None:
+        f = self._take(key) if self._open is not None else None
+        if f is None:
+            return self._store.read_range(key, offset, length)
+        try:
+            data: bytes = f.read(offset, length)
+            return data
+        finally:
+            with self._lock:
+                self._busy[key] -= 1
+
+    def _take(self, key: str) -> Any:
+        """key's open pack, opened here if need be, counted as in use; None when at the cap and all are in use."""
+        stale = None
+        try:
             with self._lock:
                 f = self._files.get(key)
-                if f is None and len(self._files) < self._cap:
+                if f is None:
+                    if len(self._files) >= self._cap:
+                        idle = next((k for k in self._files if not self._busy[k]), None)
+                        if idle is None:
+                            return None
+                        stale = self._files.pop(idle)
+                        del self._busy[idle]
+                    assert self._open is not None
                     f = self._files[key] = self._open(key)
-        return f.read(offset, length) if f is not None else self._store.read_range(key, offset, length)
+                self._files.move_to_end(key)
+                self._busy[key] += 1
+            return f
+        finally:
+            if stale is not None:
+                stale.close()  # (nobody reads it: it was idle, and left the table before)
 
     def close(self) -> None:
         with self._lock:
-            files, self._files, self._cap = self._files, {}, 0
+            files, self._files, self._cap = self._files, OrderedDict(), 0
         for f in files.values():
             f.close()

@@ -21,6 +21,7 @@ from tests.helpers import (
     DaemonProc,
     flip_stored_chunk_byte,
     missing_chunks,
+    resident_pages,
     restore_refused,
     running_job_pids,
     start_digest,
@@ -142,6 +143,33 @@ def test_a_node_keeps_no_chunk_cache_on_its_stores_own_filesystem(make_daemon, j
     time.sleep(1)
     assert not _log_lines(d, "chunks added after a fetch")  # (nothing written a second time)
     assert not (d.state / "chunk-cache").exists() or not any((d.state / "chunk-cache").iterdir())
+
+
+def test_a_restore_from_the_store_leaves_no_pack_in_the_page_cache_and_a_second_restores_too(make_daemon,
+                                                                                           jobs_to_kill):
+    # The fetched copy is in the tier: the packs it came from need not stay in memory beside it.
+    d = make_daemon("pack-cache").start()
+    jid, pid, log = _infer(d, jobs_to_kill, seed="w-pagecache", mib=48)
+    digest = start_digest(log)
+    ck = _ckpt(d, jid, "--stop", "--wait", "durable")
+    last = ticks(log, pid)[-1].n
+    packs = [p for p in (d.store / "packs").rglob("*") if p.is_file()]
+    assert packs
+    for p in packs:  # (on disk, and cached as if just written or read)
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        p.read_bytes()
+    assert sum(resident_pages(p) for p in packs) > 0
+    d.ctl("evict", ck["id"], check=True)
+    r = _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
+    assert r["from_store"] is True
+    assert sum(resident_pages(p) for p in packs) == 0
+    # A second fetch of the same checkpoint reads them from the disk again, and restores the same state.
+    os.kill(r["pid"], signal.SIGKILL)
+    d.ctl("evict", ck["id"], check=True)
+    r2 = _restore_and_check(d, ck["id"], log, digest, last, jobs_to_kill)
+    assert r2["from_store"] is True
 
 
 def test_a_second_job_with_the_same_weights_stores_few_new_bytes_on_s3(make_daemon, jobs_to_kill, s3_server):

@@ -295,14 +295,55 @@ def test_a_fetch_opens_each_pack_once_for_all_its_chunks_and_closes_it(tmp_path:
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
-def test_a_fetch_reads_packs_past_its_open_file_cap_by_range_as_before(tmp_path: Path, store: PosixStore) -> None:
+def test_a_fetch_past_its_open_file_cap_closes_the_least_recently_used_pack(tmp_path: Path, store: PosixStore,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     pages = _pages(600, 14)
     d, files = _tier(tmp_path, "t", pages)
     m, _ = _drain(store, d, files, "ck-1", ChunkIndex(None))
+    opened: list[str] = []
+    real_open = PosixStore.open_ranges
+    monkeypatch.setattr(PosixStore, "open_ranges", lambda self, key: opened.append(key) or real_open(self, key))
     reader = ChunkReader(store, _st(m))
     reader.packs = PackFiles(store, cap=1)
+    fds_before = len(os.listdir("/proc/self/fd"))
     assert reader.read_at("pages-1.img", 0, len(pages)) == pages
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 1  # (one pack open at a time)
+    assert len(set(opened)) > 1  # (several packs, one after another: each closed for the next)
     reader.packs.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_pack_files_at_the_cap_with_every_pack_in_use_read_by_range() -> None:
+    class Ranges:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def read(self, offset: int, length: int) -> bytes:
+            return b"f" * length
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Store:
+        def __init__(self) -> None:
+            self.opened: dict[str, Ranges] = {}
+
+        def open_ranges(self, key: str) -> Ranges:
+            self.opened[key] = Ranges()
+            return self.opened[key]
+
+        def read_range(self, key: str, offset: int, length: int) -> bytes:
+            return b"r" * length
+
+    s = Store()
+    files = PackFiles(s, cap=1)  # type: ignore[arg-type]
+    assert files._take("a") is s.opened["a"]  # (a read in "a" now)
+    assert files.read("b", 0, 2) == b"rr"  # "a" is busy: "b" is read by range, "a" stays open
+    assert not s.opened["a"].closed and "b" not in s.opened
+    files._busy["a"] -= 1  # (that read ended)
+    assert files.read("b", 0, 2) == b"ff" and s.opened["a"].closed  # "a" idle: closed for "b"
+    files.close()
+    assert s.opened["b"].closed and files.read("c", 0, 1) == b"r"  # (after close: by range)
 
 
 _MOUNTS = """\

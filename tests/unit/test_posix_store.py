@@ -12,6 +12,7 @@ import pytest
 
 from memsnap.store import StoreFull, StoreNotFound, StoreUnavailable
 from memsnap.store.posix import PosixStore
+from tests.helpers import resident_pages
 
 
 @pytest.fixture
@@ -163,3 +164,18 @@ def test_a_root_that_appears_after_start_passes_the_check(tmp_path: Path) -> Non
         store.check()
     (tmp_path / "store").mkdir(mode=0o700)
     store.check()
+
+
+def test_an_object_read_by_ranges_leaves_the_page_cache_when_closed(posix: PosixStore) -> None:
+    # A fetch writes what it reads into the tier: the packs need not stay cached beside it (twice the image).
+    data = os.urandom(8 << 20)
+    _put(posix, "packs/p1", data)
+    path = posix.root / "packs" / "p1"
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # (as a stored pack is long before a fetch reads it: only clean pages can be dropped)
+    os.close(fd)
+    assert path.read_bytes() == data and resident_pages(path) > 0  # (in the page cache now)
+    r = posix.open_ranges("packs/p1")
+    assert b"".join(r.read(off, 1 << 20) for off in range(0, len(data), 1 << 20)) == data
+    r.close()
+    assert resident_pages(path) == 0
