@@ -486,6 +486,7 @@ def fetch_chunked(reader: ChunkReader, dfd: int, local: TierChunks, cache: Chunk
             for ref in lay.chunks:
                 (near if local.has(ref) else cached if cache is not None and ref.id in cache else far).append(
                     (fd, ref))
+        packs.expect(pack_key(ref.loc[0]) for _fd, ref in far if ref.loc is not None)
         got = _run_both([(from_store, far, threads), (from_near, near, max(1, min(threads, os.cpu_count() or 1))),
                          (from_near, cached, threads)])
         if cache is not None and fetched:

@@ -25,7 +25,7 @@ import secrets
 import struct
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from memsnap.store.base import StoreWriter
@@ -206,25 +206,39 @@ class PackFiles:
     """The packs one fetch reads, each opened once (store.open_ranges, where the store has it) for all of its
     chunks, at most `cap` at a time: one more closes the least recently used that no read is in (its close
     drops a local store's pack from the page cache: PosixRanges), and while all are in use a chunk is read by
-    read_range as before. close() when the fetch ends."""
+    read_range as before. Told what the fetch will read (expect), a pack is closed as soon as its last expected
+    chunk was read, so that the page cache gives its memory back while the fetch fills the tier. close() when the
+    fetch ends."""
 
     def __init__(self, store: ChunkStore, cap: int = 64) -> None:
         self._open = getattr(store, "open_ranges", None)
         self._store, self._cap = store, cap
         self._files: OrderedDict[str, Any] = OrderedDict()  # least recently used first
         self._busy: Counter[str] = Counter()  # reads in each
+        self._left: Counter[str] = Counter()  # reads expected of each, not started yet
         self._lock = threading.Lock()
+
+    def expect(self, keys: Iterable[str]) -> None:
+        """The packs the fetch will read, a key per chunk."""
+        with self._lock:
+            self._left.update(keys)
 
     def read(self, key: str, offset: int, length: int) -> bytes:
         f = self._take(key) if self._open is not None else None
         if f is None:
             return self._store.read_range(key, offset, length)
+        done = None
         try:
             data: bytes = f.read(offset, length)
             return data
         finally:
             with self._lock:
                 self._busy[key] -= 1
+                if not self._busy[key] and key in self._left and self._left[key] <= 0:
+                    del self._left[key], self._busy[key]  # (its last expected chunk was read)
+                    done = self._files.pop(key, None)
+            if done is not None:
+                done.close()
 
     def _take(self, key: str) -> Any:
         """key's open pack, opened here if need be, counted as in use; None when at the cap and all are in use."""
@@ -243,6 +257,8 @@ class PackFiles:
                     f = self._files[key] = self._open(key)
                 self._files.move_to_end(key)
                 self._busy[key] += 1
+                if key in self._left:
+                    self._left[key] -= 1
             return f
         finally:
             if stale is not None:

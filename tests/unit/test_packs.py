@@ -313,29 +313,46 @@ def test_a_fetch_past_its_open_file_cap_closes_the_least_recently_used_pack(tmp_
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
+class _Ranges:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def read(self, offset: int, length: int) -> bytes:
+        return b"f" * length
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _RangeStore:
+    def __init__(self) -> None:
+        self.opened: dict[str, _Ranges] = {}
+
+    def open_ranges(self, key: str) -> _Ranges:
+        self.opened[key] = _Ranges()
+        return self.opened[key]
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        return b"r" * length
+
+
+def test_pack_files_close_a_pack_once_its_last_expected_chunk_was_read() -> None:
+    s = _RangeStore()
+    files = PackFiles(s)  # type: ignore[arg-type]
+    files.expect(["a", "a", "b"])
+    files.read("a", 0, 1)
+    assert not s.opened["a"].closed  # (one more chunk of "a" to come)
+    files.read("b", 0, 1)
+    assert s.opened["b"].closed and not s.opened["a"].closed
+    files.read("a", 1, 1)
+    assert s.opened["a"].closed  # (its page cache given back before the fetch ends)
+    assert files.read("a", 0, 1) == b"f" and not s.opened["a"].closed  # (read again after all: opened again)
+    files.close()
+    assert s.opened["a"].closed
+
+
 def test_pack_files_at_the_cap_with_every_pack_in_use_read_by_range() -> None:
-    class Ranges:
-        def __init__(self) -> None:
-            self.closed = False
-
-        def read(self, offset: int, length: int) -> bytes:
-            return b"f" * length
-
-        def close(self) -> None:
-            self.closed = True
-
-    class Store:
-        def __init__(self) -> None:
-            self.opened: dict[str, Ranges] = {}
-
-        def open_ranges(self, key: str) -> Ranges:
-            self.opened[key] = Ranges()
-            return self.opened[key]
-
-        def read_range(self, key: str, offset: int, length: int) -> bytes:
-            return b"r" * length
-
-    s = Store()
+    s = _RangeStore()
     files = PackFiles(s, cap=1)  # type: ignore[arg-type]
     assert files._take("a") is s.opened["a"]  # (a read in "a" now)
     assert files.read("b", 0, 2) == b"rr"  # "a" is busy: "b" is read by range, "a" stays open
