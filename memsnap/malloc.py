@@ -5,7 +5,7 @@ an image, or a drain or fetch moves one, buffers up to 8 MiB (its chunks, gRPC's
 instead of being a fresh mmap each (a page fault and a zeroed page per 4 KiB: a drain of 2 GiB in memsnapd
 took 1.5x its time in a process without the setting). After a drain or fetch, release_memory() trims what
 the worker threads' arenas keep. The measurements behind these settings are in docs/benchmarks.md ("Heap
-tuning") and bench/results/dataplane.md.
+tuning") and bench/results/dataplane-notes.md.
 """
 
 from __future__ import annotations

@@ -22,8 +22,10 @@ One cycle = one tree, one size, one fresh daemon, one job (bench.counter_argv: M
      (and RssAnon/RssFile/RssShmem) and utime+stime sampled every 50 ms (growth = peak during the drain minus
      idle before the call; core-seconds from the end of the call to durable); job killed; restore from the
      tier (to the first tick), killed; evict, sync + drop_caches, restore from the store (to the first tick;
-     memsnap's fetch time), killed; checkpoint deleted; then the daemon is asked for leftover checkpoints and
-     running jobs (none expected), stopped, and the store, tier and copies are wiped.
+     memsnap's fetch time; the node's file page cache, /proc/meminfo Cached less Shmem, sampled every 20 ms:
+     its peak and its value at the first tick above the start), killed; checkpoint deleted; then the daemon is
+     asked for leftover checkpoints and running jobs (none expected), stopped, and the store, tier and copies
+     are wiped.
 
 At most the job and one image are in memory at a time (the tmpfs dump is gone before memsnap's checkpoint) and
 one image copy is on disk. Reps are the outer loop, sizes the inner one; in each (rep, size) the trees take
@@ -320,6 +322,36 @@ def plain(pid: int, log: bench.JobLog, tag: str) -> dict[str, Any]:
     return out
 
 
+class PageCachePeak:
+    """The node's file page cache (/proc/meminfo Cached less Shmem: not the tier's tmpfs) sampled every 20 ms
+    while it runs: its peak and last value above the value at the start, bytes."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = self.last = self._now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _now() -> int:
+        f = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return (int(f["Cached"].split()[0]) - int(f["Shmem"].split()[0])) * 1024
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.last = self._now()
+            self.peak = max(self.peak, self.last)
+
+    def __enter__(self) -> PageCachePeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.last = self._now()
+        self.peak = max(self.peak, self.last)
+
+
 # -- memsnap -----------------------------------------------------------------------------------------------
 def memsnap(d: Daemon, job: Any, log: bench.JobLog) -> dict[str, Any]:
     assert d.proc is not None
@@ -356,7 +388,10 @@ def memsnap(d: Daemon, job: Any, log: bench.JobLog) -> dict[str, Any]:
     with d.client() as c:
         c.evict(ckpt_id)
     drop_caches()
-    rs = bench.memsnap_restore(d, ckpt_id, log)
+    with PageCachePeak() as cache:  # (what the fetch left in the page cache beside the tier copy)
+        rs = bench.memsnap_restore(d, ckpt_id, log)
+    out["ms_restore_store_cache_peak_mb"] = (cache.peak - cache.start) / 1e6
+    out["ms_restore_store_cache_after_mb"] = (cache.last - cache.start) / 1e6
     bench.kill(rs.pop("pid"))
     out.update({f"ms_restore_store_{k}": v for k, v in rs.items()})
     with d.client() as c:
@@ -487,6 +522,9 @@ TABLES = [  # (title, memsnap key, plain baseline key or "", baseline label, dec
      "plain read of the copied images after drop_caches", 2, 1),
     ("Restore from the store after evict + drop_caches, request to the first tick, s", "ms_restore_store_s",
      "plain_read_s", "plain read (the goal adds the tree's restore from the tier)", 2, 1),
+    ("Page cache (Cached less Shmem) held during the restore from the store: peak above its start, MB",
+     "ms_restore_store_cache_peak_mb", "", "", 0, 1),
+    ("... and still held at the restored job's first tick, MB", "ms_restore_store_cache_after_mb", "", "", 0, 1),
     ("memsnapd VmRSS growth during the drain (peak minus idle before the call), MB", "ms_rss_growth_mb", "", "", 0, 1),
     ("... of which RssAnon (the daemon's own allocations), MB", "ms_rssanon_growth_mb", "", "", 0, 1),
     ("... of which RssShmem (tmpfs pages mapped, e.g. tier files), MB", "ms_rssshmem_growth_mb", "", "", 0, 1),
@@ -549,7 +587,9 @@ def markdown(res: dict[str, Any]) -> str:
         "sampled every 50 ms (growth = peak during the drain minus the median before the call, per field; "
         "core-seconds between the end of the call and durable, interpolated between samples), the job killed, "
         "restore from the tier to the restored job's first tick, killed, evict, `sync` + drop_caches, restore "
-        "from the store to the first tick (with memsnap's own fetch time), killed, the checkpoint deleted; "
+        "from the store to the first tick (with memsnap's own fetch time, and the node's file page cache, "
+        "/proc/meminfo Cached less Shmem, sampled every 20 ms: its peak and its value at the first tick above the "
+        "start), killed, the checkpoint deleted; "
         "leftover checkpoints or jobs are looked for (none expected; found: "
         f"{sum(len(r.get('leftovers', [])) for r in rows)}), and store, tier and copies are wiped before the "
         "next cycle. At most the job and one image are in memory at a time. Reps are the outer loop, sizes the "
@@ -740,7 +780,9 @@ def main() -> int:
                         say(f"  raw dump {r['raw_dump_ms']:.0f} ms, call {r['ms_ckpt_rpc_ms']:.0f} ms; "
                             f"cp+fsync {r['plain_cp_fsync_s']:.2f} s, drain {r['ms_drain_s']:.2f} s; "
                             f"read {r['plain_read_s']:.2f} s, tier {r['ms_restore_tier_s']:.2f} s, "
-                            f"store {r['ms_restore_store_s']:.2f} s (fetch {r['ms_fetch_s']:.2f} s); "
+                            f"store {r['ms_restore_store_s']:.2f} s (fetch {r['ms_fetch_s']:.2f} s, page cache "
+                            f"+{r['ms_restore_store_cache_peak_mb']:.0f}/{r['ms_restore_store_cache_after_mb']:.0f} "
+                            "MB); "
                             f"VmRSS +{r['ms_rss_growth_mb']:.0f} MB (anon +{r['ms_rssanon_growth_mb']:.0f}), "
                             f"{r['ms_core_s_per_gib']:.2f} core-s/GiB"
                             + (f"; LEFTOVERS {r['leftovers']}" if r["leftovers"] else ""))
