@@ -40,8 +40,10 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from memsnap import proc
 from memsnap.cri import PLACEHOLDER_LABEL
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from memsnap.mounts import mountinfo
 
 if TYPE_CHECKING:
     from memsnap.catalog import Catalog
@@ -328,31 +330,6 @@ def remove(runtime: str, handle: str) -> None:
 
 # -- facts of the host's processes and mounts --------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Mount:
-    dev: str  # major:minor
-    root: str  # the mount's root within its filesystem
-    point: str  # where it is mounted (as the namespace sees it)
-    fstype: str
-    super_opts: str
-
-
-def mountinfo(pid: int | str) -> list[Mount]:
-    out = []
-    with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            a, b = left.split(), right.split()
-            if len(a) < 5 or len(b) < 3:
-                continue
-            out.append(Mount(dev=a[2], root=_unescape(a[3]), point=_unescape(a[4]), fstype=b[0], super_opts=b[2]))
-    return out
-
-
-def _unescape(s: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
-
-
 def _container_path(p: object) -> bool:
     return isinstance(p, str) and p.startswith("/") and p != "/" and len(p) < 4096 \
         and ".." not in p.split("/") and "\x00" not in p and "[" not in p and "]" not in p
@@ -401,14 +378,14 @@ def rootfs_of(pid: int) -> str:
 
 def cgroup_procs_files(pid: int) -> list[str]:
     """The cgroup.procs file of each of pid's cgroups (v1 hierarchies and the v2 one), as mounted on the host."""
-    mounts = [m for m in mountinfo("self") if m.fstype in ("cgroup", "cgroup2")]
+    hier = [m for m in mountinfo("self") if m.fstype in ("cgroup", "cgroup2")]
     out = []
     with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
         for line in f:
             _hid, ctrls, path = line.rstrip("\n").split(":", 2)
             want = set(ctrls.split(",")) if ctrls else set()
-            for m in mounts:
-                if (m.fstype == "cgroup2") == (not want) and (not want or want <= set(m.super_opts.split(","))):
+            for m in hier:
+                if (m.fstype == "cgroup2") == (not want) and (not want or want <= {k for k, _v in m.options}):
                     rel = os.path.relpath(path, m.root)
                     if rel == ".." or rel.startswith("../"):
                         continue
@@ -419,42 +396,9 @@ def cgroup_procs_files(pid: int) -> list[str]:
     return out
 
 
-def _ns_inode(pid: int, ns: str) -> int:
-    link = os.readlink(f"/proc/{pid}/ns/{ns}")  # "net:[4026532512]"
-    return int(link[link.index("[") + 1:-1])
-
-
-def _children(pid: int) -> list[int]:
-    """pid's children, but for zombies (an init reaps them)."""
-    kids: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
-                kids += [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-    return [k for k in kids if not _zombie(k)]
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
-
-
 def _cmdline(pid: int) -> list[str]:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return [a.decode(errors="surrogateescape") for a in f.read().split(b"\0")[:-1]]
-
-
-def _nspid(pid: int) -> int:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return 0
 
 
 # -- what the Checkpointer and the Restorer ask ----------------------------------------------------------------
@@ -493,7 +437,7 @@ def init_alone(init_argv: list[str], argv: list[str]) -> list[str] | None:
 def plan_dump(runtime: str, name: str) -> DumpPlan:
     """How to dump container NAME's workload (the init's one child and its tree)."""
     c = inspect(runtime, name)
-    kids = _children(c.init_pid)
+    kids = proc.live_children(c.init_pid)
     if len(kids) != 1:
         what = "no child: its PID 1 is the workload itself" if not kids else f"{len(kids)} children"
         raise FailedPrecondition(f"container {name!r} has {what}; memsnap checkpoints a container whose PID 1 is "
@@ -516,13 +460,13 @@ def plan_dump(runtime: str, name: str) -> DumpPlan:
             stdio[fd] = link
     mounts = external_mounts(pid)
     facts = ContainerFacts(runtime=runtime, id=c.id, name=c.name, image=c.image, init_argv=init_argv,
-                           network=c.network, mounts=mounts, stdio=stdio, pid_in_container=_nspid(pid),
+                           network=c.network, mounts=mounts, stdio=stdio, pid_in_container=proc.innermost_pid(pid),
                            hostname=c.hostname if _HOSTNAME.fullmatch(c.hostname) else "",
                            volumes=[v for v in c.volumes if _volume_ok(v)])
     if len(facts.volumes) != len(c.volumes):
         raise FailedPrecondition(f"container {name!r} has a volume memsnap cannot mount again (a path with ':' or ',', "
                                  "or a volume type other than a named volume or a bind mount)")
-    external = [f"net[{_ns_inode(pid, 'net')}]:{NET_KEY}", f"pid[{_ns_inode(pid, 'pid')}]:{PID_KEY}",
+    external = [f"net[{proc.ns_inode(pid, 'net')}]:{NET_KEY}", f"pid[{proc.ns_inode(pid, 'pid')}]:{PID_KEY}",
                 *(f"mnt[{m}]:{m}" for m in mounts)]
     return DumpPlan(pid=pid, facts=facts, dump_opts={"root": c.rootfs, "cgroups_ignore": True, "external": external,
                                                      "shell_job": False})
@@ -566,7 +510,7 @@ def place(facts: ContainerFacts, into: str, binds_allowed: bool = True) -> Place
     fds: list[int] = []
     try:
         init = running.init_pid
-        if _children(init):  # (a second copy of the workload, never: checkpoint-time init_alone() rules it out)
+        if proc.live_children(init):  # (never a second workload: init_alone())
             raise FailedPrecondition(f"the placeholder {name!r}'s init started a program of its own: memsnap restores "
                                      "only into an init that runs alone")
         if facts.pid_in_container and os.path.exists(f"/proc/{init}/root/proc/{facts.pid_in_container}"):

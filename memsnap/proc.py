@@ -223,3 +223,38 @@ def start_time_or_zero(pid: int) -> float:
         return start_time(pid)
     except ProcessNotFound:
         return 0.0
+
+
+def ns_inode(pid: int, ns: str) -> int:
+    """The inode of one of pid's namespaces ("net", "pid", ...)."""
+    link = os.readlink(f"/proc/{pid}/ns/{ns}")  # "net:[4026532512]"
+    return int(link[link.index("[") + 1:-1])
+
+
+def live_children(pid: int) -> list[int]:
+    """pid's children, but for zombies (an init reaps them)."""
+    kids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                kids += [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+    return [k for k in kids if not _zombie(k)]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def innermost_pid(pid: int) -> int:
+    """pid as its own (innermost) PID namespace numbers it (NSpid's last field); 0 when unknown."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return 0

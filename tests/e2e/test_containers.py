@@ -437,7 +437,7 @@ def test_a_container_s_volumes_are_mounted_again_in_its_placeholder_and_a_missin
         goes_on(lambda: ticks(logs(dst)), last, digest, "the restored workload to compute its digest again")
         # Its open file is the volume's, and the placeholder has both mounts (the bind one read-only).
         assert os.stat(f"/proc/{r['pid']}/fd/3").st_ino == os.stat(f"{data}/log").st_ino
-        from memsnap.containers import mountinfo
+        from memsnap.mounts import mountinfo
 
         assert {"/data", "/conf"} <= {m.point for m in mountinfo(r["pid"])}
         with open(f"/proc/{r['pid']}/root/conf/setting") as f:

@@ -11,9 +11,10 @@ import pytest
 
 from memsnap import containers, validate
 from memsnap.catalog import Catalog
-from memsnap.containers import ContainerFacts, Mount
+from memsnap.containers import ContainerFacts
 from memsnap.engine import Caller, Engine, EngineConfig
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from memsnap.mounts import Mount
 from memsnap.tier import MemoryTier
 
 pytestmark = pytest.mark.unit
@@ -112,15 +113,20 @@ def test_a_placeholder_mounts_the_same_volumes_if_this_node_has_them_and_a_peer_
         containers.volume_args(gone, binds_allowed=True)
 
 
+def _m(dev: str, root: str, point: str, fstype: str, super_opts: str) -> Mount:
+    return Mount(0, 0, dev, root, point, fstype, "none",
+                 tuple((k, v) for k, _, v in (o.partition("=") for o in super_opts.split(","))))
+
+
 def test_a_placeholder_mount_is_bound_from_the_host_mount_of_the_same_filesystem(monkeypatch: Any) -> None:
-    theirs = [Mount("0:41", "/", "/", "overlay", "rw"),
-              Mount("254:0", "/run/containers/x/userdata/hosts", "/etc/hosts", "ext4", "rw"),
-              Mount("0:52", "/", "/dev/shm", "tmpfs", "rw"),
-              Mount("0:29", "/libpod_parent/libpod-x", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu")]
-    ours = [Mount("254:0", "/", "/", "ext4", "rw"),
-            Mount("0:52", "/", "/var/lib/containers/x/userdata/shm", "tmpfs", "rw"),
-            Mount("0:29", "/", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu"),
-            Mount("0:29", "/libpod_parent", "/elsewhere", "cgroup", "rw,cpu")]
+    theirs = [_m("0:41", "/", "/", "overlay", "rw"),
+              _m("254:0", "/run/containers/x/userdata/hosts", "/etc/hosts", "ext4", "rw"),
+              _m("0:52", "/", "/dev/shm", "tmpfs", "rw"),
+              _m("0:29", "/libpod_parent/libpod-x", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu")]
+    ours = [_m("254:0", "/", "/", "ext4", "rw"),
+            _m("0:52", "/", "/var/lib/containers/x/userdata/shm", "tmpfs", "rw"),
+            _m("0:29", "/", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu"),
+            _m("0:29", "/libpod_parent", "/elsewhere", "cgroup", "rw,cpu")]
     monkeypatch.setattr(containers, "mountinfo", lambda pid: ours if pid == "self" else theirs)
     assert containers.host_path_of(42, "/etc/hosts") == "/run/containers/x/userdata/hosts"
     assert containers.host_path_of(42, "/dev/shm") == "/var/lib/containers/x/userdata/shm"
@@ -134,8 +140,8 @@ def test_a_placeholder_mount_is_bound_from_the_host_mount_of_the_same_filesystem
 
 
 def test_a_host_mount_outside_the_filesystem_root_is_never_used(monkeypatch: Any) -> None:
-    theirs = [Mount("0:29", "/a/b", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu")]
-    ours = [Mount("0:29", "/c", "/mnt/c", "cgroup", "rw,cpu")]
+    theirs = [_m("0:29", "/a/b", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu")]
+    ours = [_m("0:29", "/c", "/mnt/c", "cgroup", "rw,cpu")]
     monkeypatch.setattr(containers, "mountinfo", lambda pid: ours if pid == "self" else theirs)
     with pytest.raises(FailedPrecondition, match="not reachable"):
         containers.host_path_of(42, "/sys/fs/cgroup/cpu")
