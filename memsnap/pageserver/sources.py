@@ -103,11 +103,22 @@ class DirPageSource:
 
 class ChunkSource:
     """A chunked stored image (store format 2) through memsnap.store.chunks.ChunkReader: each chunk is
-    fetched when first needed and verified (blake3 of its raw bytes) before a byte of it is served."""
+    fetched when first needed and verified (blake3 of its raw bytes) before a byte of it is served.
+
+    Its packs are opened once each (PackFiles), and each is closed, and so dropped from a local store's page
+    cache, once its last chunk was read: the job holds the pages then, the page cache need not as well."""
 
     def __init__(self, reader: Any, on_storage_error: Callable[[], None] | None = None) -> None:
         self.reader = reader
         self._on_error = on_storage_error or (lambda: None)
+        self._packs: Any = None
+        if getattr(reader, "packs", False) is None:  # (a ChunkReader that no fetch reads with already)
+            from memsnap.store.chunks import pack_key
+            from memsnap.store.packs import PackFiles
+
+            self._packs = reader.packs = PackFiles(reader.store)
+            self._packs.expect(pack_key(ref.loc[0]) for lay in reader.layouts.values() for ref in lay.chunks
+                               if ref.loc is not None)
 
     def read_at(self, name: str, offset: int, length: int) -> bytes:
         from memsnap.store.chunks import ChunkError
@@ -137,4 +148,7 @@ class ChunkSource:
         pass
 
     def close(self) -> None:
-        pass
+        packs, self._packs = self._packs, None
+        if packs is not None:
+            self.reader.packs = None
+            packs.close()

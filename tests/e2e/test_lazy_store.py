@@ -4,6 +4,7 @@ are still in the store, and a store that fails mid-way gets the job killed, with
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tests.helpers import (
     flip_stored_chunk_byte,
     job_output,
     metrics_port,
+    resident_pages,
     restore_refused,
     sample,
     scrape_metrics,
@@ -67,6 +69,7 @@ def test_lazy_restore_from_the_store_after_evict_has_the_same_digest(backend, ma
         d = make_daemon(backend, extra=["--store-format", "whole"] if backend.endswith("whole-files") else []).start()
     mib = 64
     ck, log, digest, last = _durable_then_evicted(d, jobs_to_kill, mib)
+    packs = _cached_packs(d) if backend == "posix" else []
 
     r = d.ctl("--json", "restore", "--lazy", ck["id"])
     assert r.returncode == 0, r.stderr + d.log.read_text()[-3000:]
@@ -91,6 +94,21 @@ def test_lazy_restore_from_the_store_after_evict_has_the_same_digest(backend, ma
         assert shown["in_tier"] is True and "every page resident" not in d.log.read_text()
     else:  # paged in from the store, never fetched whole into the tier
         assert shown["in_tier"] is False and "every page resident" in d.log.read_text()
+    # The job holds its pages now: the packs they came from are not held in the page cache beside them.
+    wait_for(lambda: sum(resident_pages(p) for p in packs) == 0, 30, what="the packs to leave the page cache")
+
+
+def _cached_packs(d: DaemonProc) -> list[Path]:
+    """The store's packs, on disk and in the page cache (as just written or read)."""
+    packs = [p for p in (d.store / "packs").rglob("*") if p.is_file()]
+    assert packs
+    for p in packs:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        p.read_bytes()
+    assert sum(resident_pages(p) for p in packs) > 0
+    return packs
 
 
 def test_lazy_restore_with_the_store_cut_off_mid_way_kills_the_job_and_says_why(make_daemon, jobs_to_kill):
