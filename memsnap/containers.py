@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from memsnap import proc
 from memsnap.cri import PLACEHOLDER_LABEL
 from memsnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from memsnap.mounts import mountinfo
+from memsnap.mounts import Mount, mountinfo
 
 if TYPE_CHECKING:
     from memsnap.catalog import Catalog
@@ -378,21 +378,27 @@ def rootfs_of(pid: int) -> str:
 
 def cgroup_procs_files(pid: int) -> list[str]:
     """The cgroup.procs file of each of pid's cgroups (v1 hierarchies and the v2 one), as mounted on the host."""
-    hier = [m for m in mountinfo("self") if m.fstype in ("cgroup", "cgroup2")]
-    out = []
     with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
-        for line in f:
-            _hid, ctrls, path = line.rstrip("\n").split(":", 2)
-            want = set(ctrls.split(",")) if ctrls else set()
-            for m in hier:
-                if (m.fstype == "cgroup2") == (not want) and (not want or want <= {k for k, _v in m.options}):
-                    rel = os.path.relpath(path, m.root)
-                    if rel == ".." or rel.startswith("../"):
-                        continue
-                    procs = os.path.normpath(os.path.join(m.point, rel, "cgroup.procs"))
-                    if os.path.exists(procs):
-                        out.append(procs)
-                    break
+        return procs_files(f.read(), mountinfo("self"))
+
+
+def procs_files(cgroups: str, host: list[Mount]) -> list[str]:
+    """cgroup_procs_files() of a /proc/PID/cgroup text, against the host's mounts."""
+    hier = [m for m in host if m.fstype in ("cgroup", "cgroup2")]
+    out = []
+    for line in cgroups.splitlines():
+        _hid, ctrls, path = line.split(":", 2)
+        want = set(ctrls.split(",")) if ctrls else set()
+        for m in hier:
+            opts = {f"{k}={v}" if v else k for k, v in m.options}  # ("name=systemd" names a hierarchy)
+            if (m.fstype == "cgroup2") == (not want) and (not want or want <= opts):
+                rel = os.path.relpath(path, m.root)
+                if rel == ".." or rel.startswith("../"):
+                    continue
+                procs = os.path.normpath(os.path.join(m.point, rel, "cgroup.procs"))
+                if os.path.exists(procs):
+                    out.append(procs)
+                break
     return out
 
 

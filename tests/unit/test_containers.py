@@ -193,3 +193,16 @@ def test_a_container_s_checkpoints_are_found_by_runtime_and_name_or_id_and_liste
             e.latest_restorable(Caller(0), "cri:web")
     finally:
         cat.close()
+
+
+def test_a_named_cgroup_hierarchy_is_found_by_its_name_beside_the_controllers(tmp_path: Path) -> None:
+    # CRIU is started inside the placeholder's cgroups: each of its v1 hierarchies, name=systemd included (the
+    # mount's options say "name=systemd"), and the v2 one.
+    for d in ("systemd/libpod-x", "cpu,cpuacct/libpod-x", "unified/libpod-x"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "cgroup.procs").write_text("")
+    host = [_m("0:29", "/", str(tmp_path / "systemd"), "cgroup", "rw,xattr,name=systemd"),
+            _m("0:30", "/", str(tmp_path / "cpu,cpuacct"), "cgroup", "rw,cpu,cpuacct"),
+            _m("0:31", "/", str(tmp_path / "unified"), "cgroup2", "rw")]
+    got = containers.procs_files("9:name=systemd:/libpod-x\n3:cpu,cpuacct:/libpod-x\n0::/libpod-x\n", host)
+    assert got == [str(tmp_path / d / "libpod-x" / "cgroup.procs") for d in ("systemd", "cpu,cpuacct", "unified")]
