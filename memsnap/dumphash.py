@@ -15,9 +15,10 @@ was hashed (after CRIU returned: nothing writes it any more); any other file is 
 The small files are left to it: they are written and rewritten in any order, and hash in microseconds.
 
 The growing file is read through a read-only mapping of what it holds so far, not copied into a buffer: on
-the tier's tmpfs a 1 GiB file hashed in 240 ms mapped against 330 ms through preadv, so the thread keeps up
-with CRIU on less CPU, and the tail left when CRIU returns (the checkpoint call waits for it) is shorter and
-hashes faster. A mapping of a file that shrinks under it would fault (SIGBUS): nothing shrinks these files,
+the tier's tmpfs a 1 GiB file hashed in 240 ms mapped against 330 ms through preadv, so the thread needs less
+CPU to keep up with CRIU, and the tail left when CRIU returns (the checkpoint call waits for it) hashes
+faster (what that did to the call was within this VM's noise: bench/results/dataplane-notes.md).
+A mapping of a file that shrinks under it would fault (SIGBUS): nothing shrinks these files,
 CRIU only appends to them in a staging dir only root can write, and the thread stops before it is removed.
 """
 
