@@ -18,9 +18,12 @@ import socket
 import struct
 import subprocess
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
-from pyroute2 import IPRoute
+
+if TYPE_CHECKING:
+    from pyroute2 import IPRoute
 
 log = logging.getLogger("memsnap.net")
 
@@ -44,6 +47,14 @@ def _family(ifa: IfAddr) -> int:
     return socket.AF_INET if ifa.version == 4 else socket.AF_INET6
 
 
+def _iproute() -> IPRoute:
+    """A netlink socket (pyroute2 imported here: it is an eighth of memsnapd's start, and only moves that carry
+    an address use it)."""
+    from pyroute2 import IPRoute
+
+    return IPRoute()
+
+
 def _index(ipr: IPRoute, dev: str) -> int:
     found = ipr.link_lookup(ifname=dev)
     if not found:
@@ -57,7 +68,7 @@ def _ifname(ipr: IPRoute, index: int) -> str:
 
 def holder_of(ifa: IfAddr) -> str:
     """The device that holds the address here, or '' when none does."""
-    with IPRoute() as ipr:
+    with _iproute() as ipr:
         for a in ipr.get_addr(family=_family(ifa)):
             if a.get_attr("IFA_ADDRESS") == str(ifa.ip):
                 return _ifname(ipr, int(a["index"]))
@@ -66,7 +77,7 @@ def holder_of(ifa: IfAddr) -> str:
 
 def device_for(ifa: IfAddr) -> str:
     """The device whose own addresses share the subnet of ifa (where a moved address belongs)."""
-    with IPRoute() as ipr:
+    with _iproute() as ipr:
         for a in ipr.get_addr(family=_family(ifa)):
             mine = ipaddress.ip_interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}")
             if mine.ip != ifa.ip and ifa.ip in mine.network:
@@ -79,7 +90,7 @@ def remove_address(ifa: IfAddr, dev: str = "") -> str:
     dev = dev or holder_of(ifa)
     if not dev:
         raise NetError(f"{ifa.ip} is not configured on this node")
-    with IPRoute() as ipr:
+    with _iproute() as ipr:
         try:
             ipr.addr("del", index=_index(ipr, dev), address=str(ifa.ip), prefixlen=ifa.network.prefixlen)
         except Exception as exc:  # pyroute2's NetlinkError
@@ -91,7 +102,7 @@ def remove_address(ifa: IfAddr, dev: str = "") -> str:
 def add_address(ifa: IfAddr, dev: str = "") -> str:
     """Adds the address here (on dev, else on the device of its subnet), then announces it; returns dev."""
     dev = dev or device_for(ifa)
-    with IPRoute() as ipr:
+    with _iproute() as ipr:
         index = _index(ipr, dev)
         kw: dict[str, object] = {}
         if ifa.version == 6:
@@ -109,7 +120,7 @@ def announce(ifa: IfAddr, dev: str) -> None:
     """Gratuitous ARP for an IPv4 address, so neighbours send to this node's MAC at once."""
     if ifa.version != 4:
         return  # IPv6 neighbours re-resolve on their own (NUD); unsolicited NA is not implemented
-    with IPRoute() as ipr:
+    with _iproute() as ipr:
         mac_text = ipr.link("get", index=_index(ipr, dev))[0].get_attr("IFLA_ADDRESS")
     mac = bytes.fromhex(str(mac_text).replace(":", ""))
     ip = ifa.ip.packed

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
 import blake3
-import numpy as np
 import zstandard
 
 from memsnap.store.bad_objects import BAD
@@ -50,7 +49,6 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CKPT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # = memsnap.validate.ID_RE
 _K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93
-_U1, _U2, _U3, _U4 = (np.uint64(k) for k in (_K1, _K2, _K3, _K4))
 
 
 class ChunkError(BadObject):
@@ -167,6 +165,9 @@ def _cut_candidates(buf: Bytes | mmap.mmap, first: int, last: int, avgp: int) ->
     releases the GIL): a drain's cut runs beside its hashing and compression threads."""
     if last <= first:
         return []
+    import numpy as np  # (here, not at the top: it is a tenth of memsnapd's start, and only a drain cuts)
+
+    _U1, _U2, _U3, _U4 = (np.uint64(k) for k in (_K1, _K2, _K3, _K4))
     pages = np.frombuffer(buf, dtype="<u8", count=(last - first) * (PAGE // 8),
                           offset=first * PAGE).reshape(last - first, PAGE // 8)
     h = pages[:, 0] * _U1

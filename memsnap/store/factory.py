@@ -7,7 +7,6 @@ from urllib.parse import urlsplit
 
 from memsnap.store.base import Store
 from memsnap.store.posix import PosixStore
-from memsnap.store.s3 import S3Store
 
 
 def open_store(
@@ -21,6 +20,8 @@ def open_store(
     assert store_url is not None
     scheme = urlsplit(store_url).scheme
     if scheme == "s3":
+        from memsnap.store.s3 import S3Store  # (boto3 only where a store is in S3)
+
         return S3Store.from_url(store_url, **{k: v for k, v in s3opts.items() if v is not None})
     if scheme == "file":
         return PosixStore(urlsplit(store_url).path, create=create)
