@@ -37,8 +37,10 @@ from typing import Any
 import grpc
 
 from memsnap.config import Config, PeerConfig, ip_host_port
+from memsnap.logs import Quieted
 
 log = logging.getLogger("memsnap.auth")
+strangers = Quieted(log)  # (refused TCP calls: anyone who reaches the port can make them)
 
 # A client must never be able to claim authentication; this header did that once, so it is refused.
 FORGED_HEADER = "x-memsnap-authenticated"
@@ -263,7 +265,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             elif names & self.creds.peer_identities:
                 roles.append(PEER)
             else:
-                log.warning("refused a TCP call from %s: client certificate names %s are not listed", peer,
+                strangers.warning("refused a TCP call from %s: client certificate names %s are not listed", peer,
                             _short(names))
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"the client certificate ({_short(names)}) is not a peer's identity nor in "
@@ -277,7 +279,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                 if hmac.compare_digest(token.encode(), accepted.encode()):
                     match = verdict
             if not match[0]:
-                log.warning("refused a TCP call from %s: %s bearer token", peer, "wrong" if got else "no")
+                strangers.warning("refused a TCP call from %s: %s bearer token", peer, "wrong" if got else "no")
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
                               "missing or wrong bearer token: a peer sends the credential for this node (its "
                               "[[peers]] entry names this node's daemon.node_name), an administrator the "
@@ -286,7 +288,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             whos.append(match[1])
         role = PEER if PEER in roles else ADMIN
         if role == PEER and method not in PEER_METHODS:
-            log.warning("refused %s from %s: a peer credential (%s) may only move jobs", method, peer,
+            strangers.warning("refused %s from %s: a peer credential (%s) may only move jobs", method, peer,
                         ", ".join(whos))
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{method.rsplit('/', 1)[-1]}: a peer may only move jobs here (its credential allows "

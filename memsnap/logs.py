@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -110,3 +114,28 @@ def setup_logging(fmt: str = "text", level: str | int = "info", stream: IO[str] 
     root.addHandler(handler)
     root.setLevel(numeric)
 
+
+class Quieted:
+    """Warnings that an outsider can cause at will (a stranger on the TCP port or the image channel): each kind
+    (its message template) at most once every interval_s. The others are counted, and the next line of the kind
+    says how many were left out. A scanner or a flood of bad calls then costs the node's log a line per kind per
+    interval, not a line per connection (a shared node's disk, and the lines that matter among them)."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log, self._interval, self._clock = logger, interval_s, clock
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = self._clock()
+        with self._lock:
+            if msg in self._next and now < self._next[msg]:
+                self._held[msg] += 1
+                return
+            self._next[msg] = now + self._interval
+            held = self._held.pop(msg, 0)
+        if held:
+            msg, args = msg + " (%d more like it left out since the last)", (*args, held)
+        self._log.warning(msg, *args)

@@ -29,8 +29,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from memsnap.errors import FailedPrecondition
+from memsnap.logs import Quieted
 
 log = logging.getLogger("memsnap.move")
+strangers = Quieted(log)  # (what anyone who reaches the port can make us say)
 
 HELLO = b"MSIMG/1\n"
 TICKET_BYTES = 32
@@ -248,7 +250,7 @@ class ImageChannel:
                 time.sleep(0.1)
                 continue
             if not self._slots.acquire(blocking=False):
-                log.warning("image channel: refused a connection from %s (%d already wait for their call)",
+                strangers.warning("image channel: refused a connection from %s (%d already wait for their call)",
                             peer[0], _WAITING_MAX)
                 conn.close()
                 continue
@@ -264,10 +266,10 @@ class ImageChannel:
             try:
                 _recv_exact(conn, memoryview(buf))
             except ChannelError:
-                log.warning("image channel: %s sent no hello; closed", peer)
+                strangers.warning("image channel: %s sent no hello; closed", peer)
                 return
             if bytes(buf[:len(HELLO)]) != HELLO:
-                log.warning("image channel: %s is not a memsnap peer (bad hello); closed", peer)
+                strangers.warning("image channel: %s is not a memsnap peer (bad hello); closed", peer)
                 return
             ticket = bytes(buf[len(HELLO):])
             deadline = time.monotonic() + HELLO_WAIT_S
@@ -282,7 +284,7 @@ class ImageChannel:
                     if left <= 0:
                         break
                     self._lock.wait(left)
-            log.warning("image channel: no move call named the ticket %s presented; closed", peer)
+            strangers.warning("image channel: no move call named the ticket %s presented; closed", peer)
         finally:
             self._slots.release()
             if not handed:
