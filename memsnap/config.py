@@ -90,8 +90,9 @@ class TierConfig:
     numa_node: int = _opt(-1, val.int_min(-1, "a NUMA node number, or -1 for none"), "-1 = none")
     mount: bool = _opt(False, val.boolean,
                        "memsnapd mounts a tmpfs on dir at start unless dir is a mount point already (never unmounted)")
-    huge_pages: str = _opt("within_size", val.choice("within_size", "never", "always", "advise"),
-                           "huge= of the tmpfs that tier.mount mounts: within_size, never, always or advise")
+    huge_pages: str = _opt("auto", val.choice("auto", "within_size", "never", "always", "advise"),
+                           "huge= of the tmpfs that tier.mount mounts: auto (within_size, or never on a VM whose host "
+                           "takes back freed memory), within_size, never, always or advise")
 
 
 @dataclass(frozen=True)

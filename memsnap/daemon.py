@@ -39,7 +39,7 @@ from memsnap.retention import Policy
 from memsnap.sdnotify import Heartbeat, Notifier
 from memsnap.store import StoreError
 from memsnap.store.bad_objects import BAD
-from memsnap.tier import MemoryTier, MountSpec, TierMountError
+from memsnap.tier import MemoryTier, MountSpec, TierMountError, resolve_huge_pages
 from memsnap.tiers import Tiers
 from memsnap.v1 import memsnap_pb2, memsnap_pb2_grpc, peer_pb2, peer_pb2_grpc
 from memsnap.version import VersionAction
@@ -95,7 +95,10 @@ class Daemon:
             self.catalog = Catalog(state)
             t = cfg.tier
             node = t.numa_node if t.kind == "numa" else -1
-            mount = MountSpec(t.capacity or 0, t.huge_pages, node) if t.mount else None
+            mount = MountSpec(t.capacity or 0, resolve_huge_pages(t.huge_pages), node) if t.mount else None
+            if mount is not None and t.huge_pages == "auto" and mount.huge_pages == "never":
+                log.info("memory tier %s: 4 KiB pages (tier.huge_pages = auto): this VM's host takes back the memory "
+                         "the guest frees, and huge pages would come back from it at every dump", t.dir)
             self.tier = Tiers(MemoryTier(t.dir, t.capacity or 0, t.kind, mount), self._spill_tier())
             self.criu = Criu(plugin_dir=state / "criu-plugins")
             key = manifest.load_or_create_key(Path(cfg.hmac_key_path))

@@ -73,6 +73,13 @@ class MemoryTier:
             mount_tier(self.root, mount)
             self.root = safefs.ensure_root(root, label)
         self.fs, self.mount_point = describe_mount(self.root)
+        huge = self.fs.options.get("huge", "never") if self.fs is not None and self.fs.fstype == "tmpfs" else ""
+        if huge in ("within_size", "always") and host_takes_back_free_memory():
+            log.warning("%s %s has huge pages (huge=%s), and this node is a VM whose host takes back the memory the "
+                        "guest frees (virtio-balloon free page reporting): each 2 MiB page the tier takes has to come "
+                        "back from the host first, and a dump into them took 2.6x as long as into 4 KiB pages "
+                        "(bench/results/tier-huge.md). Set tier.huge_pages = \"auto\" or \"never\" here",
+                        label, self.root, huge)
         if kind == "numa" and (self.fs is None or not self.fs.options.get("mpol", "").startswith("bind:")):
             log.warning("%s %s: tier.kind is numa but nothing binds its pages to a node: set tier.mount = "
                         "true, or mount a tmpfs there with mpol=bind:<node>", label, self.root)
@@ -240,7 +247,7 @@ def dir_bytes(d: Path) -> int:
 
 # -- tier.mount: memsnapd mounts its own tmpfs on the tier root ------------------------------------------------
 MOUNT_SOURCE = "memsnap"  # the source column of a tmpfs memsnapd mounted: how a later start (and `mount`) tells it
-HUGE_PAGES = ("within_size", "never", "always", "advise")
+HUGE_PAGES = ("within_size", "never", "always", "advise")  # (as mounted: tier.huge_pages "auto" is resolved first)
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
 _PAGE = 4096
@@ -349,6 +356,36 @@ def _hidden_by_mount(fd: int) -> list[str]:
             if not empty:
                 hidden.append(n)
     return hidden
+
+
+BALLOON = Path("/sys/bus/virtio/drivers/virtio_balloon")
+_F_REPORTING = 5  # VIRTIO_BALLOON_F_REPORTING: the guest reports free pages, and the host takes them back
+
+
+def host_takes_back_free_memory(balloon: Path = BALLOON) -> bool:
+    """Whether a virtio balloon with free page reporting is bound here: the host then unmaps memory the guest has
+    freed (in 2 MiB blocks or larger), and the guest's next use of it faults it in on the host again."""
+    try:
+        devices = list(balloon.glob("virtio*"))
+    except OSError:
+        return False
+    for dev in devices:
+        try:
+            bits = (dev / "features").read_text().strip()
+        except OSError:
+            continue
+        if len(bits) > _F_REPORTING and bits[_F_REPORTING] == "1":
+            return True
+    return False
+
+
+def resolve_huge_pages(setting: str, balloon: Path = BALLOON) -> str:
+    """tier.huge_pages as mounted: "auto" is within_size (writing an image into 2 MiB pages is ~5x faster:
+    docs/tier.md), but never on a VM whose host takes back freed memory, where each 2 MiB page comes back from the
+    host first and a dump into them took 2.6x as long as into 4 KiB pages (bench/results/tier-huge.md)."""
+    if setting != "auto":
+        return setting
+    return "never" if host_takes_back_free_memory(balloon) else "within_size"
 
 
 def mount_tier(root: Path, spec: MountSpec) -> MountEntry | None:

@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from memsnap.config import ConfigError, load_config
 from memsnap.metrics import Metrics
-from memsnap.tier import MemoryTier, MountSpec, mount_point_entry, parse_mountinfo
+from memsnap.tier import (
+    MemoryTier,
+    MountSpec,
+    host_takes_back_free_memory,
+    mount_point_entry,
+    parse_mountinfo,
+    resolve_huge_pages,
+)
 
 MOUNTINFO = """\
 27 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw,errors=remount-ro
@@ -52,15 +61,15 @@ def test_an_existing_mount_matches_the_spec_in_the_kernels_spelling_or_says_what
     assert MountSpec().differences(mounts[27]) == ["a ext4 filesystem, not a tmpfs"]
 
 
-def test_tier_mount_is_off_by_default_with_huge_pages_within_size() -> None:
+def test_tier_mount_is_off_by_default_with_huge_pages_auto() -> None:
     tier = load_config("/dev/null").tier
-    assert (tier.mount, tier.huge_pages) == (False, "within_size")
+    assert (tier.mount, tier.huge_pages) == (False, "auto")
     assert load_config("/dev/null", {"tier.mount": "true", "tier.huge_pages": "Never"}).tier.huge_pages == "never"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"tier.huge_pages": "2M"}, 'override: tier.huge_pages: expected one of "within_size", "never", "always", '
-                                '"advise", got "2M"'),
+    ({"tier.huge_pages": "2M"}, 'override: tier.huge_pages: expected one of "auto", "within_size", "never", '
+                                '"always", "advise", got "2M"'),
     ({"tier.mount": "maybe"}, "override: tier.mount: expected"),
     ({"tier.mount": "true", "tier.kind": "devdax"}, "override: tier.mount: memsnapd mounts only a tmpfs"),
 ])
@@ -82,3 +91,18 @@ def test_the_tier_info_metric_carries_the_labels() -> None:
     m.set_tier_info("numa", "tmpfs", True, "within_size")
     assert ('memsnap_tier_info{fstype="tmpfs",huge_pages="within_size",kind="numa",mounted_by_memsnapd="true"} 1.0'
             in m.render().decode())
+
+
+@pytest.mark.parametrize("features,reclaims", [
+    ("01100101000000000000000000000000100000000000000000000000000000000000000000000000000000000000000000000000", True),
+    ("01100001000000000000000000000000100000000000000000000000000000000000000000000000000000000000000000000000", False),
+    ("0110", False), ("", False)])
+def test_a_balloon_with_free_page_reporting_means_freed_memory_is_the_hosts_and_auto_takes_no_huge_pages(
+        tmp_path: Path, features: str, reclaims: bool) -> None:
+    (tmp_path / "virtio0").mkdir()  # (bit 5 of the device's features: VIRTIO_BALLOON_F_REPORTING)
+    (tmp_path / "virtio0" / "features").write_text(features + "\n")
+    assert host_takes_back_free_memory(tmp_path) is reclaims
+    assert host_takes_back_free_memory(tmp_path / "no-balloon-driver") is False
+    assert resolve_huge_pages("auto", tmp_path) == ("never" if reclaims else "within_size")
+    assert resolve_huge_pages("within_size", tmp_path) == "within_size"  # (what the config names is what it gets)
+    assert resolve_huge_pages("auto", tmp_path / "no-balloon-driver") == "within_size"
