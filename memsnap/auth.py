@@ -266,7 +266,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                 roles.append(PEER)
             else:
                 strangers.warning("refused a TCP call from %s: client certificate names %s are not listed", peer,
-                            _short(names))
+                                  _short(names))
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"the client certificate ({_short(names)}) is not a peer's identity nor in "
                               "daemon.admin_identities on this node")
@@ -289,7 +289,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         role = PEER if PEER in roles else ADMIN
         if role == PEER and method not in PEER_METHODS:
             strangers.warning("refused %s from %s: a peer credential (%s) may only move jobs", method, peer,
-                        ", ".join(whos))
+                              ", ".join(whos))
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{method.rsplit('/', 1)[-1]}: a peer may only move jobs here (its credential allows "
                           "the move RPCs); administration over TCP needs daemon.admin_token_file or "

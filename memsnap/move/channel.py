@@ -251,7 +251,7 @@ class ImageChannel:
                 continue
             if not self._slots.acquire(blocking=False):
                 strangers.warning("image channel: refused a connection from %s (%d already wait for their call)",
-                            peer[0], _WAITING_MAX)
+                                  peer[0], _WAITING_MAX)
                 conn.close()
                 continue
             threading.Thread(target=self._hello, args=(conn, peer[0]), name="image-channel-hello",
