@@ -73,7 +73,7 @@ class MemoryTier:
             mount_tier(self.root, mount)
             self.root = safefs.ensure_root(root, label)
         self.fs, self.mount_point = describe_mount(self.root)
-        huge = self.fs.options.get("huge", "never") if self.fs is not None and self.fs.fstype == "tmpfs" else ""
+        huge = self.huge_pages()
         if huge in ("within_size", "always") and host_takes_back_free_memory():
             log.warning("%s %s has huge pages (huge=%s), and this node is a VM whose host takes back the memory the "
                         "guest frees (virtio-balloon free page reporting): each 2 MiB page the tier takes has to come "
@@ -120,12 +120,16 @@ class MemoryTier:
         """Whether the tier's files are RAM (it lies on a tmpfs or ramfs)."""
         return self.fs is not None and self.fs.fstype in ("tmpfs", "ramfs")
 
+    def huge_pages(self) -> str:
+        """The huge= of the tmpfs the tier lies on ("never" when it shows none), "" off a tmpfs."""
+        fs = self.fs
+        return fs.options.get("huge", "never") if fs is not None and fs.fstype == "tmpfs" else ""
+
     def info(self) -> dict[str, Any]:
         """kind, fstype, mounted_by_memsnapd and huge_pages ("" off a tmpfs), for memsnap_tier_info."""
         fs = self.fs
         return {"kind": self.kind, "fstype": fs.fstype if fs else "unknown",
-                "mounted_by_memsnapd": bool(fs and self.mount_point and fs.ours),
-                "huge_pages": fs.options.get("huge", "never") if fs and fs.fstype == "tmpfs" else ""}
+                "mounted_by_memsnapd": bool(fs and self.mount_point and fs.ours), "huge_pages": self.huge_pages()}
 
     # -- capacity ---------------------------------------------------------------
     def capacity_bytes(self) -> int:
@@ -247,7 +251,6 @@ def dir_bytes(d: Path) -> int:
 
 # -- tier.mount: memsnapd mounts its own tmpfs on the tier root ------------------------------------------------
 MOUNT_SOURCE = "memsnap"  # the source column of a tmpfs memsnapd mounted: how a later start (and `mount`) tells it
-HUGE_PAGES = ("within_size", "never", "always", "advise")  # (as mounted: tier.huge_pages "auto" is resolved first)
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
 _PAGE = 4096
