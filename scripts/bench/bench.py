@@ -604,6 +604,52 @@ def warm_memory(gib: float) -> float:
     return time.monotonic() - t0
 
 
+class FreePageReportingHeld:
+    """Holds off virtio-balloon free page reporting while a sitting runs, so that its memory stays warm.
+
+    A VM whose guest reports free pages to its host (bench/results/vm-memory.md) has every free 2 MiB block
+    taken back within seconds, and the next touch waits while the host backs it again: a step's cost then
+    depends on how long ago the node freed memory, and the baselines swing 2-4x between sittings. Raising
+    /sys/module/page_reporting/parameters/page_reporting_order above the largest buddy order (/proc/buddyinfo)
+    makes no free block big enough to report; memory touched once after that (warm_memory) stays backed,
+    as on a bare-metal node. The old order is written back on exit. A no-op (held False) where the kernel has
+    no free page reporting, and with hold=False.
+    """
+
+    ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+
+    def __init__(self, hold: bool = True) -> None:
+        self.hold = hold
+        self.old = ""
+        self.held = False
+
+    @staticmethod
+    def max_order() -> int:
+        """The largest order the buddy allocator frees (columns of /proc/buddyinfo, from order 0)."""
+        cols = [len(ln.split()) - 4 for ln in Path("/proc/buddyinfo").read_text().splitlines() if ln.strip()]
+        return max(cols) - 1
+
+    def __enter__(self) -> FreePageReportingHeld:
+        if self.hold and self.ORDER.exists():
+            self.old = self.ORDER.read_text().strip()
+            want = str(self.max_order() + 1)
+            self.ORDER.write_text(want + "\n")
+            self.held = self.ORDER.read_text().strip() == want
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.old:
+            self.ORDER.write_text(self.old + "\n")
+
+    def describe(self) -> str:
+        if self.held:
+            return (f"held off for the sitting (page_reporting_order {self.old} -> {self.max_order() + 1}, "
+                    "written back after)")
+        if self.old or self.ORDER.exists():
+            return f"left on (page_reporting_order {self.ORDER.read_text().strip()}): numbers swing with it"
+        return "none (the kernel does not report free pages)"
+
+
 # -- aggregation ---------------------------------------------------------------------------------------
 def med(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]

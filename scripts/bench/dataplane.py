@@ -3,7 +3,8 @@
 (raw CRIU, cp + fsync, a plain read), for one or two memsnap trees, in one run.
 
     scripts/bench/dataplane.py [--mib 1024,2048,4096] [--reps 3] [--a OLD_TREE] [--b NEW_TREE] [--compressible]
-        [--daemon-arg=--compression-level=1 ...] [--no-warmup] [--out bench/results]
+        [--daemon-arg=--compression-level=1 ...] [--no-warmup] [--free-page-reporting hold|leave]
+        [--out bench/results]
 
 Run as root. OLD_TREE is e.g. `git worktree add --detach /work/old <commit>`; NEW_TREE defaults to this repo.
 Each tree's memsnapd runs with PYTHONPATH=<tree> (bench.Daemon, as scripts/bench/ab.py does, but with a socket,
@@ -17,7 +18,8 @@ One cycle = one tree, one size, one fresh daemon, one job (bench.counter_argv: M
   1. plain baselines on that job: `criu dump --leave-running` into a fresh tmpfs dir (wall time, as bench.py
      does it, plus the mount options memsnapd gives CRIU for a job in a mount namespace of its own);
      cp of those image files onto the store's filesystem, then fsync of each file and of the dir (timed
-     together); the tmpfs dump is removed; sync + drop_caches; a plain read of every copied file; copy removed;
+     together); the tmpfs dump is removed; sync + drop_caches; a plain read of every copied file, by one
+     thread, then again after drop_caches by 8 threads (the goal takes the faster); copy removed;
   2. memsnap: checkpoint into the tier (call time, the job's downtime), drain to durable, with memsnapd's VmRSS
      (and RssAnon/RssFile/RssShmem) and utime+stime sampled every 50 ms (growth = peak during the drain minus
      idle before the call; core-seconds from the end of the call to durable); job killed; restore from the
@@ -27,7 +29,10 @@ One cycle = one tree, one size, one fresh daemon, one job (bench.counter_argv: M
      asked for leftover checkpoints and running jobs (none expected), stopped, and the store, tier and copies
      are wiped.
 
-At most the job and one image are in memory at a time (the tmpfs dump is gone before memsnap's checkpoint) and
+On a VM that reports free pages to its host (bench/results/vm-memory.md) the reporting is held off for the
+sitting and the memory touched once first (bench.FreePageReportingHeld; --free-page-reporting leave keeps it):
+otherwise each step's cost depends on how long ago the node freed memory. At most the job and one image are in
+memory at a time (the tmpfs dump is gone before memsnap's checkpoint) and
 one image copy is on disk. Reps are the outer loop, sizes the inner one; in each (rep, size) the trees take
 turns going first. Ratios are of the medians per size; the plain baselines pool the cycles of both trees.
 Writes <out>/dataplane.json (every run, the medians, the ratios) and <out>/dataplane.md.
@@ -300,6 +305,30 @@ def read_all(d: Path) -> tuple[float, int]:
     return time.monotonic() - t0, n
 
 
+def read_parallel(d: Path, threads: int = 8) -> tuple[float, int]:
+    """Reads every file of d to its end in 4 MiB preads by `threads` threads at once (as memsnap's fetch reads
+    its packs: a disk answers several reads in flight faster than one); returns (seconds, bytes)."""
+    from concurrent.futures import ThreadPoolExecutor
+    piece = 4 << 20
+    fds = [os.open(p, os.O_RDONLY) for p in sorted(p for p in d.iterdir() if p.is_file())]
+    local = threading.local()
+
+    def read(job: tuple[int, int]) -> int:
+        if not hasattr(local, "buf"):
+            local.buf = bytearray(piece)
+        return os.preadv(job[0], [local.buf], job[1])
+
+    try:
+        jobs = [(fd, off) for fd in fds for off in range(0, os.fstat(fd).st_size, piece)]
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(threads) as pool:
+            n = sum(pool.map(read, jobs))
+        return time.monotonic() - t0, n
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def plain(pid: int, log: bench.JobLog, tag: str) -> dict[str, Any]:
     raw, copy = RAW / tag, PLAIN / tag
     out: dict[str, Any] = {}
@@ -312,6 +341,9 @@ def plain(pid: int, log: bench.JobLog, tag: str) -> dict[str, Any]:
         shutil.rmtree(raw)
         drop_caches()
         out["plain_read_s"], out["plain_read_bytes"] = read_all(copy)
+        drop_caches()
+        out["plain_read_par_s"], _n = read_parallel(copy)
+        out["plain_read_best_s"] = min(out["plain_read_s"], out["plain_read_par_s"])
     finally:
         shutil.rmtree(raw, ignore_errors=True)
         shutil.rmtree(copy, ignore_errors=True)
@@ -319,6 +351,7 @@ def plain(pid: int, log: bench.JobLog, tag: str) -> dict[str, Any]:
     out["raw_dump_s_per_gib"] = out["raw_dump_ms"] / 1000 / gib
     out["plain_cp_fsync_s_per_gib"] = out["plain_cp_fsync_s"] / gib
     out["plain_read_s_per_gib"] = out["plain_read_s"] / gib
+    out["plain_read_par_s_per_gib"] = out["plain_read_par_s"] / gib
     return out
 
 
@@ -445,7 +478,7 @@ def cycle(name: str, tree: Path, mib: int, compressible: bool, extra: list[str])
         time.sleep(0.2)
         rec.update(memsnap(d, job, log))
         rec["drain_ratio_run"] = rec["plain_cp_fsync_s"] / rec["ms_drain_s"]
-        rec["store_ratio_run"] = (rec["plain_read_s"] + rec["ms_restore_tier_s"]) / rec["ms_restore_store_s"]
+        rec["store_ratio_run"] = (rec["plain_read_best_s"] + rec["ms_restore_tier_s"]) / rec["ms_restore_store_s"]
         rec["ckpt_ratio_run"] = rec["ms_ckpt_rpc_ms"] / rec["raw_dump_ms"]
         rec["leftovers"] = leftovers(d)
     finally:
@@ -462,7 +495,8 @@ def cycle(name: str, tree: Path, mib: int, compressible: bool, extra: list[str])
 PER_GIB = [  # (label, key, which rows: "plain" or "tree")
     ("raw `criu dump` into tmpfs", "raw_dump_s_per_gib", "plain"),
     ("cp + fsync onto the store's fs", "plain_cp_fsync_s_per_gib", "plain"),
-    ("plain read after drop_caches", "plain_read_s_per_gib", "plain"),
+    ("plain read after drop_caches, one thread", "plain_read_s_per_gib", "plain"),
+    ("plain read after drop_caches, 8 threads", "plain_read_par_s_per_gib", "plain"),
     ("checkpoint call", "ms_ckpt_s_per_gib", "tree"),
     ("drain (end of the call to durable)", "ms_drain_s_per_gib", "tree"),
     ("restore from the tier", "ms_restore_tier_s_per_gib", "tree"),
@@ -483,7 +517,7 @@ def summarize(rows: list[dict[str, Any]], sizes: list[int], trees: list[str]) ->
         }
         ratios[str(mib)] = {t: {
             "drain": div(med(rows, "plain_cp_fsync_s", mib), med(rows, "ms_drain_s", mib, t)),
-            "store": div(_sum(med(rows, "plain_read_s", mib), med(rows, "ms_restore_tier_s", mib, t)),
+            "store": div(_sum(med(rows, "plain_read_best_s", mib), med(rows, "ms_restore_tier_s", mib, t)),
                          med(rows, "ms_restore_store_s", mib, t)),
             "ckpt": div(med(rows, "ms_ckpt_rpc_ms", mib, t), med(rows, "raw_dump_ms", mib)),
         } for t in trees}
@@ -518,10 +552,10 @@ TABLES = [  # (title, memsnap key, plain baseline key or "", baseline label, dec
     ("Drain: from the end of the checkpoint call to durable, s", "ms_drain_s", "plain_cp_fsync_s",
      "cp + fsync of the raw images", 2, 1),
     ("Restore from the tier, request to the first tick, s", "ms_restore_tier_s", "", "", 2, 1),
-    ("Fetch from the store (memsnap's fetch_ms), s", "ms_fetch_s", "plain_read_s",
-     "plain read of the copied images after drop_caches", 2, 1),
+    ("Fetch from the store (memsnap's fetch_ms), s", "ms_fetch_s", "plain_read_best_s",
+     "plain read of the copied images after drop_caches, the faster of one thread and 8", 2, 1),
     ("Restore from the store after evict + drop_caches, request to the first tick, s", "ms_restore_store_s",
-     "plain_read_s", "plain read (the goal adds the tree's restore from the tier)", 2, 1),
+     "plain_read_best_s", "plain read, the faster way (the goal adds the tree's restore from the tier)", 2, 1),
     ("Page cache (Cached less Shmem) held during the restore from the store: peak above its start, MB",
      "ms_restore_store_cache_peak_mb", "", "", 0, 1),
     ("... and still held at the restored job's first tick, MB", "ms_restore_store_cache_after_mb", "", "", 0, 1),
@@ -564,6 +598,7 @@ def markdown(res: dict[str, Any]) -> str:
         ("1-min load before each cycle", f"{min(loads):.2f}–{max(loads):.2f}" if loads else "—"),
         ("other memsnapd processes", f"{len(res['other_daemons_start'])} at the start, "
          f"{len(res['other_daemons_end'])} at the end, before {busy} of {len(rows)} cycles"),
+        ("free page reporting (vm-memory.md)", res.get("free_page_reporting", "not recorded")),
         ("job memory", "compressible (a repeating 1 MiB pattern)" if res["config"]["compressible"]
          else "random (blake3 output, incompressible)"),
     ):
@@ -581,7 +616,9 @@ def markdown(res: dict[str, Any]) -> str:
         "its own: `--external mnt[]:sm`, `--skip-mnt` for the mounts the job does not use, its log mount "
         "external, `--tcp-close`), cp of the image files onto the store's filesystem followed by an fsync of "
         "each file and of the directory (timed together), the tmpfs dump removed, `sync` and "
-        "`echo 3 > /proc/sys/vm/drop_caches`, and a plain read of every copied file (4 MiB reads). Then "
+        "`echo 3 > /proc/sys/vm/drop_caches`, a plain read of every copied file (4 MiB reads, one thread), "
+        "drop_caches again and the same read by 8 threads at once (4 MiB preads, as memsnap's fetch reads its "
+        "packs; the goal takes the faster of the two). Then "
         "memsnap: the checkpoint call into the tier, the drain to durable (`durable_unix_ms` minus the end of "
         "the call) while memsnapd's /proc status (VmRSS, RssAnon, RssFile, RssShmem) and utime+stime are "
         "sampled every 50 ms (growth = peak during the drain minus the median before the call, per field; "
@@ -592,7 +629,10 @@ def markdown(res: dict[str, Any]) -> str:
         "start), killed, the checkpoint deleted; "
         "leftover checkpoints or jobs are looked for (none expected; found: "
         f"{sum(len(r.get('leftovers', [])) for r in rows)}), and store, tier and copies are wiped before the "
-        "next cycle. At most the job and one image are in memory at a time. Reps are the outer loop, sizes the "
+        "next cycle. At most the job and one image are in memory at a time. Free page reporting: see the "
+        "machine table (held off, memory taken by a sitting stays warm, as on a bare-metal node; left on, each "
+        "step's cost depends on how long ago the node freed memory: `vm-memory.md`). Reps are the outer loop, "
+        "sizes the "
         "inner one, and in each (rep, size) the trees take turns going first. Ratios are of the medians per "
         "size; s/GiB are per run, over the image bytes.\n")
     errors = [r for r in rows if "error" in r]
@@ -607,7 +647,8 @@ def markdown(res: dict[str, Any]) -> str:
     add(goal_hdr + "\n|---|---|---|---|---|" + ("---|" if "A" in trees else ""))
     for label, sense, bound, key in (
         ("drain: plain cp+fsync s / memsnap drain s", "≥", GOAL_DRAIN, "drain"),
-        ("restore from the store: (plain read s + restore from the tier s) / restore from the store s", "≥",
+        ("restore from the store: (plain read s, the faster way, + restore from the tier s) / restore from the "
+         "store s", "≥",
          GOAL_STORE, "store"),
         ("checkpoint call / raw criu dump wall", "≤", GOAL_CKPT, "ckpt"),
     ):
@@ -665,7 +706,8 @@ def markdown(res: dict[str, Any]) -> str:
         add("")
 
     add("## Runs\n")
-    add("| rep | size | tree | load | raw dump ms | ckpt call ms | cp+fsync s | drain s | read s | tier restore s "
+    add("| rep | size | tree | load | raw dump ms | ckpt call ms | cp+fsync s | drain s | read s (1 / 8 threads) "
+        "| tier restore s "
         "| fetch s | store restore s | VmRSS +MB | RssAnon +MB | core-s/GiB |\n|---|---|---|" + "---:|" * 12)
     for r in rows:
         if "error" in r:
@@ -673,7 +715,8 @@ def markdown(res: dict[str, Any]) -> str:
             continue
         add(f"| {r['rep']} | {r['mib']} | {r['tree']} | {r['load_before']:.2f} | {r['raw_dump_ms']:.0f} | "
             f"{r['ms_ckpt_rpc_ms']:.0f} | {r['plain_cp_fsync_s']:.2f} | {r['ms_drain_s']:.2f} | "
-            f"{r['plain_read_s']:.2f} | {r['ms_restore_tier_s']:.2f} | {r['ms_fetch_s']:.2f} | "
+            f"{r['plain_read_s']:.2f} / {r.get('plain_read_par_s', float('nan')):.2f} | "
+            f"{r['ms_restore_tier_s']:.2f} | {r['ms_fetch_s']:.2f} | "
             f"{r['ms_restore_store_s']:.2f} | {r['ms_rss_growth_mb']:.0f} | {r['ms_rssanon_growth_mb']:.0f} | "
             f"{r['ms_core_s_per_gib']:.2f} |")
     add("")
@@ -703,6 +746,9 @@ def main() -> int:
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="extra memsnapd flag for both trees (repeat; e.g. --daemon-arg=--compression-level=1)")
     ap.add_argument("--no-warmup", action="store_true", help="no throwaway cycle before the measured ones")
+    ap.add_argument("--free-page-reporting", choices=("hold", "leave"), default="hold",
+                    help="hold (default): hold off a VM's free page reporting for the sitting, so that memory "
+                         "touched once stays warm (bench.FreePageReportingHeld); leave: as the machine has it")
     ap.add_argument("--allow-others", action="store_true",
                     help="run even while another memsnapd runs here (its work skews every number)")
     ap.add_argument("--out", default=str(bench.REPO / "bench" / "results"),
@@ -751,11 +797,16 @@ def main() -> int:
     def save() -> None:
         (out_dir / "dataplane.json").write_text(json.dumps(res, indent=1, default=str))
 
+    held = bench.FreePageReportingHeld(args.free_page_reporting == "hold")
     try:
+        held.__enter__()
+        res["free_page_reporting"] = held.describe()
+        say(f"free page reporting: {res['free_page_reporting']}")
         if sizes:
+            # (the job, its image in the tier and the page cache of a copy can be in memory at once)
             say("warm-up: touching the memory the largest cycle needs")
             res["warmup_touch_s"] = bench.warm_memory(
-                min(2 * max(sizes) / 1024 + 1, psutil.virtual_memory().available / GiB * 0.8))
+                min(3 * max(sizes) / 1024 + 1, psutil.virtual_memory().available / GiB * 0.8))
         if sizes and not args.no_warmup:
             say(f"warm-up: one throwaway cycle, B, {min(sizes)} MiB")
             try:
@@ -779,7 +830,8 @@ def main() -> int:
                     if "error" not in r:
                         say(f"  raw dump {r['raw_dump_ms']:.0f} ms, call {r['ms_ckpt_rpc_ms']:.0f} ms; "
                             f"cp+fsync {r['plain_cp_fsync_s']:.2f} s, drain {r['ms_drain_s']:.2f} s; "
-                            f"read {r['plain_read_s']:.2f} s, tier {r['ms_restore_tier_s']:.2f} s, "
+                            f"read {r['plain_read_s']:.2f} / {r['plain_read_par_s']:.2f} s, "
+                            f"tier {r['ms_restore_tier_s']:.2f} s, "
                             f"store {r['ms_restore_store_s']:.2f} s (fetch {r['ms_fetch_s']:.2f} s, page cache "
                             f"+{r['ms_restore_store_cache_peak_mb']:.0f}/{r['ms_restore_store_cache_after_mb']:.0f} "
                             "MB); "
@@ -788,6 +840,7 @@ def main() -> int:
                             + (f"; LEFTOVERS {r['leftovers']}" if r["leftovers"] else ""))
                     save()
     finally:
+        held.__exit__()
         for pid in list(bench._ALL_PIDS):
             bench.kill(pid)
         wipe()
