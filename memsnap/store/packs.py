@@ -127,6 +127,7 @@ class _Open:
 
 _END = ("", b"", 0, "")
 QUEUE_CHUNKS = 8  # chunk objects queued for the pack writer (at most 4x the average chunk size each)
+COMMITS_QUEUED = 2  # written packs waiting for their commit while the writer fills the next one
 
 
 class Packer:
@@ -135,17 +136,24 @@ class Packer:
     add() places a chunk at the end of the current pack (a new one once that passed target) and queues it; one
     writer thread streams the queue into the store, so the drain's threads go on hashing and compressing while
     it uploads, and a drain writes ceil(new bytes / target) packs. A pack is committed when the next one begins
-    (or at close()); committed(pid, entries, trailer_bytes) runs after each commit, never before: an index
-    must not list a chunk of a pack that may not exist. abort() discards the pack not yet committed.
+    (or at close()), by a thread of its own: the writer goes on with the next pack while the last one is synced
+    and renamed (a pack's commit, fsync + rename + the directory's fsync, took ~7 ms of every 32 MiB on a local
+    disk, a quarter of the writer's time; bench/results/dataplane-notes.md). Packs are committed in the order
+    they were written; committed(pid, entries, trailer_bytes) runs after each commit, never before: an index must
+    not list a chunk of a pack that may not exist. abort() discards every pack not yet committed; after a failed
+    commit no later pack is committed.
     """
 
     def __init__(self, store: ChunkStore, target: int, committed: Callable[[str, list[Entry], int], None]) -> None:
         self.store, self.target, self.committed = store, max(1, target), committed
         self._q: queue.Queue[tuple[str, bytes, int, str]] = queue.Queue(maxsize=QUEUE_CHUNKS)
+        self._commits: queue.Queue[_Open | None] = queue.Queue(maxsize=COMMITS_QUEUED)
         self._lock = threading.Lock()
         self._pid, self._pos = "", 0
         self._error: BaseException | None = None
         self._aborted = False
+        self._committer = threading.Thread(target=self._commit_all, name="drain-pack-commit", daemon=True)
+        self._committer.start()
         self._thread = threading.Thread(target=self._write_all, name="drain-pack", daemon=True)
         self._thread.start()
 
@@ -161,45 +169,67 @@ class Packer:
         return loc
 
     def _raise(self) -> None:
-        """Raises what the writer thread met (the store's own error: tampering, unavailable, full...)."""
+        """Raises what the writer or the committer met (the store's own error: tampering, unavailable, full...)."""
         if isinstance(self._error, StoreError | OSError):
             raise self._error
         if self._error is not None:
             raise StoreError(f"writing a pack failed: {self._error}") from self._error
 
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:  # (the first one is the reason)
+            self._error = exc
+
     def _write_all(self) -> None:
         cur: _Open | None = None
+        pid = "-"
         try:
             while True:
                 cid, stored, raw_len, pid = self._q.get()
+                if self._error is not None:  # (a commit failed: nothing more is written)
+                    raise self._error
                 if cur is not None and pid != cur.pid and not self._aborted:
-                    n = cur.finish()
-                    self.committed(cur.pid, cur.entries, n)
-                    cur = None
+                    cur, done = None, cur
+                    self._commits.put(done)  # (waits while COMMITS_QUEUED packs wait for theirs)
                 if not pid or self._aborted:
                     break
                 if cur is None:
                     cur = _Open(self.store, pid)
                 cur.add(cid, stored, raw_len)
         except BaseException as exc:  # (raised in add() and close())
-            self._error = exc
-            while self._q.get()[3]:  # (take what add() queued until the end, so that it never blocks)
-                pass
+            self._fail(exc)
+            if pid:  # (unless it was the end that failed)
+                while self._q.get()[3]:  # (take what add() queued until the end, so that it never blocks)
+                    pass
         finally:
             if cur is not None:
-                cur.writer.abort()  # (a no-op once committed)
+                cur.writer.abort()
+            self._commits.put(None)
+
+    def _commit_all(self) -> None:
+        while (pack := self._commits.get()) is not None:
+            if self._aborted or self._error is not None:
+                pack.writer.abort()
+                continue
+            try:
+                n = pack.finish()
+                self.committed(pack.pid, pack.entries, n)
+            except BaseException as exc:
+                pack.writer.abort()  # (a no-op once committed)
+                self._fail(exc)
 
     def close(self) -> None:
         """Commits the last pack (call once every add() returned); raises what a pack's upload raised."""
         self._q.put(_END)
         self._thread.join()
+        self._committer.join()
         self._raise()
 
     def abort(self) -> None:
-        """Discards the pack not committed yet."""
+        """Discards the packs not committed yet."""
         self._aborted = True
         self._q.put(_END)
         self._thread.join()
+        self._committer.join()
 
 
 class PackFiles:

@@ -185,6 +185,87 @@ def test_a_drain_whose_pack_upload_fails_leaves_no_partial_pack_and_indexes_only
     assert known.packs() == set(listed) and known.ids() == set().union(*listed.values())
 
 
+class _SlowCommits:
+    """A real store whose pack commits are slow (and commit number `fail`, when given, fails); it notes when
+    each pack's first write and each commit's end happened."""
+
+    def __init__(self, store: PosixStore, delay: float = 0.15, fail: int = 0) -> None:
+        self.store, self.delay, self.fail = store, delay, fail
+        self.first_write: list[float] = []
+        self.committed_at: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def open_writer(self, key: str) -> Any:
+        w = self.store.open_writer(key)
+        real_write, real_commit = w.write, w.commit
+        wrote = [False]
+
+        def write(data: Any) -> int:
+            if not wrote[0]:
+                wrote[0] = True
+                self.first_write.append(time.monotonic())
+            return real_write(data)
+
+        def commit() -> Any:
+            time.sleep(self.delay)
+            if len(self.committed_at) + 1 == self.fail:
+                self.committed_at.append(-1.0)
+                raise StoreError("injected: the commit failed")
+            out = real_commit()
+            self.committed_at.append(time.monotonic())
+            return out
+
+        w.write, w.commit = write, commit
+        return w
+
+
+def _fill(packer: Packer, packs: int, target: int) -> None:
+    for i in range(packs * 4):
+        raw = random.Random(i).randbytes(target // 4)
+        packer.add(blake3.blake3(raw).hexdigest(), raw, len(raw))
+
+
+def test_the_pack_writer_fills_the_next_pack_while_the_last_one_commits(store: PosixStore) -> None:
+    slow = _SlowCommits(store)
+    got: list[str] = []
+    packer = Packer(slow, 64 << 10, lambda pid, e, n: got.append(pid))
+    _fill(packer, 3, 64 << 10)
+    packer.close()
+    assert len(got) == 3 == len(slow.committed_at)
+    # The second pack was begun before the first one's commit ended, the third before the second's.
+    assert slow.first_write[1] < slow.committed_at[0] and slow.first_write[2] < slow.committed_at[1]
+    assert {k.rsplit("/", 1)[-1] for k in store.list("packs/")} == set(got)
+
+
+def test_after_a_failed_pack_commit_no_later_pack_is_committed_or_left_behind(store: PosixStore) -> None:
+    slow = _SlowCommits(store, delay=0.05, fail=2)
+    got: list[str] = []
+    packer = Packer(slow, 64 << 10, lambda pid, e, n: got.append(pid))
+    with pytest.raises(StoreError, match="injected"):
+        _fill(packer, 6, 64 << 10)
+        packer.close()
+    packer.abort()  # (what a drain does when add() or close() raised)
+    assert len(got) == 1  # only the pack committed before the failure is indexed
+    assert {k.rsplit("/", 1)[-1] for k in store.list("packs/")} == set(got)
+    assert store.cleanup_temps() == 0
+
+
+def test_an_aborted_packer_discards_the_packs_still_waiting_for_their_commit(store: PosixStore) -> None:
+    slow = _SlowCommits(store, delay=0.3)
+    got: list[str] = []
+    packer = Packer(slow, 64 << 10, lambda pid, e, n: got.append(pid))
+    _fill(packer, 3, 64 << 10)
+    deadline = time.monotonic() + 10
+    while len(slow.first_write) < 3 and time.monotonic() < deadline:  # (the third begun: the second handed off)
+        time.sleep(0.005)
+    packer.abort()  # (the first pack is committing, the second waits for its commit, the third is open)
+    assert len(got) <= 1  # at most the commit in progress ended
+    assert {k.rsplit("/", 1)[-1] for k in store.list("packs/")} == set(got)
+    assert store.cleanup_temps() == 0
+
+
 def test_a_node_learns_the_chunks_of_packs_another_node_wrote_since_its_last_drain(tmp_path: Path,
                                                                                   store: PosixStore) -> None:
     a = StoreGc(store, ChunkIndex(tmp_path / "ia"), "aaaaaaaaaaaa")
