@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,27 @@ def test_after_a_failed_pack_commit_no_later_pack_is_committed_or_left_behind(st
     assert len(got) == 1  # only the pack committed before the failure is indexed
     assert {k.rsplit("/", 1)[-1] for k in store.list("packs/")} == set(got)
     assert store.cleanup_temps() == 0
+
+
+def test_a_failed_commit_of_the_last_pack_is_raised_by_close_not_waited_on(store: PosixStore) -> None:
+    slow = _SlowCommits(store, delay=0.0, fail=1)
+    got: list[str] = []
+    packer = Packer(slow, 64 << 10, lambda pid, e, n: got.append(pid))
+    _fill(packer, 1, 64 << 10)  # (one pack: its commit comes with close())
+    done: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            packer.close()
+        except BaseException as exc:
+            done.append(exc)
+
+    t = threading.Thread(target=close, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "close() waited for ever after the last pack's commit failed"
+    assert len(done) == 1 and isinstance(done[0], StoreError) and "injected" in str(done[0])
+    assert got == [] and store.list("packs/") == [] and store.cleanup_temps() == 0
 
 
 def test_an_aborted_packer_discards_the_packs_still_waiting_for_their_commit(store: PosixStore) -> None:
