@@ -594,7 +594,9 @@ def _fstype(p: Path) -> str:
 
 
 def warm_memory(gib: float) -> float:
-    """Touches gib GiB in a child process so that the VM has backed it before anything is timed."""
+    """Touches gib GiB in a child process so that the VM has backed it before anything is timed (at most 0.8 of
+    the memory available now: more would only push the node into reclaim)."""
+    gib = min(gib, psutil.virtual_memory().available / (1 << 30) * 0.8)
     t0 = time.monotonic()
     code = (
         "import sys\nb=bytearray(int(float(sys.argv[1])*(1<<30)))\nmv=memoryview(b)\n"
@@ -786,7 +788,7 @@ def main() -> int:
         results["cli_status_s"] = cli_wall(d)
 
         say(f"warm-up: touching {need_gib:.1f} GiB, then one throwaway cycle")
-        results["warmup_touch_s"] = warm_memory(min(need_gib, avail_gib * 0.8))
+        results["warmup_touch_s"] = warm_memory(need_gib)
         attempt("warmup", lambda: full_cycle(d, ns, counter_argv(min(sizes)), "warmup"))  # type: ignore[arg-type]
 
         if "sweep" in parts:

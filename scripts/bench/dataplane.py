@@ -805,8 +805,7 @@ def main() -> int:
         if sizes:
             # (the job, its image in the tier and the page cache of a copy can be in memory at once)
             say("warm-up: touching the memory the largest cycle needs")
-            res["warmup_touch_s"] = bench.warm_memory(
-                min(3 * max(sizes) / 1024 + 1, psutil.virtual_memory().available / GiB * 0.8))
+            res["warmup_touch_s"] = bench.warm_memory(3 * max(sizes) / 1024 + 1)
         if sizes and not args.no_warmup:
             say(f"warm-up: one throwaway cycle, B, {min(sizes)} MiB")
             try:
